@@ -1,0 +1,7 @@
+module github.com/rtrs-go/rtrs
+
+go 1.26.0
+
+require github.com/sirupsen/logrus v1.10.2
+
+require golang.org/x/sys v0.49.0

@@ -1,0 +1,502 @@
+package soft
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// userTimeout is TCP_USER_TIMEOUT on every QP socket: data unacknowledged by the peer's TCP
+// for this long fails the connection, as an HCA's transport retries run out.
+const userTimeout = 20 * time.Second
+
+// connID is a connection identifier: before establishment it holds the resolved addresses and
+// the QP; after it the QP owns the connection.
+type connID struct {
+	prov   *Provider
+	dev    *device
+	local  netip.AddrPort
+	remote netip.AddrPort
+
+	mu        sync.Mutex
+	qp        *qp
+	conn      net.Conn // set for an incoming request until it is answered
+	br        *bufio.Reader
+	answered  bool
+	started   bool
+	destroyed bool
+	expire    *time.Timer
+}
+
+var _ rdma.ConnID = (*connID)(nil)
+
+func (c *connID) Device() rdma.Device        { return c.dev }
+func (c *connID) Port() int                  { return 1 }
+func (c *connID) LocalAddr() netip.AddrPort  { c.mu.Lock(); defer c.mu.Unlock(); return c.local }
+func (c *connID) RemoteAddr() netip.AddrPort { c.mu.Lock(); defer c.mu.Unlock(); return c.remote }
+
+func (c *connID) QP() rdma.QP {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.qp == nil {
+		return nil
+	}
+	return c.qp
+}
+
+func (c *connID) CreateQP(p rdma.PD, attr rdma.QPInitAttr) (rdma.QP, error) {
+	sp, ok := p.(*pd)
+	if !ok {
+		return nil, fmt.Errorf("%w: not a soft PD", rdma.ErrInvalid)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.destroyed {
+		return nil, rdma.ErrClosed
+	}
+	if c.qp != nil {
+		return nil, fmt.Errorf("%w: identifier already has a QP", rdma.ErrInvalid)
+	}
+	q, err := newQP(c.dev, sp, attr)
+	if err != nil {
+		return nil, err
+	}
+	c.qp = q
+	return q, nil
+}
+
+// ResolveAddr binds an identifier to the device that routes to dst. With src unset, the
+// kernel's route picks the source, as rdma_resolve_addr does.
+func (p *Provider) ResolveAddr(ctx context.Context, src netip.Addr, dst netip.AddrPort) (rdma.ConnID, error) {
+	if !dst.IsValid() || dst.Addr().IsUnspecified() {
+		return nil, fmt.Errorf("%w: destination %v", rdma.ErrInvalid, dst)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
+	if src.IsValid() && !src.IsUnspecified() {
+		src = src.Unmap()
+		if src.Is4() != dst.Addr().Is4() {
+			return nil, fmt.Errorf("%w: source %v and destination %v differ in family", rdma.ErrAddrError, src, dst.Addr())
+		}
+	} else {
+		// A connected UDP socket asks the routing table for the source; nothing is sent.
+		u, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(dst))
+		if err != nil {
+			return nil, fmt.Errorf("%w: route to %v: %v", rdma.ErrAddrError, dst, err)
+		}
+		src = u.LocalAddr().(*net.UDPAddr).AddrPort().Addr().Unmap()
+		_ = u.Close()
+	}
+	dev, err := p.deviceFor(src)
+	if err != nil {
+		return nil, err
+	}
+	return &connID{prov: p, dev: dev, local: netip.AddrPortFrom(src, 0), remote: dst}, nil
+}
+
+// deadline returns ctx's deadline, or now + the default connect timeout.
+func deadline(ctx context.Context) time.Time {
+	if d, ok := ctx.Deadline(); ok {
+		return d
+	}
+	return time.Now().Add(rdma.DefaultConnectTimeout)
+}
+
+// tuneConn sets the socket options every QP connection uses.
+func tuneConn(c net.Conn) {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return
+	}
+	_ = tc.SetNoDelay(true)
+	if raw, err := tc.SyscallConn(); err == nil {
+		_ = raw.Control(func(fd uintptr) {
+			_ = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(userTimeout/time.Millisecond))
+		})
+	}
+}
+
+// writeCM writes one CM frame with its private data.
+func writeCM(c net.Conn, op frameOp, data []byte) error {
+	var b [hdrLen + rdma.MaxPrivateData]byte
+	h := frameHdr{op: op, len: uint32(len(data)), imm: protoVersion, addr: cmMagic}
+	if op == fConnRTU {
+		h = frameHdr{op: op}
+	}
+	h.encode(b[:])
+	n := copy(b[hdrLen:], data)
+	_, err := c.Write(b[:hdrLen+n])
+	return err
+}
+
+// readCM reads one CM frame.
+func readCM(br *bufio.Reader) (frameHdr, []byte, error) {
+	var hb [hdrLen]byte
+	if _, err := io.ReadFull(br, hb[:]); err != nil {
+		return frameHdr{}, nil, err
+	}
+	h, err := decodeHdr(hb[:])
+	if err != nil {
+		return h, nil, err
+	}
+	switch h.op {
+	case fConnReq, fConnAcc, fConnRej:
+		if h.imm != protoVersion {
+			return h, nil, fmt.Errorf("%w: protocol version %d, want %d", errFrame, h.imm, protoVersion)
+		}
+	case fConnRTU:
+	default:
+		return h, nil, fmt.Errorf("%w: %v during connection setup", errFrame, h.op)
+	}
+	data := make([]byte, h.len)
+	if _, err := io.ReadFull(br, data); err != nil {
+		return h, nil, err
+	}
+	return h, data, nil
+}
+
+// mapDialErr turns a TCP connect failure into the CM outcome a verbs consumer sees.
+func mapDialErr(err error) error {
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return &rdma.RejectError{NoListener: true}
+	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
+		return fmt.Errorf("%w: %v", rdma.ErrUnreachable, err)
+	case errors.Is(err, syscall.EADDRNOTAVAIL):
+		return fmt.Errorf("%w: %v", rdma.ErrAddrError, err)
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, syscall.ETIMEDOUT), isTimeout(err):
+		return fmt.Errorf("%w: %v", rdma.ErrTimeout, err)
+	}
+	return err
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) {
+	if len(p.PrivateData) > rdma.MaxPrivateData {
+		return nil, fmt.Errorf("%w: %d bytes of private data (at most %d)", rdma.ErrInvalid, len(p.PrivateData), rdma.MaxPrivateData)
+	}
+	c.mu.Lock()
+	q, started, destroyed := c.qp, c.started, c.destroyed
+	c.started = true
+	c.mu.Unlock()
+	switch {
+	case destroyed:
+		return nil, rdma.ErrClosed
+	case q == nil:
+		return nil, fmt.Errorf("%w: connect without a QP", rdma.ErrInvalid)
+	case started:
+		return nil, fmt.Errorf("%w: identifier already connecting or connected", rdma.ErrInvalid)
+	}
+	dl := deadline(ctx)
+	dctx, cancel := context.WithDeadline(ctx, dl)
+	defer cancel()
+	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(c.local)}
+	conn, err := d.DialContext(dctx, "tcp", c.remote.String())
+	if err != nil {
+		return nil, mapDialErr(err)
+	}
+	tuneConn(conn)
+	// Closing the socket is how a cancelled context interrupts the handshake.
+	stop := context.AfterFunc(dctx, func() { _ = conn.SetDeadline(time.Now()) })
+	defer stop()
+	_ = conn.SetDeadline(dl)
+	fail := func(err error) ([]byte, error) {
+		_ = conn.Close()
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, mapDialErr(err)
+	}
+	if err := writeCM(conn, fConnReq, p.PrivateData); err != nil {
+		return fail(err)
+	}
+	br := bufio.NewReaderSize(conn, c.prov.opts.ReadBufSize)
+	h, data, err := readCM(br)
+	if err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			err = fmt.Errorf("soft-rdma: peer closed during connection setup: %w", syscall.ECONNRESET)
+		}
+		return fail(err)
+	}
+	switch h.op {
+	case fConnRej:
+		_ = conn.Close()
+		return nil, &rdma.RejectError{PrivateData: data}
+	case fConnAcc:
+	default:
+		return fail(fmt.Errorf("%w: %v in answer to a connect request", errFrame, h.op))
+	}
+	if err := writeCM(conn, fConnRTU, nil); err != nil {
+		return fail(err)
+	}
+	if !stop() {
+		return fail(ctx.Err())
+	}
+	_ = conn.SetDeadline(time.Time{})
+	c.mu.Lock()
+	c.local = conn.LocalAddr().(*net.TCPAddr).AddrPort()
+	c.local = netip.AddrPortFrom(c.local.Addr().Unmap(), c.local.Port())
+	c.mu.Unlock()
+	q.start(conn, br, p.RNRRetryCount)
+	return data, nil
+}
+
+func (c *connID) Accept(ctx context.Context, p rdma.ConnParam) error {
+	if len(p.PrivateData) > rdma.MaxPrivateData {
+		return fmt.Errorf("%w: %d bytes of private data (at most %d)", rdma.ErrInvalid, len(p.PrivateData), rdma.MaxPrivateData)
+	}
+	conn, br, q, err := c.answer(true)
+	if err != nil {
+		return err
+	}
+	dl := deadline(ctx)
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
+	defer stop()
+	_ = conn.SetDeadline(dl)
+	if err := writeCM(conn, fConnAcc, p.PrivateData); err != nil {
+		_ = conn.Close()
+		return mapDialErr(err)
+	}
+	h, _, err := readCM(br)
+	if err == nil && h.op != fConnRTU {
+		err = fmt.Errorf("%w: %v instead of RTU", errFrame, h.op)
+	}
+	if err == nil && !stop() {
+		err = ctx.Err()
+	}
+	if err != nil {
+		_ = conn.Close()
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return mapDialErr(err)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	q.start(conn, br, p.RNRRetryCount)
+	return nil
+}
+
+func (c *connID) Reject(data []byte) error {
+	if len(data) > rdma.MaxPrivateData {
+		return fmt.Errorf("%w: %d bytes of private data (at most %d)", rdma.ErrInvalid, len(data), rdma.MaxPrivateData)
+	}
+	conn, _, _, err := c.answer(false)
+	if err != nil {
+		return err
+	}
+	_ = conn.SetWriteDeadline(time.Now().Add(discWriteTimeout))
+	err = writeCM(conn, fConnRej, data)
+	_ = conn.Close()
+	return err
+}
+
+// answer claims an incoming request for accept or reject, once.
+func (c *connID) answer(needQP bool) (net.Conn, *bufio.Reader, *qp, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.destroyed:
+		return nil, nil, nil, rdma.ErrClosed
+	case c.conn == nil:
+		return nil, nil, nil, fmt.Errorf("%w: not an incoming connection request", rdma.ErrInvalid)
+	case c.answered:
+		return nil, nil, nil, fmt.Errorf("%w: request already answered", rdma.ErrInvalid)
+	case needQP && c.qp == nil:
+		return nil, nil, nil, fmt.Errorf("%w: accept without a QP", rdma.ErrInvalid)
+	}
+	c.answered = true
+	c.started = needQP
+	if c.expire != nil {
+		c.expire.Stop()
+	}
+	return c.conn, c.br, c.qp, nil
+}
+
+func (c *connID) Events() <-chan rdma.CMEvent {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.qp == nil {
+		return nil
+	}
+	return c.qp.events
+}
+
+func (c *connID) Disconnect() error {
+	c.mu.Lock()
+	q, started := c.qp, c.started
+	c.mu.Unlock()
+	if q == nil || !started {
+		return fmt.Errorf("%w: disconnect of an identifier that is not connected", rdma.ErrInvalid)
+	}
+	q.ToError()
+	return nil
+}
+
+func (c *connID) Destroy() error {
+	c.mu.Lock()
+	if c.destroyed {
+		c.mu.Unlock()
+		return rdma.ErrClosed
+	}
+	c.destroyed = true
+	q, pending := c.qp, c.conn != nil && !c.answered
+	conn := c.conn
+	if c.expire != nil {
+		c.expire.Stop()
+	}
+	c.mu.Unlock()
+	if pending {
+		_ = conn.Close()
+	}
+	if q == nil {
+		return nil
+	}
+	q.ToError()
+	q.mu.Lock()
+	qc := q.conn
+	q.mu.Unlock()
+	if qc != nil {
+		_ = qc.Close()
+	}
+	q.wg.Wait()
+	return nil
+}
+
+// listener accepts TCP connections and turns each CONN_REQ into a connection request.
+type listener struct {
+	prov *Provider
+	ln   *net.TCPListener
+	addr netip.AddrPort
+	reqs chan *rdma.ConnRequest
+	done chan struct{}
+	wg   sync.WaitGroup
+	once sync.Once
+}
+
+// Listen listens on addr; "[::]:port" takes IPv4 and IPv6.
+func (p *Provider) Listen(addr netip.AddrPort, backlog int) (rdma.Listener, error) {
+	if backlog <= 0 {
+		backlog = 64
+	}
+	ln, err := net.ListenTCP("tcp", net.TCPAddrFromAddrPort(addr))
+	if err != nil {
+		return nil, fmt.Errorf("soft-rdma: listen on %v: %w", addr, err)
+	}
+	l := &listener{prov: p, ln: ln, addr: ln.Addr().(*net.TCPAddr).AddrPort(), reqs: make(chan *rdma.ConnRequest, backlog), done: make(chan struct{})}
+	l.wg.Add(1)
+	go l.acceptLoop()
+	return l, nil
+}
+
+func (l *listener) Addr() netip.AddrPort { return l.addr }
+
+func (l *listener) acceptLoop() {
+	defer l.wg.Done()
+	for {
+		c, err := l.ln.Accept()
+		if err != nil {
+			select {
+			case <-l.done:
+				return
+			default:
+			}
+			// Out of descriptors and the like: back off instead of spinning.
+			select {
+			case <-l.done:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			continue
+		}
+		l.wg.Add(1)
+		go l.handshake(c)
+	}
+}
+
+// handshake reads a connection request and hands it to Accept's caller.
+func (l *listener) handshake(c net.Conn) {
+	defer l.wg.Done()
+	tuneConn(c)
+	dl := time.Now().Add(rdma.DefaultConnectTimeout)
+	_ = c.SetDeadline(dl)
+	br := bufio.NewReaderSize(c, l.prov.opts.ReadBufSize)
+	h, data, err := readCM(br)
+	if err != nil || h.op != fConnReq {
+		_ = c.Close()
+		return
+	}
+	local := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
+	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
+	remote = netip.AddrPortFrom(remote.Addr().Unmap(), remote.Port())
+	dev, err := l.prov.deviceFor(local.Addr())
+	if err != nil {
+		_ = c.Close()
+		return
+	}
+	id := &connID{prov: l.prov, dev: dev, local: local, remote: remote, conn: c, br: br}
+	// A request nobody answers in time is dropped, as the CM's REQ timer would.
+	id.expire = time.AfterFunc(time.Until(dl), func() {
+		id.mu.Lock()
+		drop := !id.answered && !id.destroyed
+		id.answered = true
+		id.mu.Unlock()
+		if drop {
+			_ = c.Close()
+		}
+	})
+	select {
+	case l.reqs <- &rdma.ConnRequest{ID: id, PrivateData: data}:
+	case <-l.done:
+		id.expire.Stop()
+		_ = c.Close()
+	}
+}
+
+func (l *listener) Accept(ctx context.Context) (*rdma.ConnRequest, error) {
+	select {
+	case r := <-l.reqs:
+		return r, nil
+	case <-l.done:
+		return nil, rdma.ErrClosed
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// Close stops listening; requests not yet accepted are dropped. Established connections are
+// not affected.
+func (l *listener) Close() error {
+	err := rdma.ErrClosed
+	l.once.Do(func() {
+		close(l.done)
+		err = l.ln.Close()
+		l.wg.Wait()
+		for {
+			select {
+			case r := <-l.reqs:
+				_ = r.ID.Destroy()
+			default:
+				return
+			}
+		}
+	})
+	return err
+}

@@ -1,0 +1,418 @@
+// Package soft is the embedded RDMA provider: verbs semantics over TCP, one TCP connection per
+// queue pair, in the spirit of soft-iWARP. One-sided operations are executed by the responder
+// against its own registered memory, with rkey, access and bounds checks; payload moves between
+// the socket and MR memory without staging buffers. The frame format is in docs/soft-rdma.md.
+package soft
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// Device limits. They are generous but bounded so that a peer cannot make us allocate without
+// limit.
+const (
+	maxQPWR       = 16384
+	maxSGE        = 32
+	maxCQE        = 1 << 20
+	maxMRSize     = 1 << 40
+	maxFRPageList = 512
+	devicePrefix  = "soft_"
+)
+
+// Provider is the soft provider. The zero value is not usable; use New.
+type Provider struct {
+	opts Options
+
+	mu   sync.Mutex
+	devs map[string]*device
+}
+
+// Options tune the provider. Zero values take the defaults.
+type Options struct {
+	// RNRTimer is how long a responder waits for a receive before counting one RNR retry
+	// (default 10 ms).
+	RNRTimer time.Duration
+	// ReadBufSize is the socket read buffer per QP: headers and small payloads that arrive
+	// together are taken from it, larger payloads go straight to MR memory (default 64 KiB).
+	ReadBufSize int
+}
+
+// New returns a soft provider.
+func New(o Options) *Provider {
+	if o.RNRTimer <= 0 {
+		o.RNRTimer = 10 * time.Millisecond
+	}
+	if o.ReadBufSize <= 0 {
+		o.ReadBufSize = 64 << 10
+	}
+	return &Provider{opts: o, devs: map[string]*device{}}
+}
+
+var _ rdma.Provider = (*Provider)(nil)
+
+// Name is "soft".
+func (p *Provider) Name() string { return "soft" }
+
+// Devices lists one device per local interface that is up and has an address.
+func (p *Provider) Devices() ([]rdma.DeviceInfo, error) {
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return nil, fmt.Errorf("soft-rdma: list interfaces: %w", err)
+	}
+	var out []rdma.DeviceInfo
+	for _, ifc := range ifs {
+		if ifc.Flags&net.FlagUp == 0 {
+			continue
+		}
+		if addrs, err := ifc.Addrs(); err != nil || len(addrs) == 0 {
+			continue
+		}
+		out = append(out, rdma.DeviceInfo{Name: devicePrefix + ifc.Name, Interface: ifc.Name})
+	}
+	return out, nil
+}
+
+// OpenDevice opens the device named name ("soft_<interface>").
+func (p *Provider) OpenDevice(name string) (rdma.Device, error) {
+	ifname, ok := strings.CutPrefix(name, devicePrefix)
+	if !ok || ifname == "" {
+		return nil, fmt.Errorf("%w: %q", rdma.ErrNoDevice, name)
+	}
+	if _, err := net.InterfaceByName(ifname); err != nil {
+		return nil, fmt.Errorf("%w: %q: %v", rdma.ErrNoDevice, name, err)
+	}
+	return p.device(ifname), nil
+}
+
+// device returns the one device object of an interface, creating it on first use.
+func (p *Provider) device(ifname string) *device {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d := p.devs[ifname]
+	if d == nil {
+		d = &device{prov: p, name: devicePrefix + ifname, ifname: ifname}
+		p.devs[ifname] = d
+	}
+	return d
+}
+
+// deviceFor returns the device of the interface that owns local address a.
+func (p *Provider) deviceFor(a netip.Addr) (*device, error) {
+	a = a.Unmap()
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return nil, fmt.Errorf("soft-rdma: list interfaces: %w", err)
+	}
+	var best string
+	bestBits := -1
+	for _, ifc := range ifs {
+		addrs, err := ifc.Addrs()
+		if err != nil {
+			continue
+		}
+		for _, ad := range addrs {
+			ipn, ok := ad.(*net.IPNet)
+			if !ok {
+				continue
+			}
+			pfx, err := netip.ParsePrefix(ipn.String())
+			if err != nil {
+				continue
+			}
+			pa := pfx.Addr().Unmap()
+			if pa == a {
+				return p.device(ifc.Name), nil
+			}
+			// 127.0.0.2 belongs to lo through 127.0.0.1/8: the longest containing prefix wins.
+			if netip.PrefixFrom(pa, pfx.Bits()).Contains(a) && pfx.Bits() > bestBits && ifc.Flags&net.FlagLoopback != 0 {
+				best, bestBits = ifc.Name, pfx.Bits()
+			}
+		}
+	}
+	if best == "" {
+		return nil, fmt.Errorf("%w: %s is not a local address", rdma.ErrAddrError, a)
+	}
+	return p.device(best), nil
+}
+
+// device is one soft device: the key table of its memory regions and its QP numbers.
+type device struct {
+	prov   *Provider
+	name   string
+	ifname string
+
+	qpn atomic.Uint32
+
+	mu      sync.RWMutex
+	mrs     []*mr    // index = key >> 8
+	keyByte []uint8  // last key byte used per index, so a reused index gets a fresh key
+	free    []uint32 // free indexes
+}
+
+var _ rdma.Device = (*device)(nil)
+
+func (d *device) Name() string { return d.name }
+
+func (d *device) Query() rdma.DeviceAttr {
+	return rdma.DeviceAttr{
+		MaxQPWR: maxQPWR, MaxSGE: maxSGE, MaxCQE: maxCQE, MaxMRSize: maxMRSize,
+		MaxFastRegPageListLen: maxFRPageList, MaxMsgSize: maxMsgSize, PhysPortCnt: 1,
+	}
+}
+
+func (d *device) QueryPort(port int) (rdma.PortAttr, error) {
+	if port != 1 {
+		return rdma.PortAttr{}, fmt.Errorf("%w: port %d (the device has port 1)", rdma.ErrInvalid, port)
+	}
+	st := rdma.PortDown
+	mtu := 0
+	if ifc, err := net.InterfaceByName(d.ifname); err == nil {
+		if ifc.Flags&net.FlagUp != 0 {
+			st = rdma.PortActive
+		}
+		mtu = ifc.MTU
+	}
+	return rdma.PortAttr{State: st, LinkLayer: "Ethernet", MTU: mtu}, nil
+}
+
+func (d *device) AllocPD() (rdma.PD, error) { return &pd{dev: d}, nil }
+
+func (d *device) CreateCQ(cqe int) (rdma.CQ, error) {
+	if cqe < 1 || cqe > maxCQE {
+		return nil, fmt.Errorf("%w: cqe %d not in 1..%d", rdma.ErrInvalid, cqe, maxCQE)
+	}
+	return newCQ(cqe), nil
+}
+
+// Close is a no-op: the device object lives as long as the provider.
+func (d *device) Close() error { return nil }
+
+// addMR gives m an index and an initial key.
+func (d *device) addMR(m *mr) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var idx uint32
+	if n := len(d.free); n > 0 {
+		idx = d.free[n-1]
+		d.free = d.free[:n-1]
+	} else {
+		idx = uint32(len(d.mrs))
+		d.mrs = append(d.mrs, nil)
+		d.keyByte = append(d.keyByte, 0)
+	}
+	d.keyByte[idx]++
+	d.mrs[idx] = m
+	m.key = idx<<8 | uint32(d.keyByte[idx])
+}
+
+func (d *device) removeMR(m *mr) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	idx := m.key >> 8
+	if int(idx) < len(d.mrs) && d.mrs[idx] == m {
+		d.keyByte[idx] = uint8(m.key)
+		d.mrs[idx] = nil
+		d.free = append(d.free, idx)
+	}
+}
+
+// lookup returns the MR whose index key names, or nil. The caller checks the full key.
+func (d *device) lookup(key uint32) *mr {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	idx := key >> 8
+	if int(idx) >= len(d.mrs) {
+		return nil
+	}
+	return d.mrs[idx]
+}
+
+type pd struct {
+	dev   *device
+	freed atomic.Bool
+}
+
+var _ rdma.PD = (*pd)(nil)
+
+func (p *pd) Device() rdma.Device { return p.dev }
+
+func (p *pd) RegMR(buf []byte, access rdma.Access) (rdma.MR, error) {
+	if len(buf) == 0 || uint64(len(buf)) > maxMRSize {
+		return nil, fmt.Errorf("%w: MR length %d", rdma.ErrInvalid, len(buf))
+	}
+	if access&^(rdma.AccessLocalWrite|rdma.AccessRemoteWrite|rdma.AccessRemoteRead) != 0 {
+		return nil, fmt.Errorf("%w: access %#x", rdma.ErrInvalid, uint32(access))
+	}
+	// As in verbs, remote write needs local write.
+	if access&rdma.AccessRemoteWrite != 0 && access&rdma.AccessLocalWrite == 0 {
+		return nil, fmt.Errorf("%w: REMOTE_WRITE without LOCAL_WRITE", rdma.ErrInvalid)
+	}
+	if p.freed.Load() {
+		return nil, rdma.ErrClosed
+	}
+	m := &mr{pd: p, buf: buf, iova: nextIOVA(len(buf)), access: access, valid: true, maxLen: len(buf)}
+	p.dev.addMR(m)
+	return m, nil
+}
+
+func (p *pd) AllocMR(length int, access rdma.Access) (rdma.MR, error) {
+	if length <= 0 || uint64(length) > maxMRSize {
+		return nil, fmt.Errorf("%w: MR length %d", rdma.ErrInvalid, length)
+	}
+	return p.RegMR(make([]byte, length), access)
+}
+
+func (p *pd) AllocFastRegMR(maxLen int) (rdma.MR, error) {
+	if maxLen <= 0 || maxLen > maxFRPageList*4096 {
+		return nil, fmt.Errorf("%w: fast-reg MR of %d bytes (at most %d)", rdma.ErrInvalid, maxLen, maxFRPageList*4096)
+	}
+	if p.freed.Load() {
+		return nil, rdma.ErrClosed
+	}
+	m := &mr{pd: p, fastReg: true, maxLen: maxLen}
+	p.dev.addMR(m)
+	return m, nil
+}
+
+func (p *pd) Dealloc() error {
+	p.freed.Store(true)
+	return nil
+}
+
+// iovaNext hands out I/O virtual addresses so that no two regions ever overlap, which keeps a
+// stray address meant for one region from landing in another.
+var iovaNext atomic.Uint64
+
+func init() { iovaNext.Store(0x10000000) }
+
+func nextIOVA(n int) uint64 {
+	span := (uint64(n) + 0xfff) &^ 0xfff
+	return iovaNext.Add(span+0x1000) - span
+}
+
+// mr is a memory region. Its fields are guarded by mu; the data path takes a snapshot under
+// the lock and moves bytes outside it.
+type mr struct {
+	pd      *pd
+	fastReg bool
+	maxLen  int
+
+	mu     sync.Mutex
+	key    uint32
+	buf    []byte
+	iova   uint64
+	access rdma.Access
+	valid  bool
+	dereg  bool
+}
+
+var _ rdma.MR = (*mr)(nil)
+
+func (m *mr) LKey() uint32 { m.mu.Lock(); defer m.mu.Unlock(); return m.key }
+func (m *mr) RKey() uint32 { return m.LKey() }
+func (m *mr) Addr() uint64 { m.mu.Lock(); defer m.mu.Unlock(); return m.iova }
+func (m *mr) Len() int     { m.mu.Lock(); defer m.mu.Unlock(); return len(m.buf) }
+func (m *mr) Bytes() []byte {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.buf
+}
+func (m *mr) Access() rdma.Access { m.mu.Lock(); defer m.mu.Unlock(); return m.access }
+func (m *mr) Valid() bool         { m.mu.Lock(); defer m.mu.Unlock(); return m.valid && !m.dereg }
+
+func (m *mr) Map(buf []byte, iova uint64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	switch {
+	case m.dereg:
+		return rdma.ErrClosed
+	case m.valid:
+		return fmt.Errorf("%w: map of a valid MR (invalidate it first)", rdma.ErrInvalid)
+	case len(buf) == 0 || len(buf) > m.maxLen:
+		return fmt.Errorf("%w: map of %d bytes into an MR of at most %d", rdma.ErrInvalid, len(buf), m.maxLen)
+	case iova+uint64(len(buf)) < iova:
+		return fmt.Errorf("%w: iova range wraps", rdma.ErrInvalid)
+	}
+	m.buf, m.iova = buf, iova
+	return nil
+}
+
+func (m *mr) Dereg() error {
+	m.mu.Lock()
+	if m.dereg {
+		m.mu.Unlock()
+		return rdma.ErrClosed
+	}
+	m.dereg, m.valid = true, false
+	m.mu.Unlock()
+	m.pd.dev.removeMR(m)
+	return nil
+}
+
+// resolve checks that key names a valid region of pd granting need, covering [addr, addr+n),
+// and returns the bytes. It returns the completion status to report when it does not.
+func (d *device) resolve(p *pd, key uint32, addr uint64, n uint32, need rdma.Access, remote bool) ([]byte, rdma.WCStatus) {
+	bad := rdma.WCLocProtErr
+	if remote {
+		bad = rdma.WCRemAccessErr
+	}
+	m := d.lookup(key)
+	if m == nil {
+		return nil, bad
+	}
+	m.mu.Lock()
+	ok := m.pd == p && m.key == key && m.valid && !m.dereg && m.access&need == need &&
+		addr >= m.iova && addr-m.iova <= uint64(len(m.buf)) && uint64(n) <= uint64(len(m.buf))-(addr-m.iova)
+	var b []byte
+	if ok {
+		off := addr - m.iova
+		b = m.buf[off : off+uint64(n) : off+uint64(n)]
+	}
+	m.mu.Unlock()
+	if !ok {
+		return nil, bad
+	}
+	return b, rdma.WCSuccess
+}
+
+// invalidate invalidates the region of pd named by key. Remote invalidation needs a region
+// that grants remote access.
+func (d *device) invalidate(p *pd, key uint32) bool {
+	m := d.lookup(key)
+	if m == nil {
+		return false
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.pd != p || m.key != key || m.dereg {
+		return false
+	}
+	m.valid = false
+	return true
+}
+
+// register makes region m valid with key and access (a REG_MR work request).
+func (d *device) register(p *pd, m rdma.MR, key uint32, access rdma.Access) bool {
+	sm, ok := m.(*mr)
+	if !ok || sm.pd != p {
+		return false
+	}
+	if access&^(rdma.AccessLocalWrite|rdma.AccessRemoteWrite|rdma.AccessRemoteRead) != 0 {
+		return false
+	}
+	sm.mu.Lock()
+	defer sm.mu.Unlock()
+	if sm.dereg || sm.valid || sm.buf == nil || key>>8 != sm.key>>8 {
+		return false
+	}
+	sm.key, sm.access, sm.valid = key, access, true
+	return true
+}

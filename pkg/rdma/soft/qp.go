@@ -1,0 +1,751 @@
+package soft
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// Teardown timings: how long an orderly disconnect may spend writing its last frames and
+// waiting for the peer's.
+const (
+	discWriteTimeout = time.Second
+	discLinger       = 2 * time.Second
+)
+
+// sqEntry is one posted send work request.
+type sqEntry struct {
+	id       uint64
+	op       rdma.WCOpcode
+	signaled bool
+	wire     bool // executed by the responder: done on ACK, READ_RESP or TERMINATE
+	seq      uint64
+	done     bool
+	status   rdma.WCStatus
+	byteLen  uint32
+	segs     [][]byte // RDMA_READ: where the response lands
+}
+
+// rqEntry is one posted receive.
+type rqEntry struct {
+	id  uint64
+	sgl []rdma.SGE
+}
+
+type qp struct {
+	num        uint32
+	dev        *device
+	pd         *pd
+	scq, rcq   *cq
+	maxSendSGE int
+	maxRecvSGE int
+	rnrRetry   uint8
+	rnrTimer   time.Duration
+
+	mu       sync.Mutex
+	state    rdma.QPState
+	sq       []sqEntry
+	sqHead   int
+	sqN      int
+	nextSeq  uint64 // next request sequence number (from 1)
+	acked    uint64 // highest of our requests the peer has answered
+	rq       []rqEntry
+	rqHead   int
+	rqN      int
+	placing  bool // the responder loop is moving payload into the head SQ or RQ entry
+	dead     chan struct{}
+	rqAvail  chan struct{}
+	shutOnce sync.Once
+	segTmp   [][]byte // PostSend scratch for resolved SGEs
+
+	// Set when the connection is established.
+	conn   net.Conn
+	br     *bufio.Reader
+	w      *writer
+	events chan rdma.CMEvent
+	stop   chan struct{} // stops the flusher
+	wg     sync.WaitGroup
+
+	// Responder state, owned by the reader goroutine.
+	lastSeq  uint64 // highest request executed
+	ackSent  uint64
+	rdSegs   [][]byte
+	pendAcks int
+}
+
+var _ rdma.QP = (*qp)(nil)
+
+func newQP(dev *device, p *pd, attr rdma.QPInitAttr) (*qp, error) {
+	scq, ok1 := attr.SendCQ.(*cq)
+	rcq, ok2 := attr.RecvCQ.(*cq)
+	switch {
+	case !ok1 || !ok2 || scq == nil || rcq == nil:
+		return nil, fmt.Errorf("%w: QP needs soft CQs", rdma.ErrInvalid)
+	case attr.MaxSendWR < 1 || attr.MaxSendWR > maxQPWR || attr.MaxRecvWR < 1 || attr.MaxRecvWR > maxQPWR:
+		return nil, fmt.Errorf("%w: QP depth send %d recv %d (1..%d)", rdma.ErrInvalid, attr.MaxSendWR, attr.MaxRecvWR, maxQPWR)
+	case attr.MaxSendSGE < 0 || attr.MaxSendSGE > maxSGE || attr.MaxRecvSGE < 0 || attr.MaxRecvSGE > maxSGE:
+		return nil, fmt.Errorf("%w: QP SGEs send %d recv %d (0..%d)", rdma.ErrInvalid, attr.MaxSendSGE, attr.MaxRecvSGE, maxSGE)
+	case p.dev != dev:
+		return nil, fmt.Errorf("%w: PD of device %s for a connection on %s", rdma.ErrInvalid, p.dev.name, dev.name)
+	}
+	q := &qp{
+		num: dev.qpn.Add(1), dev: dev, pd: p, scq: scq, rcq: rcq,
+		maxSendSGE: max(attr.MaxSendSGE, 1), maxRecvSGE: max(attr.MaxRecvSGE, 1),
+		rnrRetry: 7, rnrTimer: dev.prov.opts.RNRTimer,
+		state: rdma.QPSInit, sq: make([]sqEntry, attr.MaxSendWR), rq: make([]rqEntry, attr.MaxRecvWR),
+		nextSeq: 1, dead: make(chan struct{}), rqAvail: make(chan struct{}, 1),
+		events: make(chan rdma.CMEvent, 2), stop: make(chan struct{}),
+	}
+	for i := range q.sq {
+		q.sq[i].segs = make([][]byte, 0, q.maxSendSGE)
+	}
+	for i := range q.rq {
+		q.rq[i].sgl = make([]rdma.SGE, 0, q.maxRecvSGE)
+	}
+	q.segTmp = make([][]byte, 0, q.maxSendSGE)
+	q.rdSegs = make([][]byte, 0, max(q.maxRecvSGE, q.maxSendSGE))
+	return q, nil
+}
+
+func (q *qp) Num() uint32 { return q.num }
+
+func (q *qp) State() rdma.QPState {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.state
+}
+
+// start runs the queue pair over an established connection.
+func (q *qp) start(conn net.Conn, br *bufio.Reader, rnrRetry uint8) {
+	q.mu.Lock()
+	q.conn, q.br = conn, br
+	q.rnrRetry = min(rnrRetry, 7)
+	q.w = newWriter(conn, q.writeFailed)
+	if q.state == rdma.QPSInit {
+		q.state = rdma.QPSRTS
+	}
+	q.mu.Unlock()
+	q.wg.Add(2)
+	go func() { defer q.wg.Done(); q.w.run(q.stop) }()
+	go func() { defer q.wg.Done(); q.readLoop() }()
+}
+
+// wireOp maps a send opcode to its frame opcode and completion opcode.
+func wireOp(op rdma.Opcode) (frameOp, rdma.WCOpcode, bool) {
+	switch op {
+	case rdma.OpSend:
+		return fSend, rdma.WCSend, true
+	case rdma.OpSendWithImm:
+		return fSendImm, rdma.WCSend, true
+	case rdma.OpSendWithInv:
+		return fSendInv, rdma.WCSend, true
+	case rdma.OpRDMAWrite:
+		return fWrite, rdma.WCRDMAWrite, true
+	case rdma.OpRDMAWriteWithImm:
+		return fWriteImm, rdma.WCRDMAWrite, true
+	case rdma.OpRDMARead:
+		return fReadReq, rdma.WCRDMARead, true
+	}
+	return 0, 0, false
+}
+
+func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
+	q.mu.Lock()
+	if q.state != rdma.QPSRTS && q.state != rdma.QPSErr {
+		st := q.state
+		q.mu.Unlock()
+		return 0, fmt.Errorf("%w: post send on a QP in state %v", rdma.ErrInvalid, st)
+	}
+	queued, failed := false, false
+	for i := range wrs {
+		wr := &wrs[i]
+		if len(wr.SGList) > q.maxSendSGE {
+			q.finishPost(queued)
+			return i, fmt.Errorf("%w: %d SGEs, QP allows %d", rdma.ErrInvalid, len(wr.SGList), q.maxSendSGE)
+		}
+		fop, wcop, wire := wireOp(wr.Opcode)
+		switch {
+		case wire:
+		case wr.Opcode == rdma.OpLocalInv:
+			wcop = rdma.WCLocalInv
+		case wr.Opcode == rdma.OpRegMR:
+			wcop = rdma.WCRegMR
+			if wr.MR == nil {
+				q.finishPost(queued)
+				return i, fmt.Errorf("%w: REG_MR without an MR", rdma.ErrInvalid)
+			}
+		default:
+			q.finishPost(queued)
+			return i, fmt.Errorf("%w: opcode %v", rdma.ErrInvalid, wr.Opcode)
+		}
+		if q.sqN == len(q.sq) {
+			q.finishPost(queued)
+			return i, fmt.Errorf("%w: send queue of %d full", rdma.ErrNoMem, len(q.sq))
+		}
+		e := &q.sq[(q.sqHead+q.sqN)%len(q.sq)]
+		q.sqN++
+		*e = sqEntry{id: wr.ID, op: wcop, signaled: wr.Flags&rdma.SendSignaled != 0, segs: e.segs[:0]}
+		if q.state == rdma.QPSErr {
+			e.done, e.status = true, rdma.WCFlushErr
+			continue
+		}
+		if !wire {
+			e.done = true
+			ok := false
+			if wr.Opcode == rdma.OpLocalInv {
+				ok = q.dev.invalidate(q.pd, wr.InvRKey)
+			} else {
+				ok = q.dev.register(q.pd, wr.MR, wr.Key, wr.Access)
+			}
+			if !ok {
+				e.status = rdma.WCLocProtErr
+				q.errorLocked()
+				failed = true
+			}
+			continue
+		}
+		if q.queueWire(e, wr, fop) {
+			queued = true
+		} else {
+			q.errorLocked()
+			failed = true
+		}
+	}
+	q.finishPost(queued)
+	if failed {
+		// A local error kills the QP; the peer learns through the disconnect.
+		q.shutdown(nil)
+	}
+	return len(wrs), nil
+}
+
+// queueWire resolves a request's local memory and queues its frame; false marks the entry
+// failed (local protection or length error).
+func (q *qp) queueWire(e *sqEntry, wr *rdma.SendWR, fop frameOp) bool {
+	need := rdma.Access(0)
+	if fop == fReadReq {
+		need = rdma.AccessLocalWrite
+	}
+	segs := q.segTmp[:0]
+	var total uint64
+	for _, s := range wr.SGList {
+		b, st := q.dev.resolve(q.pd, s.LKey, s.Addr, s.Length, need, false)
+		if st != rdma.WCSuccess {
+			e.done, e.status = true, st
+			return false
+		}
+		segs = append(segs, b)
+		total += uint64(s.Length)
+	}
+	if total > maxMsgSize {
+		e.done, e.status = true, rdma.WCLocLenErr
+		return false
+	}
+	e.wire, e.seq, e.byteLen = true, q.nextSeq, uint32(total)
+	q.nextSeq++
+	h := frameHdr{op: fop, len: uint32(total), seq: e.seq}
+	if wr.Flags&rdma.SendSolicited != 0 {
+		h.flags |= flagSolicited
+	}
+	switch fop {
+	case fSendImm, fWriteImm:
+		h.imm = wr.Imm
+	case fSendInv:
+		h.imm = wr.InvRKey
+	}
+	if fop == fWrite || fop == fWriteImm || fop == fReadReq {
+		h.rkey, h.addr = wr.RKey, wr.RemoteAddr
+	}
+	if fop == fReadReq {
+		e.segs = append(e.segs[:0], segs...)
+		segs = segs[:0]
+	}
+	q.w.add(&h, segs)
+	clear(q.segTmp[:cap(q.segTmp)])
+	return true
+}
+
+// finishPost reports local completions and writes the queued frames; it releases q.mu.
+func (q *qp) finishPost(queued bool) {
+	q.drainLocked()
+	w := q.w
+	q.mu.Unlock()
+	if queued {
+		w.flush()
+	}
+}
+
+func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state == rdma.QPSReset {
+		return 0, fmt.Errorf("%w: post recv on a QP in state RESET", rdma.ErrInvalid)
+	}
+	for i := range wrs {
+		wr := &wrs[i]
+		if len(wr.SGList) > q.maxRecvSGE {
+			return i, fmt.Errorf("%w: %d SGEs, QP allows %d", rdma.ErrInvalid, len(wr.SGList), q.maxRecvSGE)
+		}
+		if q.rqN == len(q.rq) {
+			return i, fmt.Errorf("%w: receive queue of %d full", rdma.ErrNoMem, len(q.rq))
+		}
+		if q.state == rdma.QPSErr {
+			q.rcq.push(rdma.WC{ID: wr.ID, Status: rdma.WCFlushErr, Opcode: rdma.WCRecv, QPNum: q.num})
+			continue
+		}
+		e := &q.rq[(q.rqHead+q.rqN)%len(q.rq)]
+		e.id = wr.ID
+		e.sgl = append(e.sgl[:0], wr.SGList...)
+		q.rqN++
+	}
+	select {
+	case q.rqAvail <- struct{}{}:
+	default:
+	}
+	return len(wrs), nil
+}
+
+// drainLocked reports, in order, the completions of finished send requests at the head.
+func (q *qp) drainLocked() {
+	for q.sqN > 0 {
+		e := &q.sq[q.sqHead]
+		if !e.done {
+			return
+		}
+		if e.signaled || e.status != rdma.WCSuccess {
+			q.scq.push(rdma.WC{ID: e.id, Status: e.status, Opcode: e.op, ByteLen: e.byteLen, QPNum: q.num})
+		}
+		clear(e.segs)
+		q.sqHead = (q.sqHead + 1) % len(q.sq)
+		q.sqN--
+	}
+}
+
+// errorLocked moves the QP to the error state and flushes its queues, unless the responder loop
+// is placing data into a head entry: then it flushes when it is done.
+func (q *qp) errorLocked() {
+	if q.state == rdma.QPSErr {
+		return
+	}
+	q.state = rdma.QPSErr
+	close(q.dead)
+	if !q.placing {
+		q.flushLocked()
+	}
+}
+
+// flushLocked completes every outstanding request with a flush error.
+func (q *qp) flushLocked() {
+	for i := 0; i < q.sqN; i++ {
+		e := &q.sq[(q.sqHead+i)%len(q.sq)]
+		if !e.done {
+			e.done, e.status = true, rdma.WCFlushErr
+		}
+	}
+	q.drainLocked()
+	for q.rqN > 0 {
+		e := &q.rq[q.rqHead]
+		q.rcq.push(rdma.WC{ID: e.id, Status: rdma.WCFlushErr, Opcode: rdma.WCRecv, QPNum: q.num})
+		q.rqHead = (q.rqHead + 1) % len(q.rq)
+		q.rqN--
+	}
+}
+
+// ToError moves the QP to error and tears the connection down.
+func (q *qp) ToError() {
+	q.mu.Lock()
+	q.errorLocked()
+	q.mu.Unlock()
+	q.shutdown(nil)
+}
+
+// shutdown ends the connection once: it sends term (if any) and a DISCONNECT, closes the write
+// side and gives the peer discLinger to close its own before the reader gives up.
+func (q *qp) shutdown(term *frameHdr) {
+	q.mu.Lock()
+	conn, w := q.conn, q.w
+	q.mu.Unlock()
+	if conn == nil {
+		return
+	}
+	q.shutOnce.Do(func() {
+		_ = conn.SetWriteDeadline(time.Now().Add(discWriteTimeout))
+		if term != nil {
+			w.add(term, nil)
+		}
+		w.add(&frameHdr{op: fDisc}, nil)
+		w.flushSync()
+		if tc, ok := conn.(*net.TCPConn); ok {
+			_ = tc.CloseWrite()
+		}
+		_ = conn.SetReadDeadline(time.Now().Add(discLinger))
+	})
+}
+
+// writeFailed handles a failed socket write: the connection is gone.
+func (q *qp) writeFailed(err error) {
+	q.mu.Lock()
+	q.errorLocked()
+	conn := q.conn
+	q.mu.Unlock()
+	_ = conn.Close() // wakes the reader
+}
+
+// errPeer marks protocol violations by the peer.
+var errPeer = errors.New("soft-rdma: protocol violation by peer")
+
+// readLoop is the responder and the requester's completion engine: it executes the peer's
+// requests against local memory and completes ours from the peer's answers.
+func (q *qp) readLoop() {
+	var hb [hdrLen]byte
+	var err error
+	for err == nil {
+		if q.br.Buffered() == 0 {
+			q.sendAck()
+		}
+		if _, err = io.ReadFull(q.br, hb[:]); err != nil {
+			break
+		}
+		var h frameHdr
+		if h, err = decodeHdr(hb[:]); err != nil {
+			q.fatal(0, 0, err)
+			break
+		}
+		err = q.handle(&h)
+	}
+	q.mu.Lock()
+	q.errorLocked()
+	if q.placing {
+		q.placing = false
+		q.flushLocked()
+	}
+	q.mu.Unlock()
+	q.shutdown(nil)
+	close(q.stop)
+	_ = q.conn.Close()
+	var ev rdma.CMEvent
+	ev.Type = rdma.EventDisconnected
+	if !errors.Is(err, errDisconnected) {
+		ev.Err = err
+	}
+	q.events <- ev
+}
+
+// errDisconnected ends the read loop after an orderly disconnect.
+var errDisconnected = errors.New("soft-rdma: disconnected")
+
+// sendAck acknowledges every request executed so far, once per burst of frames.
+func (q *qp) sendAck() {
+	if q.lastSeq == q.ackSent {
+		return
+	}
+	q.ackSent = q.lastSeq
+	q.w.addAsync(&frameHdr{op: fAck, seq: q.lastSeq}, nil)
+}
+
+func (q *qp) handle(h *frameHdr) error {
+	q.mu.Lock()
+	st := q.state
+	q.mu.Unlock()
+	if st == rdma.QPSErr {
+		// Local disconnect or failure: discard until the peer closes.
+		_, _ = io.Copy(io.Discard, q.br)
+		return errDisconnected
+	}
+	switch h.op {
+	case fSend, fSendImm, fSendInv, fWrite, fWriteImm, fReadReq:
+		if h.seq != q.lastSeq+1 {
+			return q.fatal(0, 0, fmt.Errorf("%w: request seq %d after %d", errPeer, h.seq, q.lastSeq))
+		}
+		if err := q.execute(h); err != nil {
+			return err
+		}
+		q.lastSeq = h.seq
+		if q.pendAcks++; q.pendAcks >= 64 {
+			q.pendAcks = 0
+			q.sendAck()
+		}
+		return nil
+	case fReadResp:
+		return q.readResponse(h)
+	case fAck:
+		return q.ackUpTo(h.seq)
+	case fTerminate:
+		return q.terminated(h.seq, rdma.WCStatus(h.imm))
+	case fDisc:
+		return errDisconnected
+	}
+	return q.fatal(0, 0, fmt.Errorf("%w: unexpected %v frame", errPeer, h.op))
+}
+
+// execute runs one request of the peer.
+func (q *qp) execute(h *frameHdr) error {
+	switch h.op {
+	case fWrite, fWriteImm:
+		if h.op == fWriteImm {
+			if err := q.waitRecv(h); err != nil {
+				return err
+			}
+		}
+		// A zero-length write touches no memory, so no key is checked (IB does the same;
+		// RTRS heartbeats are such writes with rkey 0).
+		var b []byte
+		st := rdma.WCSuccess
+		if h.len > 0 {
+			b, st = q.dev.resolve(q.pd, h.rkey, h.addr, h.len, rdma.AccessRemoteWrite, true)
+		}
+		if st != rdma.WCSuccess {
+			return q.fatal(h.seq, st, fmt.Errorf("remote write to rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
+		}
+		if _, err := io.ReadFull(q.br, b); err != nil {
+			return err
+		}
+		if h.op == fWriteImm {
+			return q.finishRecv(rdma.WC{Opcode: rdma.WCRecvRDMAWithImm, Flags: rdma.WCWithImm, Imm: h.imm, ByteLen: h.len}, nil)
+		}
+		return nil
+	case fReadReq:
+		var b []byte
+		st := rdma.WCSuccess
+		if h.len > 0 {
+			b, st = q.dev.resolve(q.pd, h.rkey, h.addr, h.len, rdma.AccessRemoteRead, true)
+		}
+		if st != rdma.WCSuccess {
+			return q.fatal(h.seq, st, fmt.Errorf("remote read of rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
+		}
+		q.rdSegs = append(q.rdSegs[:0], b)
+		q.w.addAsync(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rdSegs)
+		q.rdSegs[0] = nil
+		return nil
+	}
+	// SEND, SEND_WITH_IMM, SEND_WITH_INV.
+	if err := q.waitRecv(h); err != nil {
+		return err
+	}
+	wc := rdma.WC{Opcode: rdma.WCRecv, ByteLen: h.len}
+	switch h.op {
+	case fSendImm:
+		wc.Flags, wc.Imm = rdma.WCWithImm, h.imm
+	case fSendInv:
+		if !q.dev.invalidate(q.pd, h.imm) {
+			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("send with invalidate of unknown rkey %#x", h.imm))
+		}
+		wc.Flags, wc.InvRKey = rdma.WCWithInv, h.imm
+	}
+	return q.finishRecv(wc, h)
+}
+
+// waitRecv waits for a posted receive (receiver not ready: the peer's rnr retry count, 7 for
+// ever) and marks the head receive as being placed into.
+func (q *qp) waitRecv(h *frameHdr) error {
+	retries := 0
+	q.mu.Lock()
+	for q.rqN == 0 {
+		q.mu.Unlock()
+		if q.rnrRetry == 7 {
+			select {
+			case <-q.rqAvail:
+			case <-q.dead:
+			}
+		} else {
+			t := time.NewTimer(q.rnrTimer)
+			select {
+			case <-q.rqAvail:
+			case <-q.dead:
+			case <-t.C:
+				if retries++; retries > int(q.rnrRetry) {
+					t.Stop()
+					return q.fatal(h.seq, rdma.WCRNRRetryExcErr, fmt.Errorf("receiver not ready for %v seq %d", h.op, h.seq))
+				}
+			}
+			t.Stop()
+		}
+		q.mu.Lock()
+		if q.state == rdma.QPSErr {
+			q.mu.Unlock()
+			return errDisconnected
+		}
+	}
+	q.placing = true
+	q.mu.Unlock()
+	return nil
+}
+
+// finishRecv places a SEND's payload (h != nil) into the head receive and completes it.
+func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
+	q.mu.Lock()
+	e := &q.rq[q.rqHead]
+	wc.ID, wc.QPNum = e.id, q.num
+	segs := q.rdSegs[:0]
+	var room uint64
+	st := rdma.WCSuccess
+	if h != nil {
+		for _, s := range e.sgl {
+			b, s2 := q.dev.resolve(q.pd, s.LKey, s.Addr, s.Length, rdma.AccessLocalWrite, false)
+			if s2 != rdma.WCSuccess {
+				st = s2
+				break
+			}
+			segs = append(segs, b)
+			room += uint64(len(b))
+		}
+		if st == rdma.WCSuccess && uint64(h.len) > room {
+			st = rdma.WCLocLenErr
+		}
+	}
+	q.mu.Unlock()
+	if st != rdma.WCSuccess {
+		q.mu.Lock()
+		wc.Status = st
+		q.rcq.push(wc)
+		q.rqHead = (q.rqHead + 1) % len(q.rq)
+		q.rqN--
+		q.placing = false
+		q.mu.Unlock()
+		// The requester sees its SEND fail as an invalid request at the responder.
+		return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("receive for %v seq %d: %v", h.op, h.seq, st))
+	}
+	var err error
+	if h != nil {
+		left := int(h.len)
+		for _, b := range segs {
+			if left == 0 {
+				break
+			}
+			n := min(left, len(b))
+			if _, err = io.ReadFull(q.br, b[:n]); err != nil {
+				break
+			}
+			left -= n
+		}
+	}
+	clear(segs)
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.placing = false
+	if q.state == rdma.QPSErr || err != nil {
+		q.errorLocked()
+		q.flushLocked()
+		if err == nil {
+			err = errDisconnected
+		}
+		return err
+	}
+	q.rcq.push(wc)
+	q.rqHead = (q.rqHead + 1) % len(q.rq)
+	q.rqN--
+	return nil
+}
+
+// readResponse places an RDMA READ response into the request at the head of the send queue.
+func (q *qp) readResponse(h *frameHdr) error {
+	q.mu.Lock()
+	if q.sqN == 0 {
+		q.mu.Unlock()
+		return q.fatal(0, 0, fmt.Errorf("%w: read response seq %d with nothing outstanding", errPeer, h.seq))
+	}
+	e := &q.sq[q.sqHead]
+	if e.done || !e.wire || e.op != rdma.WCRDMARead || e.seq != h.seq || e.byteLen != h.len {
+		q.mu.Unlock()
+		return q.fatal(0, 0, fmt.Errorf("%w: read response seq %d len %d does not match the oldest request", errPeer, h.seq, h.len))
+	}
+	segs := append(q.rdSegs[:0], e.segs...)
+	q.placing = true
+	q.mu.Unlock()
+	var err error
+	for _, b := range segs {
+		if _, err = io.ReadFull(q.br, b); err != nil {
+			break
+		}
+	}
+	clear(segs)
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.placing = false
+	if q.state == rdma.QPSErr || err != nil {
+		q.errorLocked()
+		q.flushLocked()
+		if err == nil {
+			err = errDisconnected
+		}
+		return err
+	}
+	e.done = true
+	q.acked = h.seq
+	q.drainLocked()
+	return nil
+}
+
+// ackUpTo completes our requests up to seq.
+func (q *qp) ackUpTo(seq uint64) error {
+	q.mu.Lock()
+	if seq < q.acked || seq >= q.nextSeq {
+		q.mu.Unlock()
+		return q.fatal(0, 0, fmt.Errorf("%w: ack of seq %d (answered %d, sent %d)", errPeer, seq, q.acked, q.nextSeq-1))
+	}
+	for i := 0; i < q.sqN; i++ {
+		e := &q.sq[(q.sqHead+i)%len(q.sq)]
+		if !e.wire || e.done {
+			continue
+		}
+		if e.seq > seq {
+			break
+		}
+		if e.op == rdma.WCRDMARead {
+			// A read is answered by its response, which comes before any later ack.
+			q.mu.Unlock()
+			return q.fatal(0, 0, fmt.Errorf("%w: ack of seq %d skips read seq %d", errPeer, seq, e.seq))
+		}
+		e.done = true
+	}
+	q.acked = seq
+	q.drainLocked()
+	q.mu.Unlock()
+	return nil
+}
+
+// terminated handles the peer's report that our request seq failed with st.
+func (q *qp) terminated(seq uint64, st rdma.WCStatus) error {
+	q.mu.Lock()
+	if seq <= q.acked || seq >= q.nextSeq || st == rdma.WCSuccess {
+		q.mu.Unlock()
+		return q.fatal(0, 0, fmt.Errorf("%w: terminate of seq %d status %d", errPeer, seq, st))
+	}
+	for i := 0; i < q.sqN; i++ {
+		e := &q.sq[(q.sqHead+i)%len(q.sq)]
+		if !e.wire || e.done {
+			continue
+		}
+		if e.seq > seq {
+			break
+		}
+		e.done = true
+		if e.seq == seq {
+			e.status = st
+		}
+	}
+	q.drainLocked()
+	q.errorLocked()
+	q.mu.Unlock()
+	return fmt.Errorf("soft-rdma: peer terminated request %d: %v", seq, st)
+}
+
+// fatal puts the QP in error and tells the peer which of its requests failed (seq 0: none,
+// the peer violated the protocol). It returns err for the read loop to stop on.
+func (q *qp) fatal(seq uint64, st rdma.WCStatus, err error) error {
+	q.mu.Lock()
+	q.errorLocked()
+	q.mu.Unlock()
+	if seq != 0 {
+		q.shutdown(&frameHdr{op: fTerminate, seq: seq, imm: uint32(st)})
+	} else {
+		q.shutdown(nil)
+	}
+	return err
+}
