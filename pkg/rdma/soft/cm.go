@@ -183,6 +183,18 @@ func mapDialErr(err error) error {
 	return err
 }
 
+// ctxErr reports a failed handshake step: a cancelled context as itself, a deadline as
+// ErrTimeout (the CM's ETIMEDOUT), anything else mapped by mapDialErr.
+func ctxErr(ctx context.Context, err error) error {
+	if errors.Is(ctx.Err(), context.Canceled) {
+		return ctx.Err()
+	}
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w: %v", rdma.ErrTimeout, err)
+	}
+	return mapDialErr(err)
+}
+
 func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
@@ -210,7 +222,7 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(c.local)}
 	conn, err := d.DialContext(dctx, "tcp", c.remote.String())
 	if err != nil {
-		return nil, mapDialErr(err)
+		return nil, ctxErr(ctx, err)
 	}
 	tuneConn(conn)
 	// Closing the socket is how a cancelled context interrupts the handshake.
@@ -219,10 +231,7 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	_ = conn.SetDeadline(dl)
 	fail := func(err error) ([]byte, error) {
 		_ = conn.Close()
-		if ctx.Err() != nil {
-			return nil, ctx.Err()
-		}
-		return nil, mapDialErr(err)
+		return nil, ctxErr(ctx, err)
 	}
 	if err := writeCM(conn, fConnReq, p.PrivateData); err != nil {
 		return fail(err)
@@ -283,10 +292,7 @@ func (c *connID) Accept(ctx context.Context, p rdma.ConnParam) error {
 	}
 	if err != nil {
 		_ = conn.Close()
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		return mapDialErr(err)
+		return ctxErr(ctx, err)
 	}
 	_ = conn.SetDeadline(time.Time{})
 	q.start(conn, br, p.RNRRetryCount)

@@ -2,7 +2,9 @@ package soft
 
 import (
 	"context"
+	"errors"
 	"net/netip"
+	"syscall"
 	"testing"
 	"time"
 
@@ -82,7 +84,11 @@ func connect(t testing.TB, p *Provider, pr *pair, src, dst string) *pair {
 	if src != "" {
 		s = netip.MustParseAddr(src)
 	}
-	id, err := p.ResolveAddr(ctx, s, ln.Addr())
+	to := ln.Addr()
+	if to.Addr().IsUnspecified() {
+		to = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), to.Port())
+	}
+	id, err := p.ResolveAddr(ctx, s, to)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,6 +145,22 @@ func (e *end) post(t testing.TB, wr rdma.SendWR) {
 	}
 }
 
+// postRetry posts one send request, retrying while the send queue is full.
+func (e *end) postRetry(t testing.TB, wr rdma.SendWR) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		_, err := e.qp.PostSend([]rdma.SendWR{wr})
+		if err == nil {
+			return
+		}
+		if !errors.Is(err, syscall.ENOMEM) || time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // recv posts one receive into m[off:off+n] (n = 0: no SGE).
 func (e *end) recv(t testing.TB, id uint64, m rdma.MR, off, n int) {
 	t.Helper()
@@ -174,6 +196,19 @@ func (e *end) expect(t testing.TB, id uint64, op rdma.WCOpcode, st rdma.WCStatus
 		t.Fatalf("completion id %d %v %v, want id %d %v %v", wc.ID, wc.Opcode, wc.Status, id, op, st)
 	}
 	return wc
+}
+
+// expectSet waits for completions with exactly these ids and statuses, in any order.
+func (e *end) expectSet(t testing.TB, want map[uint64]rdma.WCStatus) {
+	t.Helper()
+	for range len(want) {
+		wc := e.wait(t)
+		st, ok := want[wc.ID]
+		if !ok || st != wc.Status {
+			t.Fatalf("completion id %d %v %v; want one of %v", wc.ID, wc.Opcode, wc.Status, want)
+		}
+		delete(want, wc.ID)
+	}
 }
 
 // expectEvent waits for a CM event.

@@ -178,16 +178,8 @@ func TestUnsignaledAndLocalOps(t *testing.T) {
 	}
 	// More unsignaled writes than the send queue holds: slots must come back through acks.
 	for i := 0; i < 3*testQD; i++ {
-		for {
-			_, err := pr.cli.qp.PostSend([]rdma.SendWR{{ID: uint64(i), Opcode: rdma.OpRDMAWrite,
-				SGList: []rdma.SGE{rdma.SGEOf(src, 0, 4096)}, RemoteAddr: dst.Addr(), RKey: dst.RKey()}})
-			if err == nil {
-				break
-			}
-			if !errors.Is(err, syscall.ENOMEM) {
-				t.Fatal(err)
-			}
-		}
+		pr.cli.postRetry(t, rdma.SendWR{ID: uint64(i), Opcode: rdma.OpRDMAWrite,
+			SGList: []rdma.SGE{rdma.SGEOf(src, 0, 4096)}, RemoteAddr: dst.Addr(), RKey: dst.RKey()})
 	}
 	// REG_MR of a fast-reg MR over new memory, then LOCAL_INV of it, both signaled.
 	mem := make([]byte, 8192)
@@ -195,7 +187,7 @@ func TestUnsignaledAndLocalOps(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := rdma.IncKey(fr.LKey())
-	pr.cli.post(t, rdma.SendWR{ID: 1000, Opcode: rdma.OpRegMR, Flags: rdma.SendSignaled, MR: fr, Key: key, Access: rw})
+	pr.cli.postRetry(t, rdma.SendWR{ID: 1000, Opcode: rdma.OpRegMR, Flags: rdma.SendSignaled, MR: fr, Key: key, Access: rw})
 	pr.cli.expect(t, 1000, rdma.WCRegMR, rdma.WCSuccess)
 	if !fr.Valid() || fr.RKey() != key || fr.Addr() != 0x5000000 {
 		t.Fatalf("after REG_MR: valid %v key %#x addr %#x", fr.Valid(), fr.RKey(), fr.Addr())

@@ -643,9 +643,14 @@ func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
 	return nil
 }
 
-// readResponse places an RDMA READ response into the request at the head of the send queue.
+// readResponse places an RDMA READ response. The response acknowledges every earlier request
+// too (as in IB), so those complete first and the read is then the oldest outstanding request.
 func (q *qp) readResponse(h *frameHdr) error {
 	q.mu.Lock()
+	if err := q.ackLocked(h.seq - 1); err != nil {
+		q.mu.Unlock()
+		return q.fatal(0, 0, err)
+	}
 	if q.sqN == 0 {
 		q.mu.Unlock()
 		return q.fatal(0, 0, fmt.Errorf("%w: read response seq %d with nothing outstanding", errPeer, h.seq))
@@ -685,9 +690,18 @@ func (q *qp) readResponse(h *frameHdr) error {
 // ackUpTo completes our requests up to seq.
 func (q *qp) ackUpTo(seq uint64) error {
 	q.mu.Lock()
+	err := q.ackLocked(seq)
+	q.mu.Unlock()
+	if err != nil {
+		return q.fatal(0, 0, err)
+	}
+	return nil
+}
+
+// ackLocked completes our requests up to seq, which the peer has executed.
+func (q *qp) ackLocked(seq uint64) error {
 	if seq < q.acked || seq >= q.nextSeq {
-		q.mu.Unlock()
-		return q.fatal(0, 0, fmt.Errorf("%w: ack of seq %d (answered %d, sent %d)", errPeer, seq, q.acked, q.nextSeq-1))
+		return fmt.Errorf("%w: ack of seq %d (answered %d, sent %d)", errPeer, seq, q.acked, q.nextSeq-1)
 	}
 	for i := 0; i < q.sqN; i++ {
 		e := &q.sq[(q.sqHead+i)%len(q.sq)]
@@ -699,14 +713,12 @@ func (q *qp) ackUpTo(seq uint64) error {
 		}
 		if e.op == rdma.WCRDMARead {
 			// A read is answered by its response, which comes before any later ack.
-			q.mu.Unlock()
-			return q.fatal(0, 0, fmt.Errorf("%w: ack of seq %d skips read seq %d", errPeer, seq, e.seq))
+			return fmt.Errorf("%w: ack of seq %d skips read seq %d", errPeer, seq, e.seq)
 		}
 		e.done = true
 	}
 	q.acked = seq
 	q.drainLocked()
-	q.mu.Unlock()
 	return nil
 }
 
