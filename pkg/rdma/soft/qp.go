@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -55,6 +56,7 @@ type qp struct {
 	sqN      int
 	nextSeq  uint64 // next request sequence number (from 1)
 	acked    uint64 // highest of our requests the peer has answered
+	ackReq   uint64 // seq of our last frame that asked for an ack
 	rq       []rqEntry
 	rqHead   int
 	rqN      int
@@ -72,11 +74,10 @@ type qp struct {
 	stop   chan struct{} // stops the flusher
 	wg     sync.WaitGroup
 
-	// Responder state, owned by the reader goroutine.
-	lastSeq  uint64 // highest request executed
-	ackSent  uint64
+	// Responder state, owned by the reader goroutine (lastSeq is read by the writer).
+	lastSeq  atomic.Uint64 // highest request executed
+	ackAsked bool          // the peer asked for an ack it has not been sent
 	rdSegs   [][]byte
-	pendAcks int
 }
 
 var _ rdma.QP = (*qp)(nil)
@@ -126,7 +127,7 @@ func (q *qp) start(conn net.Conn, br *bufio.Reader, rnrRetry uint8) {
 	q.mu.Lock()
 	q.conn, q.br = conn, br
 	q.rnrRetry = min(rnrRetry, 7)
-	q.w = newWriter(conn, q.writeFailed)
+	q.w = newWriter(conn, &q.lastSeq, q.writeFailed)
 	if q.state == rdma.QPSInit {
 		q.state = rdma.QPSRTS
 	}
@@ -196,6 +197,13 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			continue
 		}
 		if !wire {
+			if q.sqN > 1 && q.nextSeq-1 > q.acked && q.ackReq <= q.acked {
+				// Completions are reported in order: a local operation behind requests
+				// the peer has not acknowledged needs that acknowledgement to complete.
+				q.ackReq = q.nextSeq - 1
+				q.w.add(&frameHdr{op: fAck, flags: flagAckReq}, nil)
+				queued = true
+			}
 			e.done = true
 			ok := false
 			if wr.Opcode == rdma.OpLocalInv {
@@ -252,6 +260,12 @@ func (q *qp) queueWire(e *sqEntry, wr *rdma.SendWR, fop frameOp) bool {
 	h := frameHdr{op: fop, len: uint32(total), seq: e.seq}
 	if wr.Flags&rdma.SendSolicited != 0 {
 		h.flags |= flagSolicited
+	}
+	// Ask for an ack when the poster wants a completion, or when half the send queue awaits
+	// one (unsignaled requests free their slots through it); one such question at a time.
+	if e.signaled || (e.seq-q.acked >= uint64(len(q.sq)/2) && q.ackReq <= q.acked) {
+		h.flags |= flagAckReq
+		q.ackReq = e.seq
 	}
 	switch fop {
 	case fSendImm, fWriteImm:
@@ -406,8 +420,11 @@ func (q *qp) readLoop() {
 	var hb [hdrLen]byte
 	var err error
 	for err == nil {
-		if q.br.Buffered() == 0 {
-			q.sendAck()
+		if q.br.Buffered() == 0 && q.ackAsked {
+			q.ackAsked = false
+			if q.w.ackOwed() {
+				q.w.addAsync(&frameHdr{op: fAck}, nil)
+			}
 		}
 		if _, err = io.ReadFull(q.br, hb[:]); err != nil {
 			break
@@ -440,19 +457,20 @@ func (q *qp) readLoop() {
 // errDisconnected ends the read loop after an orderly disconnect.
 var errDisconnected = errors.New("soft-rdma: disconnected")
 
-// sendAck acknowledges every request executed so far, once per burst of frames.
-func (q *qp) sendAck() {
-	if q.lastSeq == q.ackSent {
-		return
-	}
-	q.ackSent = q.lastSeq
-	q.w.addAsync(&frameHdr{op: fAck, seq: q.lastSeq}, nil)
-}
-
 func (q *qp) handle(h *frameHdr) error {
 	q.mu.Lock()
 	st := q.state
+	var err error
+	if h.ack > q.acked && st != rdma.QPSErr {
+		err = q.ackLocked(h.ack)
+	}
 	q.mu.Unlock()
+	if err != nil {
+		return q.fatal(0, 0, err)
+	}
+	if h.flags&flagAckReq != 0 {
+		q.ackAsked = true
+	}
 	if st == rdma.QPSErr {
 		// Local disconnect or failure: discard until the peer closes.
 		_, _ = io.Copy(io.Discard, q.br)
@@ -460,22 +478,18 @@ func (q *qp) handle(h *frameHdr) error {
 	}
 	switch h.op {
 	case fSend, fSendImm, fSendInv, fWrite, fWriteImm, fReadReq:
-		if h.seq != q.lastSeq+1 {
-			return q.fatal(0, 0, fmt.Errorf("%w: request seq %d after %d", errPeer, h.seq, q.lastSeq))
+		if last := q.lastSeq.Load(); h.seq != last+1 {
+			return q.fatal(0, 0, fmt.Errorf("%w: request seq %d after %d", errPeer, h.seq, last))
 		}
 		if err := q.execute(h); err != nil {
 			return err
 		}
-		q.lastSeq = h.seq
-		if q.pendAcks++; q.pendAcks >= 64 {
-			q.pendAcks = 0
-			q.sendAck()
-		}
+		q.lastSeq.Store(h.seq)
 		return nil
 	case fReadResp:
 		return q.readResponse(h)
 	case fAck:
-		return q.ackUpTo(h.seq)
+		return nil
 	case fTerminate:
 		return q.terminated(h.seq, rdma.WCStatus(h.imm))
 	case fDisc:
@@ -647,9 +661,11 @@ func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
 // too (as in IB), so those complete first and the read is then the oldest outstanding request.
 func (q *qp) readResponse(h *frameHdr) error {
 	q.mu.Lock()
-	if err := q.ackLocked(h.seq - 1); err != nil {
-		q.mu.Unlock()
-		return q.fatal(0, 0, err)
+	if h.seq-1 > q.acked {
+		if err := q.ackLocked(h.seq - 1); err != nil {
+			q.mu.Unlock()
+			return q.fatal(0, 0, err)
+		}
 	}
 	if q.sqN == 0 {
 		q.mu.Unlock()
@@ -684,17 +700,6 @@ func (q *qp) readResponse(h *frameHdr) error {
 	e.done = true
 	q.acked = h.seq
 	q.drainLocked()
-	return nil
-}
-
-// ackUpTo completes our requests up to seq.
-func (q *qp) ackUpTo(seq uint64) error {
-	q.mu.Lock()
-	err := q.ackLocked(seq)
-	q.mu.Unlock()
-	if err != nil {
-		return q.fatal(0, 0, err)
-	}
 	return nil
 }
 

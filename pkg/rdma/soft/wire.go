@@ -8,18 +8,19 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
-// Frame layout (docs/soft-rdma.md): a fixed 32-byte big-endian header, then Len bytes of
+// Frame layout (docs/soft-rdma.md): a fixed 40-byte big-endian header, then Len bytes of
 // payload for the opcodes that carry one.
 //
 //	0  u8  op
 //	1  u8  flags
 //	2  u16 reserved, zero
 //	4  u32 len      payload length; for READ_REQ the length asked for (no payload follows)
-//	8  u64 seq      requester's message sequence number
-//	16 u32 imm      immediate, invalidate rkey, WC status (TERMINATE) or protocol version (CM)
-//	20 u32 rkey
-//	24 u64 addr     remote address; CM frames carry the magic here
-const hdrLen = 32
+//	8  u64 seq      requester's message sequence number (requests, READ_RESP, TERMINATE)
+//	16 u64 ack      every request of the receiver up to ack has been executed (all data frames)
+//	24 u32 imm      immediate, invalidate rkey, WC status (TERMINATE) or protocol version (CM)
+//	28 u32 rkey
+//	32 u64 addr     remote address; CM frames carry the magic here
+const hdrLen = 40
 
 // frameOp is a frame opcode.
 type frameOp uint8
@@ -37,7 +38,7 @@ const (
 	fWriteImm  frameOp = 14
 	fReadReq   frameOp = 15
 	fReadResp  frameOp = 16
-	fAck       frameOp = 17 // cumulative: every request up to seq was executed
+	fAck       frameOp = 17 // carries only the ack field
 	fTerminate frameOp = 18 // request seq failed at the responder with status imm; QP is dead
 	fDisc      frameOp = 19 // orderly disconnect
 )
@@ -45,6 +46,9 @@ const (
 // Frame flags.
 const (
 	flagSolicited uint8 = 1 << 0
+	// flagAckReq asks the receiver to acknowledge, once it has executed everything up to this
+	// frame, even if it has nothing else to send.
+	flagAckReq uint8 = 1 << 1
 )
 
 // cmMagic marks CM frames ("SOFTRDMA").
@@ -64,6 +68,7 @@ type frameHdr struct {
 	flags uint8
 	len   uint32
 	seq   uint64
+	ack   uint64
 	imm   uint32
 	rkey  uint32
 	addr  uint64
@@ -76,9 +81,10 @@ func (h *frameHdr) encode(b []byte) {
 	b[2], b[3] = 0, 0
 	binary.BigEndian.PutUint32(b[4:], h.len)
 	binary.BigEndian.PutUint64(b[8:], h.seq)
-	binary.BigEndian.PutUint32(b[16:], h.imm)
-	binary.BigEndian.PutUint32(b[20:], h.rkey)
-	binary.BigEndian.PutUint64(b[24:], h.addr)
+	binary.BigEndian.PutUint64(b[16:], h.ack)
+	binary.BigEndian.PutUint32(b[24:], h.imm)
+	binary.BigEndian.PutUint32(b[28:], h.rkey)
+	binary.BigEndian.PutUint64(b[32:], h.addr)
 }
 
 // decodeHdr decodes and validates a header. It never trusts a length: every opcode has a
@@ -92,14 +98,15 @@ func decodeHdr(b []byte) (frameHdr, error) {
 		flags: b[1],
 		len:   binary.BigEndian.Uint32(b[4:]),
 		seq:   binary.BigEndian.Uint64(b[8:]),
-		imm:   binary.BigEndian.Uint32(b[16:]),
-		rkey:  binary.BigEndian.Uint32(b[20:]),
-		addr:  binary.BigEndian.Uint64(b[24:]),
+		ack:   binary.BigEndian.Uint64(b[16:]),
+		imm:   binary.BigEndian.Uint32(b[24:]),
+		rkey:  binary.BigEndian.Uint32(b[28:]),
+		addr:  binary.BigEndian.Uint64(b[32:]),
 	}
 	if b[2] != 0 || b[3] != 0 {
 		return h, fmt.Errorf("%w: reserved bytes set", errFrame)
 	}
-	if h.flags&^flagSolicited != 0 {
+	if h.flags&^(flagSolicited|flagAckReq) != 0 {
 		return h, fmt.Errorf("%w: unknown flags %#x", errFrame, h.flags)
 	}
 	switch h.op {
@@ -107,11 +114,11 @@ func decodeHdr(b []byte) (frameHdr, error) {
 		if h.addr != cmMagic {
 			return h, fmt.Errorf("%w: bad CM magic %#x", errFrame, h.addr)
 		}
-		if h.len > rdma.MaxPrivateData {
+		if h.len > rdma.MaxPrivateData || h.ack != 0 {
 			return h, fmt.Errorf("%w: %d bytes of private data, at most %d", errFrame, h.len, rdma.MaxPrivateData)
 		}
 	case fConnRTU, fAck, fDisc:
-		if h.len != 0 {
+		if h.len != 0 || h.seq != 0 {
 			return h, fmt.Errorf("%w: %v carries %d payload bytes", errFrame, h.op, h.len)
 		}
 	case fSend, fSendImm, fSendInv, fWrite, fWriteImm, fReadReq, fReadResp:

@@ -3,6 +3,7 @@ package soft
 import (
 	"net"
 	"sync"
+	"sync/atomic"
 )
 
 // writer sends frames on a QP's connection. Frames are queued as iovecs (header from an
@@ -29,9 +30,14 @@ type writer struct {
 
 	kick   chan struct{}
 	onFail func(error)
+
+	// ack is the responder's highest executed request; every frame carries it. ackSent is
+	// the highest value queued so far.
+	ack     *atomic.Uint64
+	ackSent uint64
 }
 
-func newWriter(conn net.Conn, onFail func(error)) *writer {
+func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
 	w := &writer{
 		conn:   conn,
 		pend:   make(net.Buffers, 0, 64),
@@ -40,6 +46,7 @@ func newWriter(conn net.Conn, onFail func(error)) *writer {
 		sarena: make([]byte, 0, 64*hdrLen),
 		kick:   make(chan struct{}, 1),
 		onFail: onFail,
+		ack:    ack,
 	}
 	w.idle = sync.NewCond(&w.mu)
 	return w
@@ -59,6 +66,12 @@ func (w *writer) addLocked(h *frameHdr, payload [][]byte) {
 	}
 	w.arena = w.arena[:n+hdrLen]
 	hb := w.arena[n : n+hdrLen : n+hdrLen]
+	if h.op != fConnReq && h.op != fConnAcc && h.op != fConnRej && h.op != fConnRTU {
+		// Loaded under w.mu after the responder queued the answers to the requests it
+		// acknowledges, so an ack never overtakes a READ response.
+		h.ack = w.ack.Load()
+		w.ackSent = h.ack
+	}
 	h.encode(hb)
 	w.pend = append(w.pend, hb)
 	for _, p := range payload {
@@ -73,6 +86,13 @@ func (w *writer) add(h *frameHdr, payload [][]byte) {
 	w.mu.Lock()
 	w.addLocked(h, payload)
 	w.mu.Unlock()
+}
+
+// ackOwed reports whether the peer has not yet been sent an ack of everything executed.
+func (w *writer) ackOwed() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return !w.failed && w.ackSent < w.ack.Load()
 }
 
 // addAsync queues one frame and makes sure somebody writes it without blocking the caller.
