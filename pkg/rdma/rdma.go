@@ -316,6 +316,12 @@ type CQ interface {
 	// Wait blocks until the queue holds a completion, ctx ends, or the queue is destroyed
 	// (ibv_req_notify_cq + ibv_get_cq_event, without the re-arm race).
 	Wait(ctx context.Context) error
+	// SetHandler installs fn as the queue's completion handler, called from a provider
+	// goroutine once new completions have been queued (a poll context, as the kernel's
+	// IB_POLL_SOFTIRQ; nil removes it). Calls for one queue never overlap and no provider lock
+	// is held during them. fn polls the queue itself and may post work requests; it must not
+	// block, since it runs on the goroutine that receives from the network.
+	SetHandler(fn func())
 	// Destroy destroys the queue; waiters return ErrClosed.
 	Destroy() error
 }

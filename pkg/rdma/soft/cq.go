@@ -3,6 +3,7 @@ package soft
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
@@ -18,6 +19,12 @@ type cq struct {
 
 	notify chan struct{}
 	done   chan struct{}
+
+	handler atomic.Pointer[func()]
+	pending atomic.Bool // completions arrived since the handler last started
+	hmu     sync.Mutex
+	running bool // a goroutine is in the handler loop
+	again   bool // completions arrived while it ran
 }
 
 func newCQ(cqe int) *cq {
@@ -44,6 +51,7 @@ func (c *cq) push(wc rdma.WC) {
 	c.ring[(c.head+c.n)%len(c.ring)] = wc
 	c.n++
 	c.mu.Unlock()
+	c.pending.Store(true)
 	select {
 	case c.notify <- struct{}{}:
 	default:
@@ -80,6 +88,51 @@ func (c *cq) Wait(ctx context.Context) error {
 			return rdma.ErrClosed
 		case <-ctx.Done():
 			return ctx.Err()
+		}
+	}
+}
+
+func (c *cq) SetHandler(fn func()) {
+	if fn == nil {
+		c.handler.Store(nil)
+		return
+	}
+	c.handler.Store(&fn)
+	c.pending.Store(true)
+	c.runHandler()
+}
+
+// runHandler runs the completion handler if completions arrived, unless another goroutine is
+// already running it (that one runs it again). Callers hold no provider lock.
+func (c *cq) runHandler() {
+	h := c.handler.Load()
+	if h == nil || !c.pending.Load() {
+		return
+	}
+	c.hmu.Lock()
+	if c.running {
+		c.again = true
+		c.hmu.Unlock()
+		return
+	}
+	c.running = true
+	c.hmu.Unlock()
+	for {
+		c.pending.Store(false)
+		(*h)()
+		c.hmu.Lock()
+		if !c.again {
+			c.running = false
+			c.hmu.Unlock()
+			return
+		}
+		c.again = false
+		c.hmu.Unlock()
+		if h = c.handler.Load(); h == nil {
+			c.hmu.Lock()
+			c.running = false
+			c.hmu.Unlock()
+			return
 		}
 	}
 }

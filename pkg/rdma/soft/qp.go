@@ -137,6 +137,15 @@ func (q *qp) start(conn net.Conn, br *bufio.Reader, rnrRetry uint8) {
 	go func() { defer q.wg.Done(); q.readLoop() }()
 }
 
+// notify runs the completion handlers of the QP's queues; called with no lock held after
+// anything that may have queued completions.
+func (q *qp) notify() {
+	q.scq.runHandler()
+	if q.rcq != q.scq {
+		q.rcq.runHandler()
+	}
+}
+
 // wireOp maps a send opcode to its frame opcode and completion opcode.
 func wireOp(op rdma.Opcode) (frameOp, rdma.WCOpcode, bool) {
 	switch op {
@@ -197,9 +206,10 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			continue
 		}
 		if !wire {
-			if q.sqN > 1 && q.nextSeq-1 > q.acked && q.ackReq <= q.acked {
+			if q.sqN > 1 && q.nextSeq-1 > q.acked && q.ackReq < q.nextSeq-1 {
 				// Completions are reported in order: a local operation behind requests
-				// the peer has not acknowledged needs that acknowledgement to complete.
+				// the peer has not acknowledged needs that acknowledgement to complete,
+				// and no question asked so far covers all of them.
 				q.ackReq = q.nextSeq - 1
 				q.w.add(&frameHdr{op: fAck, flags: flagAckReq}, nil)
 				queued = true
@@ -230,6 +240,7 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 		// A local error kills the QP; the peer learns through the disconnect.
 		q.shutdown(nil)
 	}
+	q.notify()
 	return len(wrs), nil
 }
 
@@ -296,6 +307,7 @@ func (q *qp) finishPost(queued bool) {
 }
 
 func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
+	defer q.notify()
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.state == rdma.QPSReset {
@@ -376,6 +388,7 @@ func (q *qp) ToError() {
 	q.mu.Lock()
 	q.errorLocked()
 	q.mu.Unlock()
+	q.notify()
 	q.shutdown(nil)
 }
 
@@ -408,6 +421,7 @@ func (q *qp) writeFailed(err error) {
 	q.errorLocked()
 	conn := q.conn
 	q.mu.Unlock()
+	q.notify()
 	_ = conn.Close() // wakes the reader
 }
 
@@ -423,7 +437,8 @@ func (q *qp) readLoop() {
 		if q.br.Buffered() == 0 && q.ackAsked {
 			q.ackAsked = false
 			if q.w.ackOwed() {
-				q.w.addAsync(&frameHdr{op: fAck}, nil)
+				q.w.add(&frameHdr{op: fAck}, nil)
+				q.w.flush()
 			}
 		}
 		if _, err = io.ReadFull(q.br, hb[:]); err != nil {
@@ -435,6 +450,7 @@ func (q *qp) readLoop() {
 			break
 		}
 		err = q.handle(&h)
+		q.notify()
 	}
 	q.mu.Lock()
 	q.errorLocked()
@@ -443,6 +459,7 @@ func (q *qp) readLoop() {
 		q.flushLocked()
 	}
 	q.mu.Unlock()
+	q.notify()
 	q.shutdown(nil)
 	close(q.stop)
 	_ = q.conn.Close()
@@ -534,8 +551,9 @@ func (q *qp) execute(h *frameHdr) error {
 			return q.fatal(h.seq, st, fmt.Errorf("remote read of rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
 		}
 		q.rdSegs = append(q.rdSegs[:0], b)
-		q.w.addAsync(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rdSegs)
+		q.w.add(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rdSegs)
 		q.rdSegs[0] = nil
+		q.w.flush()
 		return nil
 	}
 	// SEND, SEND_WITH_IMM, SEND_WITH_INV.
@@ -759,6 +777,7 @@ func (q *qp) fatal(seq uint64, st rdma.WCStatus, err error) error {
 	q.mu.Lock()
 	q.errorLocked()
 	q.mu.Unlock()
+	q.notify()
 	if seq != 0 {
 		q.shutdown(&frameHdr{op: fTerminate, seq: seq, imm: uint32(st)})
 	} else {

@@ -4,29 +4,43 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
+// maxIOV bounds the iovecs of one writev (IOV_MAX on Linux).
+const maxIOV = 1024
+
 // writer sends frames on a QP's connection. Frames are queued as iovecs (header from an
-// arena, payload as slices of MR memory) and written with one vectored write per batch: whoever
-// finds the writer idle writes everything queued so far, so frames queued while a write is in
-// progress go out together in the next one.
+// arena, payload as slices of MR memory) and go out in vectored writes, so frames queued while
+// a write is in progress leave together in the next one.
 //
-// Two kinds of callers: posters (PostSend) write inline in their own goroutine, which keeps the
-// latency of a send at one syscall; the responder loop must never block on the socket (both
-// peers' readers blocked on full send buffers would deadlock), so it only queues and kicks the
-// flusher goroutine.
+// Nobody but the flusher goroutine ever blocks on the socket. Posters, the responder loop and
+// completion handlers call flush, which makes one non-blocking writev attempt; whatever the
+// socket does not take is left to the flusher goroutine. So a send costs one syscall in the
+// poster's goroutine, and a responder never stops reading because its peer stopped reading
+// (two such responders would deadlock).
 type writer struct {
 	conn net.Conn
+	raw  syscall.RawConn
 
 	mu     sync.Mutex
 	idle   *sync.Cond // signalled when busy clears
-	busy   bool
+	busy   bool       // the flusher goroutine is in a blocking write
 	failed bool
 	pend   net.Buffers
 	arena  []byte
-	spend  net.Buffers // spare iovec list, swapped with pend per batch
+	spend  net.Buffers // spare iovec list, swapped with pend per blocking batch
 	sarena []byte
-	batch  net.Buffers // owned by the busy writer
+	batch  net.Buffers // owned by the busy flusher
+
+	// Non-blocking write state, used under mu by tryWrite and rawWrite.
+	iov     []unix.Iovec
+	wn      int
+	werr    syscall.Errno
+	writeFn func(fd uintptr) bool
 
 	kick   chan struct{}
 	onFail func(error)
@@ -44,10 +58,17 @@ func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
 		spend:  make(net.Buffers, 0, 64),
 		arena:  make([]byte, 0, 64*hdrLen),
 		sarena: make([]byte, 0, 64*hdrLen),
+		iov:    make([]unix.Iovec, 0, maxIOV),
 		kick:   make(chan struct{}, 1),
 		onFail: onFail,
 		ack:    ack,
 	}
+	if sc, ok := conn.(syscall.Conn); ok {
+		if raw, err := sc.SyscallConn(); err == nil {
+			w.raw = raw
+		}
+	}
+	w.writeFn = w.rawWrite
 	w.idle = sync.NewCond(&w.mu)
 	return w
 }
@@ -95,38 +116,94 @@ func (w *writer) ackOwed() bool {
 	return !w.failed && w.ackSent < w.ack.Load()
 }
 
-// addAsync queues one frame and makes sure somebody writes it without blocking the caller.
-func (w *writer) addAsync(h *frameHdr, payload [][]byte) {
-	w.mu.Lock()
-	w.addLocked(h, payload)
-	busy := w.busy
-	w.mu.Unlock()
-	if !busy {
-		select {
-		case w.kick <- struct{}{}:
-		default:
-		}
-	}
-}
-
-// flush writes what is queued unless another goroutine is already writing (it will pick the
-// frames up).
+// flush writes what is queued without blocking: one non-blocking writev, the rest to the
+// flusher goroutine. While the flusher is writing it only leaves the frames to it.
 func (w *writer) flush() {
 	w.mu.Lock()
 	if w.busy || len(w.pend) == 0 || w.failed {
 		w.mu.Unlock()
 		return
 	}
-	w.busy = true
-	err := w.flushLocked()
+	err := w.tryWrite()
+	if err == nil && len(w.pend) > 0 {
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+	}
 	w.mu.Unlock()
 	if err != nil {
 		w.onFail(err)
 	}
 }
 
-// flushSync waits for the current writer, then writes everything queued. It returns once the
-// queue is empty (or the connection failed).
+// tryWrite makes one non-blocking writev of the head of pend and drops what was written;
+// w.mu is held.
+func (w *writer) tryWrite() error {
+	if w.raw == nil {
+		return nil // not a socket: the flusher does blocking writes
+	}
+	w.iov = w.iov[:0]
+	for _, b := range w.pend {
+		if len(w.iov) == maxIOV {
+			break
+		}
+		w.iov = append(w.iov, unix.Iovec{Base: &b[0], Len: uint64(len(b))})
+	}
+	w.wn, w.werr = 0, 0
+	err := w.raw.Write(w.writeFn)
+	clear(w.iov)
+	if err == nil && w.werr != 0 && w.werr != syscall.EAGAIN && w.werr != syscall.EINTR {
+		err = w.werr
+	}
+	if err != nil {
+		w.failLocked()
+		return err
+	}
+	w.consume(w.wn)
+	return nil
+}
+
+// rawWrite is the RawConn callback: one writev, and never wait for writability.
+func (w *writer) rawWrite(fd uintptr) bool {
+	n, _, e := syscall.Syscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&w.iov[0])), uintptr(len(w.iov)))
+	if e == 0 {
+		w.wn = int(n)
+	}
+	w.werr = e
+	return true
+}
+
+// consume drops n written bytes from the head of pend.
+func (w *writer) consume(n int) {
+	i := 0
+	for i < len(w.pend) && n >= len(w.pend[i]) {
+		n -= len(w.pend[i])
+		w.pend[i] = nil
+		i++
+	}
+	if i < len(w.pend) && n > 0 {
+		w.pend[i] = w.pend[i][n:]
+	}
+	if i == len(w.pend) {
+		// Everything went: both the list and the header arena start again.
+		w.pend = w.pend[:0]
+		w.arena = w.arena[:0]
+		return
+	}
+	left := copy(w.pend, w.pend[i:])
+	clear(w.pend[left:])
+	w.pend = w.pend[:left]
+}
+
+func (w *writer) failLocked() {
+	w.failed = true
+	clear(w.pend)
+	w.pend = w.pend[:0]
+}
+
+// flushSync waits for the flusher, then writes everything queued, blocking. It returns once
+// the queue is empty or the connection failed. Only teardown uses it, with a write deadline.
 func (w *writer) flushSync() {
 	w.mu.Lock()
 	for w.busy {
@@ -144,8 +221,8 @@ func (w *writer) flushSync() {
 	}
 }
 
-// flushLocked writes batches until the queue is empty; w.mu is held and w.busy set on entry,
-// and busy is cleared on return.
+// flushLocked writes batches with blocking writes until the queue is empty; w.mu is held and
+// w.busy set on entry, and busy is cleared on return.
 func (w *writer) flushLocked() error {
 	var err error
 	for len(w.pend) > 0 && !w.failed {
@@ -159,9 +236,7 @@ func (w *writer) flushLocked() error {
 		w.mu.Lock()
 		w.spend, w.sarena = keep[:0], barena[:0]
 		if err != nil {
-			w.failed = true
-			clear(w.pend)
-			w.pend = w.pend[:0]
+			w.failLocked()
 		}
 	}
 	w.busy = false
@@ -169,12 +244,23 @@ func (w *writer) flushLocked() error {
 	return err
 }
 
-// run is the flusher goroutine: it writes what the responder loop queues.
+// run is the flusher goroutine: it finishes, with blocking writes, what the non-blocking
+// attempts left.
 func (w *writer) run(done <-chan struct{}) {
 	for {
 		select {
 		case <-w.kick:
-			w.flush()
+			w.mu.Lock()
+			if w.busy || w.failed || len(w.pend) == 0 {
+				w.mu.Unlock()
+				continue
+			}
+			w.busy = true
+			err := w.flushLocked()
+			w.mu.Unlock()
+			if err != nil {
+				w.onFail(err)
+			}
 		case <-done:
 			return
 		}

@@ -1,0 +1,544 @@
+// Command rdma-perf measures the soft RDMA provider between two processes, in the manner of
+// perftest (ib_send_lat, ib_write_bw, ib_read_bw), next to the same measurement over a plain
+// TCP socket, so that a run gives both figures on the same machine.
+//
+// Server: rdma-perf -listen 127.0.0.1:18515   (RDMA on that port, raw TCP on port+1)
+// Client: rdma-perf -connect 127.0.0.1:18515 -test send_lat|write_bw|read_bw|tcp_lat|tcp_bw
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/signal"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "rdma-perf:", err)
+		os.Exit(1)
+	}
+}
+
+// params is what a client asks of the server, sent as connect private data.
+type params struct {
+	Test  string
+	Size  int
+	Depth int
+}
+
+func (p params) encode() []byte {
+	return []byte(fmt.Sprintf("%s %d %d", p.Test, p.Size, p.Depth))
+}
+
+func decodeParams(b []byte) (params, error) {
+	f := strings.Fields(string(b))
+	if len(f) != 3 {
+		return params{}, errors.New("bad test parameters")
+	}
+	size, err1 := strconv.Atoi(f[1])
+	depth, err2 := strconv.Atoi(f[2])
+	if err1 != nil || err2 != nil || size < 1 || size > 64<<20 || depth < 1 || depth > 1024 {
+		return params{}, errors.New("test parameters out of range")
+	}
+	return params{Test: f[0], Size: size, Depth: depth}, nil
+}
+
+// Result is one measurement.
+type Result struct {
+	Test     string  `json:"test"`
+	Size     int     `json:"size"`
+	Depth    int     `json:"depth"`
+	Ops      int     `json:"ops"`
+	Seconds  float64 `json:"seconds"`
+	MBps     float64 `json:"mb_per_s,omitempty"`
+	P50us    float64 `json:"p50_us,omitempty"`
+	P99us    float64 `json:"p99_us,omitempty"`
+	Mode     string  `json:"mode,omitempty"`
+}
+
+func run(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("rdma-perf", flag.ContinueOnError)
+	listen := fs.String("listen", "", "serve on this address (RDMA on the port, raw TCP on port+1)")
+	connect := fs.String("connect", "", "server address")
+	test := fs.String("test", "send_lat", "send_lat, write_bw, read_bw, tcp_lat or tcp_bw")
+	size := fs.String("size", "64", "message size (K and M suffixes)")
+	depth := fs.Int("depth", 16, "operations in flight (bandwidth tests)")
+	dur := fs.Duration("duration", 5*time.Second, "how long to measure")
+	mode := fs.String("mode", "handler", "how the latency client takes completions: handler (CQ handler, the provider's poll context), wait (CQ.Wait) or poll (busy Poll)")
+	asJSON := fs.Bool("json", false, "print the result as JSON")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	prov := soft.New(soft.Options{})
+	if *listen != "" {
+		ap, err := netip.ParseAddrPort(*listen)
+		if err != nil {
+			return err
+		}
+		return serve(ctx, prov, ap)
+	}
+	if *connect == "" {
+		return errors.New("need -listen or -connect")
+	}
+	ap, err := netip.ParseAddrPort(*connect)
+	if err != nil {
+		return err
+	}
+	sz, err := parseSize(*size)
+	if err != nil {
+		return err
+	}
+	p := params{Test: *test, Size: sz, Depth: *depth}
+	var r Result
+	switch *test {
+	case "send_lat":
+		p.Depth = 1
+		r, err = sendLat(ctx, prov, ap, p, *dur, *mode)
+	case "write_bw", "read_bw":
+		r, err = bandwidth(ctx, prov, ap, p, *dur)
+	case "tcp_lat":
+		p.Depth = 1
+		r, err = tcpLat(ctx, tcpAddr(ap), p, *dur)
+	case "tcp_bw":
+		r, err = tcpBW(ctx, tcpAddr(ap), p, *dur)
+	default:
+		return fmt.Errorf("unknown test %q", *test)
+	}
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return json.NewEncoder(out).Encode(r)
+	}
+	fmt.Fprintf(out, "%-9s size %8d depth %3d ops %8d  %9.1f MB/s  p50 %7.2f us  p99 %7.2f us\n",
+		r.Test, r.Size, r.Depth, r.Ops, r.MBps, r.P50us, r.P99us)
+	return nil
+}
+
+func parseSize(s string) (int, error) {
+	mult := 1
+	switch {
+	case strings.HasSuffix(s, "K"):
+		mult, s = 1<<10, strings.TrimSuffix(s, "K")
+	case strings.HasSuffix(s, "M"):
+		mult, s = 1<<20, strings.TrimSuffix(s, "M")
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 || n*mult > 64<<20 {
+		return 0, fmt.Errorf("bad size %q", s)
+	}
+	return n * mult, nil
+}
+
+func tcpAddr(ap netip.AddrPort) string {
+	return netip.AddrPortFrom(ap.Addr(), ap.Port()+1).String()
+}
+
+// side is one end's verbs objects.
+type side struct {
+	id rdma.ConnID
+	pd rdma.PD
+	cq rdma.CQ
+	qp rdma.QP
+}
+
+func newSide(id rdma.ConnID, depth int) (*side, error) {
+	s := &side{id: id}
+	var err error
+	if s.pd, err = id.Device().AllocPD(); err != nil {
+		return nil, err
+	}
+	if s.cq, err = id.Device().CreateCQ(4 * depth); err != nil {
+		return nil, err
+	}
+	s.qp, err = id.CreateQP(s.pd, rdma.QPInitAttr{SendCQ: s.cq, RecvCQ: s.cq, MaxSendWR: 2*depth + 64, MaxRecvWR: 2*depth + 64, MaxSendSGE: 1, MaxRecvSGE: 1})
+	return s, err
+}
+
+func (s *side) close() {
+	_ = s.id.Destroy()
+	_ = s.cq.Destroy()
+}
+
+// next returns the next successful completion.
+func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
+	var wc [1]rdma.WC
+	for s.cq.Poll(wc[:]) == 0 {
+		if poll {
+			if ctx.Err() != nil {
+				return wc[0], ctx.Err()
+			}
+			continue
+		}
+		if err := s.cq.Wait(ctx); err != nil {
+			return wc[0], err
+		}
+	}
+	if wc[0].Status != rdma.WCSuccess {
+		return wc[0], fmt.Errorf("completion %v: %v", wc[0].Opcode, wc[0].Status)
+	}
+	return wc[0], nil
+}
+
+// serve answers RDMA tests on ap and raw TCP tests on ap's port + 1 until ctx ends.
+func serve(ctx context.Context, prov *soft.Provider, ap netip.AddrPort) error {
+	ln, err := prov.Listen(ap, 16)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	tl, err := net.Listen("tcp", tcpAddr(ap))
+	if err != nil {
+		return err
+	}
+	go func() { <-ctx.Done(); _ = tl.Close() }()
+	go func() {
+		for {
+			c, err := tl.Accept()
+			if err != nil {
+				return
+			}
+			go serveTCP(c)
+		}
+	}()
+	for {
+		req, err := ln.Accept(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		go func() {
+			if err := serveRDMA(ctx, req); err != nil {
+				fmt.Fprintln(os.Stderr, "rdma-perf: session:", err)
+			}
+		}()
+	}
+}
+
+func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
+	p, err := decodeParams(req.PrivateData)
+	if err != nil {
+		_ = req.ID.Reject([]byte(err.Error()))
+		return err
+	}
+	s, err := newSide(req.ID, p.Depth)
+	if err != nil {
+		_ = req.ID.Reject(nil)
+		return err
+	}
+	defer s.close()
+	mr, err := s.pd.AllocMR(p.Size*p.Depth, rdma.AccessLocalWrite|rdma.AccessRemoteWrite|rdma.AccessRemoteRead)
+	if err != nil {
+		return err
+	}
+	var info [12]byte
+	binary.LittleEndian.PutUint64(info[0:], mr.Addr())
+	binary.LittleEndian.PutUint32(info[8:], mr.RKey())
+	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
+	if p.Test == "send_lat" {
+		if _, err := s.qp.PostRecv(recv); err != nil {
+			return err
+		}
+	}
+	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: info[:], RNRRetryCount: 7}); err != nil {
+		return err
+	}
+	if p.Test != "send_lat" {
+		// One-sided tests need nothing from the server but its presence.
+		select {
+		case <-s.id.Events():
+		case <-ctx.Done():
+		}
+		return nil
+	}
+	// Echo from the completion handler: the message is answered on the goroutine that
+	// received it, as a TCP echo server answers from the goroutine that read.
+	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
+	var wc [16]rdma.WC
+	s.cq.SetHandler(func() {
+		for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
+			for _, w := range wc[:n] {
+				if w.Status != rdma.WCSuccess || w.Opcode != rdma.WCRecv {
+					continue
+				}
+				send[0].Imm = w.Imm
+				_, _ = s.qp.PostRecv(recv)
+				_, _ = s.qp.PostSend(send)
+			}
+		}
+	})
+	select {
+	case <-s.id.Events():
+	case <-ctx.Done():
+	}
+	s.cq.SetHandler(nil)
+	return nil
+}
+
+// serveTCP answers a raw TCP test: an 8-byte header (test, size), then echo or sink.
+func serveTCP(c net.Conn) {
+	defer c.Close()
+	var hdr [8]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return
+	}
+	echo := hdr[0] == 1
+	size := int(binary.LittleEndian.Uint32(hdr[4:]))
+	if size < 1 || size > 64<<20 {
+		return
+	}
+	buf := make([]byte, size*16)
+	for i := 0; ; i++ {
+		b := buf[(i%16)*size : (i%16+1)*size]
+		if _, err := io.ReadFull(c, b); err != nil {
+			return
+		}
+		if echo {
+			if _, err := c.Write(b); err != nil {
+				return
+			}
+		}
+	}
+}
+
+func dial(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params) (*side, uint64, uint32, error) {
+	id, err := prov.ResolveAddr(ctx, netip.Addr{}, ap)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	s, err := newSide(id, p.Depth)
+	if err != nil {
+		_ = id.Destroy()
+		return nil, 0, 0, err
+	}
+	info, err := id.Connect(ctx, rdma.ConnParam{PrivateData: p.encode(), RNRRetryCount: 7})
+	if err != nil {
+		s.close()
+		return nil, 0, 0, err
+	}
+	if len(info) != 12 {
+		s.close()
+		return nil, 0, 0, errors.New("bad server answer")
+	}
+	return s, binary.LittleEndian.Uint64(info), binary.LittleEndian.Uint32(info[8:]), nil
+}
+
+func sendLat(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params, dur time.Duration, mode string) (Result, error) {
+	s, _, _, err := dial(ctx, prov, ap, p)
+	if err != nil {
+		return Result{}, err
+	}
+	defer s.close()
+	mr, err := s.pd.AllocMR(p.Size, rdma.AccessLocalWrite)
+	if err != nil {
+		return Result{}, err
+	}
+	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
+	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
+	lat := make([]time.Duration, 0, 1<<20)
+	var t0 time.Time
+	ping := func(i int) error {
+		if _, err := s.qp.PostRecv(recv); err != nil {
+			return err
+		}
+		t0 = time.Now()
+		send[0].Imm = uint32(i)
+		_, err := s.qp.PostSend(send)
+		return err
+	}
+	start := time.Now()
+	if mode == "handler" {
+		// The next ping leaves from the handler that took the pong.
+		done := make(chan error, 1)
+		var wc [16]rdma.WC
+		i := 0
+		s.cq.SetHandler(func() {
+			for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
+				for _, w := range wc[:n] {
+					if w.Status != rdma.WCSuccess {
+						done <- fmt.Errorf("completion %v: %v", w.Opcode, w.Status)
+						return
+					}
+					if w.Opcode != rdma.WCRecv {
+						continue
+					}
+					lat = append(lat, time.Since(t0))
+					if w.Imm != uint32(i) {
+						done <- fmt.Errorf("echo %d for %d", w.Imm, i)
+						return
+					}
+					if i++; time.Since(start) >= dur {
+						done <- nil
+						return
+					}
+					if err := ping(i); err != nil {
+						done <- err
+						return
+					}
+				}
+			}
+		})
+		if err := ping(0); err != nil {
+			return Result{}, err
+		}
+		select {
+		case err = <-done:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+		s.cq.SetHandler(nil)
+		if err != nil {
+			return Result{}, err
+		}
+		return latResult(p, lat, time.Since(start), mode), nil
+	}
+	for i := 0; time.Since(start) < dur; i++ {
+		if err := ping(i); err != nil {
+			return Result{}, err
+		}
+		for {
+			wc, err := s.next(ctx, mode == "poll")
+			if err != nil {
+				return Result{}, err
+			}
+			if wc.Opcode == rdma.WCRecv {
+				if wc.Imm != uint32(i) {
+					return Result{}, fmt.Errorf("echo %d for %d", wc.Imm, i)
+				}
+				break
+			}
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	return latResult(p, lat, time.Since(start), mode), nil
+}
+
+func bandwidth(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params, dur time.Duration) (Result, error) {
+	s, raddr, rkey, err := dial(ctx, prov, ap, p)
+	if err != nil {
+		return Result{}, err
+	}
+	defer s.close()
+	mr, err := s.pd.AllocMR(p.Size*p.Depth, rdma.AccessLocalWrite)
+	if err != nil {
+		return Result{}, err
+	}
+	op := rdma.OpRDMAWrite
+	if p.Test == "read_bw" {
+		op = rdma.OpRDMARead
+	}
+	wr := []rdma.SendWR{{Opcode: op, Flags: rdma.SendSignaled, SGList: make([]rdma.SGE, 1), RKey: rkey}}
+	inflight, ops := 0, 0
+	start := time.Now()
+	for time.Since(start) < dur || inflight > 0 {
+		if inflight < p.Depth && time.Since(start) < dur {
+			slot := ops % p.Depth
+			wr[0].SGList[0] = rdma.SGEOf(mr, slot*p.Size, p.Size)
+			wr[0].RemoteAddr = raddr + uint64(slot*p.Size)
+			if _, err := s.qp.PostSend(wr); err != nil {
+				return Result{}, err
+			}
+			inflight++
+			ops++
+			continue
+		}
+		if _, err := s.next(ctx, false); err != nil {
+			return Result{}, err
+		}
+		inflight--
+	}
+	el := time.Since(start)
+	return Result{Test: p.Test, Size: p.Size, Depth: p.Depth, Ops: ops, Seconds: el.Seconds(),
+		MBps: float64(ops) * float64(p.Size) / el.Seconds() / 1e6}, nil
+}
+
+func tcpConn(ctx context.Context, addr string, echo bool, size int) (net.Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	var hdr [8]byte
+	if echo {
+		hdr[0] = 1
+	}
+	binary.LittleEndian.PutUint32(hdr[4:], uint32(size))
+	if _, err := c.Write(hdr[:]); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+func tcpLat(ctx context.Context, addr string, p params, dur time.Duration) (Result, error) {
+	c, err := tcpConn(ctx, addr, true, p.Size)
+	if err != nil {
+		return Result{}, err
+	}
+	defer c.Close()
+	buf := make([]byte, p.Size)
+	lat := make([]time.Duration, 0, 1<<20)
+	start := time.Now()
+	for time.Since(start) < dur {
+		t0 := time.Now()
+		if _, err := c.Write(buf); err != nil {
+			return Result{}, err
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return Result{}, err
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	return latResult(p, lat, time.Since(start), ""), nil
+}
+
+func tcpBW(ctx context.Context, addr string, p params, dur time.Duration) (Result, error) {
+	c, err := tcpConn(ctx, addr, false, p.Size)
+	if err != nil {
+		return Result{}, err
+	}
+	defer c.Close()
+	buf := make([]byte, p.Size*16)
+	ops := 0
+	start := time.Now()
+	for ; time.Since(start) < dur; ops++ {
+		slot := ops % 16
+		if _, err := c.Write(buf[slot*p.Size : (slot+1)*p.Size]); err != nil {
+			return Result{}, err
+		}
+	}
+	el := time.Since(start)
+	return Result{Test: p.Test, Size: p.Size, Depth: 1, Ops: ops, Seconds: el.Seconds(),
+		MBps: float64(ops) * float64(p.Size) / el.Seconds() / 1e6}, nil
+}
+
+func latResult(p params, lat []time.Duration, el time.Duration, mode string) Result {
+	r := Result{Test: p.Test, Size: p.Size, Depth: 1, Ops: len(lat), Seconds: el.Seconds(), Mode: mode}
+	if len(lat) == 0 {
+		return r
+	}
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	r.P50us = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
+	r.P99us = float64(lat[len(lat)*99/100].Nanoseconds()) / 1e3
+	return r
+}
