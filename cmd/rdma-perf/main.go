@@ -63,15 +63,15 @@ func decodeParams(b []byte) (params, error) {
 
 // Result is one measurement.
 type Result struct {
-	Test     string  `json:"test"`
-	Size     int     `json:"size"`
-	Depth    int     `json:"depth"`
-	Ops      int     `json:"ops"`
-	Seconds  float64 `json:"seconds"`
-	MBps     float64 `json:"mb_per_s,omitempty"`
-	P50us    float64 `json:"p50_us,omitempty"`
-	P99us    float64 `json:"p99_us,omitempty"`
-	Mode     string  `json:"mode,omitempty"`
+	Test    string  `json:"test"`
+	Size    int     `json:"size"`
+	Depth   int     `json:"depth"`
+	Ops     int     `json:"ops"`
+	Seconds float64 `json:"seconds"`
+	MBps    float64 `json:"mb_per_s,omitempty"`
+	P50us   float64 `json:"p50_us,omitempty"`
+	P99us   float64 `json:"p99_us,omitempty"`
+	Mode    string  `json:"mode,omitempty"`
 }
 
 func run(ctx context.Context, args []string, out io.Writer) error {
