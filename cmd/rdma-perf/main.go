@@ -4,6 +4,7 @@
 //
 // Server: rdma-perf -listen 127.0.0.1:18515   (RDMA on that port, raw TCP on port+1)
 // Client: rdma-perf -connect 127.0.0.1:18515 -test send_lat|write_bw|read_bw|tcp_lat|tcp_bw
+// Suite:  rdma-perf -suite 5 -duration 2s   (starts its own server, prints a markdown report)
 package main
 
 import (
@@ -84,8 +85,19 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	dur := fs.Duration("duration", 5*time.Second, "how long to measure")
 	mode := fs.String("mode", "handler", "how the latency client takes completions: handler (CQ handler, the provider's poll context), wait (CQ.Wait) or poll (busy Poll)")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
+	suiteReps := fs.Int("suite", 0, "run the whole comparison this many times against a server it starts itself, print markdown")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *suiteReps > 0 {
+		if *connect == "" {
+			*connect = "127.0.0.1:18515"
+		}
+		ap, err := netip.ParseAddrPort(*connect)
+		if err != nil {
+			return err
+		}
+		return suite(ctx, ap, *suiteReps, *dur, out)
 	}
 	prov := soft.New(soft.Options{})
 	if *listen != "" {

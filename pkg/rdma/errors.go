@@ -9,15 +9,13 @@ import (
 // Errors a provider returns. Each wraps the errno the matching libibverbs/librdmacm call would
 // set, so errors.Is(err, syscall.EINVAL) holds for ErrInvalid and so on.
 var (
-	ErrNotSupported = fmt.Errorf("rdma: operation not supported: %w", syscall.EOPNOTSUPP)
-	ErrInvalid      = fmt.Errorf("rdma: invalid argument: %w", syscall.EINVAL)
-	ErrNoMem        = fmt.Errorf("rdma: queue full: %w", syscall.ENOMEM)
-	ErrClosed       = fmt.Errorf("rdma: object destroyed: %w", syscall.EBADF)
-	ErrNotConnected = fmt.Errorf("rdma: not connected: %w", syscall.ENOTCONN)
-	ErrTimeout      = fmt.Errorf("rdma: timed out: %w", syscall.ETIMEDOUT)
-	ErrAddrError    = fmt.Errorf("rdma: address resolution failed: %w", syscall.EHOSTUNREACH)
-	ErrUnreachable  = fmt.Errorf("rdma: peer unreachable: %w", syscall.EHOSTUNREACH)
-	ErrNoDevice     = fmt.Errorf("rdma: no such device: %w", syscall.ENODEV)
+	ErrInvalid     = fmt.Errorf("rdma: invalid argument: %w", syscall.EINVAL)
+	ErrNoMem       = fmt.Errorf("rdma: queue full: %w", syscall.ENOMEM)
+	ErrClosed      = fmt.Errorf("rdma: object destroyed: %w", syscall.EBADF)
+	ErrTimeout     = fmt.Errorf("rdma: timed out: %w", syscall.ETIMEDOUT)
+	ErrAddrError   = fmt.Errorf("rdma: address resolution failed: %w", syscall.EHOSTUNREACH)
+	ErrUnreachable = fmt.Errorf("rdma: peer unreachable: %w", syscall.EHOSTUNREACH)
+	ErrNoDevice    = fmt.Errorf("rdma: no such device: %w", syscall.ENODEV)
 )
 
 // RejectError is returned by Connect when the peer rejected the request. Consumer-defined
