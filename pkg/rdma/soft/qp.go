@@ -643,23 +643,38 @@ func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
 		// The requester sees its SEND fail as an invalid request at the responder.
 		return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("receive for %v seq %d: %v", h.op, h.seq, st))
 	}
-	var err error
+	n := 0
 	if h != nil {
-		left := int(h.len)
-		for _, b := range segs {
-			if left == 0 {
-				break
-			}
-			n := min(left, len(b))
-			if _, err = io.ReadFull(q.br, b[:n]); err != nil {
-				break
-			}
-			left -= n
+		n = int(h.len)
+	}
+	err := q.place(segs, n)
+	defer q.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	q.rcq.push(wc)
+	q.rqHead = (q.rqHead + 1) % len(q.rq)
+	q.rqN--
+	return nil
+}
+
+// place reads n payload bytes from the connection into segs, in order, and ends the
+// placement begun under q.mu. It returns with q.mu held; if the QP failed meanwhile, everything
+// outstanding (the entry placed into included) has been flushed and the error is returned.
+func (q *qp) place(segs [][]byte, n int) error {
+	var err error
+	for _, b := range segs {
+		if n == 0 {
+			break
 		}
+		k := min(n, len(b))
+		if _, err = io.ReadFull(q.br, b[:k]); err != nil {
+			break
+		}
+		n -= k
 	}
 	clear(segs)
 	q.mu.Lock()
-	defer q.mu.Unlock()
 	q.placing = false
 	if q.state == rdma.QPSErr || err != nil {
 		q.errorLocked()
@@ -667,12 +682,8 @@ func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
 		if err == nil {
 			err = errDisconnected
 		}
-		return err
 	}
-	q.rcq.push(wc)
-	q.rqHead = (q.rqHead + 1) % len(q.rq)
-	q.rqN--
-	return nil
+	return err
 }
 
 // readResponse places an RDMA READ response. The response acknowledges every earlier request
@@ -697,22 +708,9 @@ func (q *qp) readResponse(h *frameHdr) error {
 	segs := append(q.rdSegs[:0], e.segs...)
 	q.placing = true
 	q.mu.Unlock()
-	var err error
-	for _, b := range segs {
-		if _, err = io.ReadFull(q.br, b); err != nil {
-			break
-		}
-	}
-	clear(segs)
-	q.mu.Lock()
+	err := q.place(segs, int(h.len))
 	defer q.mu.Unlock()
-	q.placing = false
-	if q.state == rdma.QPSErr || err != nil {
-		q.errorLocked()
-		q.flushLocked()
-		if err == nil {
-			err = errDisconnected
-		}
+	if err != nil {
 		return err
 	}
 	e.done = true

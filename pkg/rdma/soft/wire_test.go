@@ -45,12 +45,14 @@ func TestHeaderGolden(t *testing.T) {
 	}
 }
 
+// enc encodes a header.
+func enc(h frameHdr) []byte {
+	b := make([]byte, hdrLen)
+	h.encode(b)
+	return b
+}
+
 func TestHeaderRejects(t *testing.T) {
-	enc := func(h frameHdr) []byte {
-		b := make([]byte, hdrLen)
-		h.encode(b)
-		return b
-	}
 	for _, tc := range []struct {
 		name string
 		b    []byte
@@ -123,11 +125,7 @@ func responderUnderTest(t testing.TB, rnrRetry uint8) (*qp, net.Conn, rdma.MR) {
 // never panic, never touch memory outside what its keys grant, and always end the connection
 // cleanly (reader gone, disconnect reported).
 func FuzzResponder(f *testing.F) {
-	frame := func(h frameHdr, payload []byte) []byte {
-		b := make([]byte, hdrLen)
-		h.encode(b)
-		return append(b, payload...)
-	}
+	frame := func(h frameHdr, payload []byte) []byte { return append(enc(h), payload...) }
 	f.Add(frame(frameHdr{op: fSend, len: 8, seq: 1}, []byte("12345678")))
 	f.Add(frame(frameHdr{op: fWrite, len: 16, seq: 1, rkey: 0x101, addr: 0x10000000}, make([]byte, 16)))
 	f.Add(append(frame(frameHdr{op: fReadReq, len: 64, seq: 1, rkey: 0x101}, nil), frame(frameHdr{op: fAck, flags: flagAckReq}, nil)...))
@@ -161,11 +159,6 @@ func FuzzResponder(f *testing.F) {
 // TestHostilePeer drives a responder with specific malformed streams and checks each is
 // refused by ending the connection, with the cause reported.
 func TestHostilePeer(t *testing.T) {
-	enc := func(h frameHdr) []byte {
-		b := make([]byte, hdrLen)
-		h.encode(b)
-		return b
-	}
 	for _, tc := range []struct {
 		name string
 		in   []byte
