@@ -5,3 +5,5 @@ go 1.26.0
 require github.com/sirupsen/logrus v1.10.2
 
 require golang.org/x/sys v0.49.0
+
+require github.com/google/uuid v1.6.0
