@@ -18,7 +18,7 @@ const (
 	ProtoVersion = 0x0200 // major 2, minor 0
 	ProtoMajor   = 2
 
-	MaxPathsNum         = 128  // MAX_PATHS_NUM
+	MaxPathsNum         = 128 // MAX_PATHS_NUM
 	MaxSessQueueDepth   = 65535
 	MinChunkSize        = 8192
 	DefaultChunkSize    = 128 << 10

@@ -58,7 +58,7 @@ func TestConnReqGolden(t *testing.T) {
 }
 
 func TestConnRspGolden(t *testing.T) {
-	want := unhex(t, `bd1b 0002 efff 0002 00f00100 00100000 02000000` + strings.Repeat("00", 36))
+	want := unhex(t, `bd1b 0002 efff 0002 00f00100 00100000 02000000`+strings.Repeat("00", 36))
 	m := MsgConnRsp{Errno: -17, QueueDepth: 512, MaxIOSize: 126976, MaxHdrSize: 4096, Flags: MsgNewRkeyF}
 	if got := m.Marshal(); !bytes.Equal(got, want) {
 		t.Fatalf("conn_rsp\n%x\nwant\n%x", got, want)
