@@ -1,0 +1,947 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// Policy is a multipath policy (mpath_policy).
+type Policy int32
+
+// Policies, with the kernel's numbers.
+const (
+	RoundRobin  Policy = 0
+	MinInflight Policy = 1
+	MinLatency  Policy = 2
+)
+
+func (p Policy) String() string {
+	switch p {
+	case RoundRobin:
+		return "round-robin"
+	case MinInflight:
+		return "min-inflight"
+	case MinLatency:
+		return "min-latency"
+	}
+	return fmt.Sprintf("Unknown (%d)", int32(p))
+}
+
+// PathAddrs are the two ends of a client path; Src may be left zero.
+type PathAddrs struct {
+	Src, Dst Addr
+}
+
+// ClientOptions configure a client session.
+type ClientOptions struct {
+	Provider rdma.Provider
+	SessName string
+	Paths    []PathAddrs
+	// Port is the server port (RNBD's dest_port, default 1234).
+	Port uint16
+	// ConPerPath is connections per path including connection 0 (default CPUs + 1).
+	ConPerPath int
+	Policy     Policy
+	// MaxReconnectAttempts: -1 for ever, 0 never reconnect automatically, up to 9999.
+	MaxReconnectAttempts int
+	Timings              Timings
+	// OnLinkEvent gets LinkDisconnected when no path is left and LinkReconnected when the
+	// first comes back. It runs on a transport goroutine and must not block.
+	OnLinkEvent func(LinkEvent)
+}
+
+// Session is a client session: a name, paths to one server session, and one pool of permits.
+type Session struct {
+	opts      ClientOptions
+	pathsUUID uuid.UUID
+	log       *log.Entry
+
+	mu    sync.RWMutex
+	paths []*Path
+
+	queueDepth int
+	maxIOSize  int
+	chunkSize  int
+	memBits    int
+	newRkey    bool
+
+	permits chan int
+	reqs    []cltReq
+
+	policy       atomic.Int32
+	rr           atomic.Uint32
+	maxReconnect atomic.Int32
+	established  atomic.Int32
+	opening      atomic.Bool
+	closed       atomic.Bool
+}
+
+// Open connects every path, one after the other (rtrs_clt_open); if any fails, the whole
+// open fails.
+func Open(ctx context.Context, opts ClientOptions) (*Session, error) {
+	if opts.Provider == nil {
+		return nil, errors.New("rtrs: no provider")
+	}
+	if err := validName(opts.SessName); err != nil {
+		return nil, err
+	}
+	if len(opts.Paths) < 1 || len(opts.Paths) > MaxPathsNum {
+		return nil, fmt.Errorf("rtrs: %d paths (1..%d): %w", len(opts.Paths), MaxPathsNum, syscall.EINVAL)
+	}
+	if opts.MaxReconnectAttempts < -1 || opts.MaxReconnectAttempts > 9999 {
+		return nil, fmt.Errorf("rtrs: max_reconnect_attempts %d: %w", opts.MaxReconnectAttempts, syscall.EINVAL)
+	}
+	if opts.Port == 0 {
+		opts.Port = DefaultPort
+	}
+	if opts.ConPerPath <= 0 {
+		opts.ConPerPath = runtime.NumCPU() + 1
+	}
+	opts.Timings = opts.Timings.withDefaults()
+	s := &Session{opts: opts, pathsUUID: uuid.New(), log: logger(log.Fields{"session": opts.SessName})}
+	s.policy.Store(int32(opts.Policy))
+	s.maxReconnect.Store(int32(opts.MaxReconnectAttempts))
+	s.opening.Store(true) // link events are masked while the paths first connect
+	defer s.opening.Store(false)
+	for i, pa := range opts.Paths {
+		p := s.newPath(pa, i == 0)
+		if err := p.connectFirst(ctx); err != nil {
+			for _, q := range s.Paths() {
+				q.close()
+			}
+			return nil, fmt.Errorf("rtrs: path %v: %w", pa.Dst, err)
+		}
+	}
+	return s, nil
+}
+
+// Name is the session name.
+func (s *Session) Name() string { return s.opts.SessName }
+
+// QueueDepth is the server's queue depth: the number of permits.
+func (s *Session) QueueDepth() int { return s.queueDepth }
+
+// MaxIOSize is the largest data length of one request.
+func (s *Session) MaxIOSize() int { return s.maxIOSize }
+
+// MaxHdrSize bounds the user header plus the RTRS header of a request.
+func (s *Session) MaxHdrSize() int { return MaxHdrSize }
+
+// Policy is the current multipath policy.
+func (s *Session) Policy() Policy { return Policy(s.policy.Load()) }
+
+// SetPolicy switches the multipath policy at once.
+func (s *Session) SetPolicy(p Policy) error {
+	if p < RoundRobin || p > MinLatency {
+		return fmt.Errorf("rtrs: policy %d: %w", p, syscall.EINVAL)
+	}
+	s.policy.Store(int32(p))
+	return nil
+}
+
+// MaxReconnectAttempts is the current limit (-1: for ever).
+func (s *Session) MaxReconnectAttempts() int { return int(s.maxReconnect.Load()) }
+
+// SetMaxReconnectAttempts changes the limit; it applies at the next attempt.
+func (s *Session) SetMaxReconnectAttempts(n int) error {
+	if n < -1 || n > 9999 {
+		return fmt.Errorf("rtrs: max_reconnect_attempts %d not in -1..9999: %w", n, syscall.EINVAL)
+	}
+	s.maxReconnect.Store(int32(n))
+	return nil
+}
+
+// Paths lists the session's paths in the order they were added.
+func (s *Session) Paths() []*Path {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return append([]*Path(nil), s.paths...)
+}
+
+// Close closes every path, after the requests in flight have completed or failed.
+func (s *Session) Close() error {
+	if s.closed.Swap(true) {
+		return ErrClosed
+	}
+	// Wait for every permit: no request is in flight after this.
+	if s.permits != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), s.opts.Timings.ConnectTimeout)
+		defer cancel()
+		for i := 0; i < s.queueDepth; i++ {
+			select {
+			case <-s.permits:
+			case <-ctx.Done():
+				s.log.Warn("closing with requests still in flight")
+				i = s.queueDepth
+			}
+		}
+	}
+	for _, p := range s.Paths() {
+		p.close()
+	}
+	return nil
+}
+
+func (s *Session) linkEvent(ev LinkEvent) {
+	s.log.Infof("session %v", ev)
+	if s.opts.OnLinkEvent != nil {
+		s.opts.OnLinkEvent(ev)
+	}
+}
+
+// PathState is a client path's state (enum rtrs_clt_state).
+type PathState int32
+
+// Path states, in the kernel's order.
+const (
+	StateConnecting PathState = iota
+	StateConnectingErr
+	StateReconnecting
+	StateConnected
+	StateClosing
+	StateClosed
+	StateDead
+)
+
+func (st PathState) String() string {
+	return [...]string{"CONNECTING", "CONNECTING_ERR", "RECONNECTING", "CONNECTED", "CLOSING", "CLOSED", "DEAD"}[st]
+}
+
+// allowedFrom is the transition table of spec 3.3.
+var allowedFrom = map[PathState][]PathState{
+	StateConnecting:    {StateReconnecting},
+	StateConnectingErr: {StateConnecting},
+	StateReconnecting:  {StateConnected, StateConnectingErr, StateClosed},
+	StateConnected:     {StateConnecting},
+	StateClosing:       {StateConnecting, StateConnectingErr, StateReconnecting, StateConnected},
+	StateClosed:        {StateClosing},
+	StateDead:          {StateClosed},
+}
+
+// Path is one path of a client session.
+type Path struct {
+	sess *Session
+	uuid uuid.UUID
+	dst  Addr
+	log  *log.Entry
+
+	mu        sync.Mutex
+	stateCond *sync.Cond
+	state     PathState
+	src       Addr // as given, then as resolved at the first connect
+	name      string
+	firstConn bool
+	cons      []*con
+	hcaName   string
+	hcaPort   int
+	rbufs     []rbuf
+	res       *pathRes
+	attempts  int
+	reconCnt  uint16
+	counted   bool          // the path counts in the session's established paths
+	trigger   chan struct{} // wakes the reconnect loop at once
+	worker    bool          // a recovery/reconnect goroutine is running
+	workDone  chan struct{}
+
+	hb heartbeat
+
+	// Stats (stats/rdma, stats/reconnects).
+	ReadCnt, ReadBytes, WriteCnt, WriteBytes, Failovered atomic.Uint64
+	inflight                                             atomic.Int32
+	ReconnectOK, ReconnectFail                           atomic.Int32
+}
+
+type rbuf struct {
+	addr uint64
+	rkey atomic.Uint32
+}
+
+// pathRes are the memory resources of one connection round of a path.
+type pathRes struct {
+	pd     rdma.PD
+	fr     []rdma.MR // per permit: fast-registration MR for the data
+	iu     rdma.MR   // per permit MaxHdrSize: user header + RTRS header
+	rcv    rdma.MR   // receive buffers: info response, then per connection 2*qd rkey responses
+	rcvOff []int     // per connection: offset of its receive buffers
+}
+
+func (s *Session) newPath(pa PathAddrs, first bool) *Path {
+	p := &Path{sess: s, uuid: uuid.New(), dst: pa.Dst, src: pa.Src, firstConn: first,
+		state: StateConnecting, trigger: make(chan struct{}, 1)}
+	p.stateCond = sync.NewCond(&p.mu)
+	p.log = s.log.WithField("dst", pa.Dst.String())
+	s.mu.Lock()
+	s.paths = append(s.paths, p)
+	s.mu.Unlock()
+	return p
+}
+
+// Name is "<src>@<dst>" with the source resolved at the first connect.
+func (p *Path) Name() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.name != "" {
+		return p.name
+	}
+	return PathName(p.src, p.dst)
+}
+
+// State is the path's state.
+func (p *Path) State() PathState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.state
+}
+
+// SrcAddr and DstAddr are the path's addresses.
+func (p *Path) SrcAddr() Addr { p.mu.Lock(); defer p.mu.Unlock(); return p.src }
+
+// DstAddr is the server's address.
+func (p *Path) DstAddr() Addr { return p.dst }
+
+// HCA is the device and port of connection 0 at its last establishment.
+func (p *Path) HCA() (string, int) { p.mu.Lock(); defer p.mu.Unlock(); return p.hcaName, p.hcaPort }
+
+// CurLatency is the last heartbeat round trip.
+func (p *Path) CurLatency() time.Duration { return time.Duration(p.hb.latency.Load()) }
+
+// Inflight is the min-inflight counter of the path.
+func (p *Path) Inflight() int { return int(p.inflight.Load()) }
+
+// Session is the path's session.
+func (p *Path) Session() *Session { return p.sess }
+
+// setStateLocked moves the path to st if the transition table allows it.
+func (p *Path) setStateLocked(st PathState) bool {
+	for _, from := range allowedFrom[st] {
+		if from == p.state {
+			p.state = st
+			p.stateCond.Broadcast()
+			return true
+		}
+	}
+	return false
+}
+
+func (p *Path) setState(st PathState) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.setStateLocked(st)
+}
+
+// connectFirst connects a new path; on failure it leaves the session (spec 3.2: no automatic
+// reconnect during open or add_path).
+func (p *Path) connectFirst(ctx context.Context) error {
+	if err := p.init(ctx); err == nil {
+		p.markUp()
+	} else {
+		s := p.sess
+		s.mu.Lock()
+		for i, q := range s.paths {
+			if q == p {
+				s.paths = append(s.paths[:i], s.paths[i+1:]...)
+				break
+			}
+		}
+		s.mu.Unlock()
+		p.mu.Lock()
+		p.state = StateDead
+		p.mu.Unlock()
+		return err
+	}
+	return nil
+}
+
+// init establishes every connection and the info exchange (init_path). The path is in
+// CONNECTING; it ends CONNECTED or CONNECTING_ERR.
+func (p *Path) init(ctx context.Context) (err error) {
+	s := p.sess
+	t := s.opts.Timings
+	p.mu.Lock()
+	p.reconCnt++
+	src, first := p.src, p.firstConn
+	p.mu.Unlock()
+	defer func() {
+		if err != nil {
+			p.mu.Lock()
+			p.setStateLocked(StateConnectingErr)
+			p.mu.Unlock()
+			p.teardown()
+		}
+	}()
+	n := s.opts.ConPerPath
+	cons := make([]*con, n)
+	p.mu.Lock()
+	p.cons = cons
+	p.mu.Unlock()
+	var rsp MsgConnRsp
+	for cid := 0; cid < n; cid++ {
+		cctx, cancel := ctxTimeout(ctx, t.ConnectTimeout)
+		c, r, err := p.connectCon(cctx, cid, n, src, first)
+		cancel()
+		if err != nil {
+			return err
+		}
+		p.mu.Lock()
+		cons[cid] = c
+		p.mu.Unlock()
+		if cid == 0 {
+			rsp = r
+			p.mu.Lock()
+			p.firstConn = true // any later connect of this path creates the session if needed
+			la := c.id.LocalAddr()
+			p.src = addrOf(la)
+			p.src.GID = p.dst.GID
+			p.hcaName, p.hcaPort = c.id.Device().Name(), c.id.Port()
+			if p.name == "" {
+				p.name = PathName(p.src, p.dst)
+				p.log = s.log.WithField("path", p.name)
+			}
+			p.mu.Unlock()
+		}
+	}
+	if err := s.takeLimits(p, &rsp); err != nil {
+		return err
+	}
+	if err := p.allocRes(); err != nil {
+		return err
+	}
+	ictx, cancel := ctxTimeout(ctx, t.ConnectTimeout)
+	defer cancel()
+	if err := p.infoExchange(ictx); err != nil {
+		return err
+	}
+	for _, c := range cons {
+		go p.watch(c)
+	}
+	p.hb.missed.Store(0)
+	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
+		_, err := cons[0].qp.PostSend(hbWR(ImmHBMsgValue))
+		return err
+	}, func() {
+		p.log.Warn("heartbeat lost")
+		p.errRecovery(fmt.Errorf("heartbeat lost: %w", syscall.ETIMEDOUT))
+	})
+	return nil
+}
+
+// connectCon establishes connection cid.
+func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool) (*con, MsgConnRsp, error) {
+	s := p.sess
+	var rsp MsgConnRsp
+	dst := netip.AddrPortFrom(p.dst.IP, s.opts.Port)
+	id, err := s.opts.Provider.ResolveAddr(ctx, src.IP, dst)
+	if err != nil {
+		return nil, rsp, err
+	}
+	c := &con{cid: cid, id: id, sigInterval: ServiceConQD}
+	fail := func(err error) (*con, MsgConnRsp, error) {
+		c.destroy()
+		return nil, rsp, err
+	}
+	// Queue sizes before the queue depth is known are bounded by the service depth.
+	qd := s.queueDepth
+	if qd == 0 {
+		qd = DefaultQueueDepth
+	}
+	sendWR, recvWR := min(4*qd+1, 16384), min(3*qd+1, 16384)
+	if cid == 0 {
+		sendWR, recvWR = 1026, 1026
+	}
+	if c.cq, err = id.Device().CreateCQ(sendWR + recvWR); err != nil {
+		return fail(err)
+	}
+	p.mu.Lock()
+	res := p.res
+	p.mu.Unlock()
+	var pd rdma.PD
+	if res != nil && res.pd.Device().Name() == id.Device().Name() {
+		pd = res.pd
+	} else if pd, err = id.Device().AllocPD(); err != nil {
+		return fail(err)
+	} else {
+		p.mu.Lock()
+		if p.res == nil {
+			p.res = &pathRes{pd: pd}
+		} else if p.res.pd.Device().Name() != id.Device().Name() {
+			p.mu.Unlock()
+			return fail(fmt.Errorf("rtrs: connection %d on %s, path on %s: %w", cid, id.Device().Name(), p.res.pd.Device().Name(), syscall.EINVAL))
+		}
+		pd = p.res.pd
+		p.mu.Unlock()
+	}
+	if c.qp, err = id.CreateQP(pd, rdma.QPInitAttr{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: sendWR, MaxRecvWR: recvWR, MaxSendSGE: 2, MaxRecvSGE: 1}); err != nil {
+		return fail(err)
+	}
+	req := MsgConnReq{Cid: uint16(cid), CidNum: uint16(n), SessUUID: p.uuid, PathsUUID: s.pathsUUID, FirstConn: first}
+	p.mu.Lock()
+	req.ReconCnt = p.reconCnt
+	p.mu.Unlock()
+	data, err := id.Connect(ctx, rdma.ConnParam{PrivateData: req.Marshal(), RNRRetryCount: 7, RetryCount: 7})
+	if err != nil {
+		if r, ok := rdma.IsReject(err); ok {
+			// The newest kernels return the server's errno from its conn_rsp.
+			var m MsgConnRsp
+			if len(r.PrivateData) >= connMsgSize && m.Unmarshal(r.PrivateData) == nil && m.Errno < 0 {
+				return fail(fmt.Errorf("rtrs: server rejected connection %d: %w", cid, syscall.Errno(-m.Errno)))
+			}
+			return fail(fmt.Errorf("rtrs: connection %d rejected: %w", cid, syscall.ECONNRESET))
+		}
+		return fail(err)
+	}
+	if err := rsp.Unmarshal(data); err != nil || rsp.Errno != 0 {
+		return fail(fmt.Errorf("rtrs: bad connection response (%v): %w", err, syscall.ECONNRESET))
+	}
+	return c, rsp, nil
+}
+
+// takeLimits applies connection 0's response: the session's queue depth and sizes; a path
+// whose server reports another queue depth than the session has is refused.
+func (s *Session) takeLimits(p *Path, rsp *MsgConnRsp) error {
+	qd := int(rsp.QueueDepth)
+	chunk := int(rsp.MaxIOSize) + int(rsp.MaxHdrSize)
+	if qd == 0 || rsp.MaxHdrSize == 0 || int(rsp.MaxHdrSize) > chunk {
+		return fmt.Errorf("rtrs: server offers queue depth %d, io size %d, header size %d: %w", qd, rsp.MaxIOSize, rsp.MaxHdrSize, syscall.EINVAL)
+	}
+	if err := CheckImmBits(qd, chunk); err != nil {
+		return fmt.Errorf("%w: %w", err, syscall.EINVAL)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.permits == nil {
+		s.queueDepth, s.chunkSize, s.memBits = qd, chunk, MemBits(qd)
+		s.maxIOSize = int(rsp.MaxIOSize)
+		s.newRkey = rsp.Flags&MsgNewRkeyF != 0
+		s.permits = make(chan int, qd)
+		for i := 0; i < qd; i++ {
+			s.permits <- i
+		}
+		s.reqs = make([]cltReq, qd)
+		for i := range s.reqs {
+			s.reqs[i].permit = i
+		}
+		return nil
+	}
+	if qd != s.queueDepth || chunk != s.chunkSize {
+		p.mu.Lock()
+		p.attempts = -1 // queue depth changed: no more automatic reconnects
+		p.mu.Unlock()
+		return fmt.Errorf("rtrs: queue depth changed from %d to %d: %w", s.queueDepth, qd, syscall.EINVAL)
+	}
+	if newRkey := rsp.Flags&MsgNewRkeyF != 0; newRkey != s.newRkey {
+		return fmt.Errorf("rtrs: server always_invalidate differs between paths: %w", syscall.EINVAL)
+	}
+	return nil
+}
+
+// allocRes allocates the per-permit memory of this connection round.
+func (p *Path) allocRes() error {
+	s := p.sess
+	p.mu.Lock()
+	res := p.res
+	cons := p.cons
+	p.mu.Unlock()
+	qd := s.queueDepth
+	var err error
+	res.fr = make([]rdma.MR, qd)
+	for i := range res.fr {
+		if res.fr[i], err = res.pd.AllocFastRegMR(s.maxIOSize); err != nil {
+			return err
+		}
+	}
+	if res.iu, err = res.pd.AllocMR(qd*MaxHdrSize, rdma.AccessLocalWrite); err != nil {
+		return err
+	}
+	// Receive buffers: the info response, then 2*qd rkey responses per IO connection.
+	size := InfoRspSize(qd)
+	res.rcvOff = make([]int, len(cons))
+	for i := range cons {
+		res.rcvOff[i] = size
+		if i > 0 || len(cons) == 1 {
+			size += 2 * qd * rkeyRspSize
+		}
+	}
+	if res.rcv, err = res.pd.AllocMR(size, rdma.AccessLocalWrite); err != nil {
+		return err
+	}
+	p.rbufs = make([]rbuf, qd)
+	// Receives are consumed in order: connection 0 takes the INFO_RSP first.
+	if _, err := cons[0].qp.PostRecv([]rdma.RecvWR{{ID: wrInfo, SGList: []rdma.SGE{rdma.SGEOf(res.rcv, 0, InfoRspSize(qd))}}}); err != nil {
+		return err
+	}
+	for i, c := range cons {
+		var wc [32]rdma.WC
+		c.sigInterval = min(qd, ServiceConQD)
+		c.cq.SetHandler(func() { p.onCompletions(c, wc[:]) })
+		if i == 0 && len(cons) > 1 {
+			// Heartbeats only; a lone connection 0 also carries IO and gets the
+			// buffered receives below.
+			if err := postEmptyRecvs(c.qp, 1024); err != nil {
+				return err
+			}
+		}
+		if i > 0 || len(cons) == 1 {
+			wrs := make([]rdma.RecvWR, 2*qd)
+			for j := range wrs {
+				wrs[j].ID = wrRecv | uint64(j)
+				if s.newRkey {
+					wrs[j].SGList = []rdma.SGE{rdma.SGEOf(res.rcv, res.rcvOff[i]+j*rkeyRspSize, rkeyRspSize)}
+				}
+			}
+			if _, err := c.qp.PostRecv(wrs); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// infoExchange sends INFO_REQ and waits for INFO_RSP (the path becomes CONNECTED there).
+func (p *Path) infoExchange(ctx context.Context) error {
+	s := p.sess
+	p.mu.Lock()
+	c0, res := p.cons[0], p.res
+	p.mu.Unlock()
+	b, err := (&MsgInfoReq{PathName: s.opts.SessName}).Marshal()
+	if err != nil {
+		return err
+	}
+	copy(res.iu.Bytes(), b) // permit 0's header space is free until the path is up
+	if _, err := c0.qp.PostSend([]rdma.SendWR{{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(res.iu, 0, len(b))}}}); err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() {
+		p.mu.Lock()
+		p.stateCond.Broadcast()
+		p.mu.Unlock()
+	})
+	defer stop()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for p.state == StateConnecting && ctx.Err() == nil {
+		p.stateCond.Wait()
+	}
+	if p.state != StateConnected {
+		if ctx.Err() != nil {
+			return fmt.Errorf("rtrs: no INFO_RSP: %w", syscall.ETIMEDOUT)
+		}
+		return fmt.Errorf("rtrs: info exchange failed: %w", syscall.ECONNRESET)
+	}
+	return nil
+}
+
+// infoRsp validates INFO_RSP and maps the chunks (process_info_rsp).
+func (p *Path) infoRsp(w rdma.WC) {
+	s := p.sess
+	p.mu.Lock()
+	res := p.res
+	p.mu.Unlock()
+	var m MsgInfoRsp
+	err := m.Unmarshal(res.rcv.Bytes()[:w.ByteLen], s.queueDepth)
+	if err == nil {
+		err = p.mapChunks(m.Desc)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err != nil {
+		p.log.WithError(err).Warn("bad INFO_RSP")
+		p.setStateLocked(StateConnectingErr)
+		return
+	}
+	p.setStateLocked(StateConnected)
+}
+
+func (p *Path) mapChunks(desc []SgDesc) error {
+	s := p.sess
+	qd, cs := s.queueDepth, s.chunkSize
+	if len(desc) == 0 || qd%len(desc) != 0 {
+		return fmt.Errorf("%d descriptors for queue depth %d: %w", len(desc), qd, ErrMsg)
+	}
+	if ChunkBits(len(desc))+ChunkBits(cs) > maxImmPayloadBits {
+		return fmt.Errorf("%d descriptors of chunk %d break the 28-bit rule: %w", len(desc), cs, ErrMsg)
+	}
+	k, total := 0, 0
+	for _, d := range desc {
+		if d.Len == 0 || int(d.Len)%cs != 0 {
+			return fmt.Errorf("descriptor of %d bytes: %w", d.Len, ErrMsg)
+		}
+		for off := 0; off < int(d.Len); off += cs {
+			if k == qd {
+				return fmt.Errorf("more chunks than the queue depth: %w", ErrMsg)
+			}
+			p.rbufs[k].addr = d.Addr + uint64(off)
+			p.rbufs[k].rkey.Store(d.Key)
+			k++
+		}
+		total += int(d.Len)
+	}
+	if k != qd || total != qd*cs {
+		return fmt.Errorf("%d chunks mapped of %d: %w", k, qd, ErrMsg)
+	}
+	return nil
+}
+
+// watch turns a connection's disconnect into error recovery.
+func (p *Path) watch(c *con) {
+	ev, ok := <-c.id.Events()
+	if ok && ev.Type == rdma.EventDisconnected {
+		p.errRecovery(fmt.Errorf("connection %d disconnected (%v): %w", c.cid, ev.Err, syscall.ECONNRESET))
+	}
+}
+
+// errRecovery starts error recovery of a connected path (rtrs_rdma_error_recovery).
+func (p *Path) errRecovery(cause error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch p.state {
+	case StateConnected:
+		p.setStateLocked(StateReconnecting)
+		p.log.WithError(cause).Warn("path down")
+		p.startWorkerLocked()
+	case StateConnecting:
+		p.setStateLocked(StateConnectingErr)
+	}
+}
+
+// startWorkerLocked runs the recovery and reconnect loop unless it already runs.
+func (p *Path) startWorkerLocked() {
+	if p.worker {
+		return
+	}
+	p.worker = true
+	p.workDone = make(chan struct{})
+	go p.recoverAndReconnect()
+}
+
+// recoverAndReconnect fails the path's requests over, tears it down, and reconnects after
+// the delay until it succeeds, the attempts run out or the path is closed.
+func (p *Path) recoverAndReconnect() {
+	defer func() {
+		p.mu.Lock()
+		p.worker = false
+		close(p.workDone)
+		p.mu.Unlock()
+	}()
+	p.teardown()
+	s := p.sess
+	t := s.opts.Timings
+	for {
+		delay := t.ReconnectDelay + time.Duration(rand.IntN(8))*time.Millisecond
+		select {
+		case <-time.After(delay):
+		case <-p.trigger:
+		}
+		p.mu.Lock()
+		if p.state != StateReconnecting {
+			p.mu.Unlock()
+			return
+		}
+		max := uint32(s.maxReconnect.Load())
+		if uint32(p.attempts) >= max {
+			p.log.Warnf("no more reconnect attempts (%d), closing the path", p.attempts)
+			p.setStateLocked(StateClosing)
+			p.setStateLocked(StateClosed)
+			p.mu.Unlock()
+			return
+		}
+		p.attempts++
+		p.mu.Unlock()
+		if t.ReconnectBackoff > 0 {
+			time.Sleep(t.ReconnectBackoff)
+		}
+		if !p.setState(StateConnecting) {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 3*t.ConnectTimeout)
+		err := p.init(ctx)
+		cancel()
+		if err == nil {
+			p.mu.Lock()
+			p.attempts = 0
+			p.mu.Unlock()
+			p.ReconnectOK.Add(1)
+			p.log.Info("path reconnected")
+			p.markUp()
+			return
+		}
+		p.ReconnectFail.Add(1)
+		p.log.WithError(err).Warn("reconnect failed")
+		if !p.setState(StateReconnecting) {
+			return
+		}
+	}
+}
+
+// teardown stops the heartbeat, kills the connections, fails the requests in flight over to
+// other paths and releases the connections (the first half of err_recovery_work).
+func (p *Path) teardown() {
+	p.hb.halt()
+	p.mu.Lock()
+	cons := p.cons
+	p.cons = nil
+	res := p.res
+	p.res = nil
+	p.mu.Unlock()
+	for _, c := range cons {
+		if c != nil && c.qp != nil {
+			c.cq.SetHandler(nil)
+			c.qp.ToError()
+		}
+	}
+	p.hb.wait()
+	p.failover(cons)
+	for _, c := range cons {
+		if c != nil {
+			c.destroy()
+		}
+	}
+	if res != nil {
+		for _, m := range res.fr {
+			if m != nil {
+				_ = m.Dereg()
+			}
+		}
+		for _, m := range []rdma.MR{res.iu, res.rcv} {
+			if m != nil {
+				_ = m.Dereg()
+			}
+		}
+	}
+	p.markDown()
+}
+
+// markUp counts the path as established; the session's first comes back as RECONNECTED.
+func (p *Path) markUp() {
+	s := p.sess
+	p.mu.Lock()
+	up := !p.counted
+	p.counted = true
+	p.mu.Unlock()
+	if up && s.established.Add(1) == 1 && !s.opening.Load() {
+		s.linkEvent(LinkReconnected)
+	}
+}
+
+// markDown stops counting the path; the session's last going is DISCONNECTED.
+func (p *Path) markDown() {
+	s := p.sess
+	p.mu.Lock()
+	down := p.counted
+	p.counted = false
+	p.mu.Unlock()
+	if down && s.established.Add(-1) == 0 && !s.closed.Load() {
+		s.linkEvent(LinkDisconnected)
+	}
+}
+
+// close closes the path for good (used by Session.Close, open failure and remove_path).
+func (p *Path) close() {
+	p.mu.Lock()
+	p.setStateLocked(StateClosing)
+	w := p.workDone
+	p.mu.Unlock()
+	select {
+	case p.trigger <- struct{}{}:
+	default:
+	}
+	if w != nil {
+		<-w
+	}
+	p.teardown()
+	p.mu.Lock()
+	p.setStateLocked(StateClosed)
+	p.mu.Unlock()
+}
+
+// Disconnect closes the path and waits until it is closed; its requests fail over. It stays
+// listed and can be revived with Reconnect.
+func (p *Path) Disconnect() {
+	p.close()
+}
+
+// Reconnect tears the path down if it is up, and reconnects it now; it returns when the
+// attempt has finished (spec 5.1 reconnect).
+func (p *Path) Reconnect(ctx context.Context) error {
+	p.mu.Lock()
+	switch p.state {
+	case StateConnected, StateConnectingErr, StateClosed:
+		p.setStateLocked(StateReconnecting)
+		p.startWorkerLocked()
+	case StateReconnecting:
+	default:
+		st := p.state
+		p.mu.Unlock()
+		return fmt.Errorf("%w: path is %v", ErrBusy, st)
+	}
+	p.attempts = 0
+	w := p.workDone
+	p.mu.Unlock()
+	select {
+	case p.trigger <- struct{}{}:
+	default:
+	}
+	select {
+	case <-w:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if p.State() != StateConnected {
+		return ErrNotConn
+	}
+	return nil
+}
+
+// Remove closes the path and removes it from the session.
+func (p *Path) Remove() {
+	p.close()
+	p.mu.Lock()
+	p.setStateLocked(StateDead)
+	p.mu.Unlock()
+	s := p.sess
+	s.mu.Lock()
+	for i, q := range s.paths {
+		if q == p {
+			s.paths = append(s.paths[:i], s.paths[i+1:]...)
+			break
+		}
+	}
+	s.mu.Unlock()
+}
+
+// AddPath adds a path and connects it; it returns when the path is connected or failed
+// (add_path).
+func (s *Session) AddPath(ctx context.Context, pa PathAddrs) (*Path, error) {
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	s.mu.RLock()
+	n := len(s.paths)
+	s.mu.RUnlock()
+	p := s.newPath(pa, n == 0)
+	if err := p.connectFirst(ctx); err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	name := p.name
+	p.mu.Unlock()
+	for _, q := range s.Paths() {
+		if q != p && q.Name() == name {
+			p.Remove()
+			return nil, fmt.Errorf("%w: path %s", ErrExists, name)
+		}
+	}
+	return p, nil
+}

@@ -1,0 +1,354 @@
+package transport
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// cltReq is the state of the request that holds a permit.
+type cltReq struct {
+	permit int
+	dir    Dir
+	usr    []byte
+	data   []byte
+	done   func(error)
+	// owner is the connection the request is in flight on; whoever swaps it to nil (the
+	// completion or the failover) finishes the request, exactly once.
+	owner     atomic.Pointer[con]
+	path      *Path
+	countedMI bool
+}
+
+// Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
+// user header (the server's handler gets both). done is called once with the outcome, on a
+// transport goroutine; it must not block. Request waits for a permit until ctx ends.
+func (s *Session) Request(ctx context.Context, dir Dir, usr, data []byte, done func(error)) error {
+	return s.request(ctx, dir, usr, data, done, true)
+}
+
+// TryRequest is Request without waiting for a permit: ErrNoPermit when none is free.
+func (s *Session) TryRequest(dir Dir, usr, data []byte, done func(error)) error {
+	return s.request(context.Background(), dir, usr, data, done, false)
+}
+
+// Do is the synchronous Request.
+func (s *Session) Do(ctx context.Context, dir Dir, usr, data []byte) error {
+	ch := make(chan error, 1)
+	if err := s.Request(ctx, dir, usr, data, func(err error) { ch <- err }); err != nil {
+		return err
+	}
+	return <-ch
+}
+
+func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait bool) error {
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	hdr := writeHdrSize
+	if dir == Read {
+		hdr = ReadHdrSize(1)
+	}
+	if len(usr)+hdr > MaxHdrSize || len(data) > s.maxIOSize || len(data)+len(usr)+hdr > s.chunkSize {
+		return fmt.Errorf("%w: %d data + %d header bytes", ErrMsgSize, len(data), len(usr))
+	}
+	var permit int
+	if wait {
+		select {
+		case permit = <-s.permits:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	} else {
+		select {
+		case permit = <-s.permits:
+		default:
+			return ErrNoPermit
+		}
+	}
+	r := &s.reqs[permit]
+	r.dir, r.usr, r.data, r.done = dir, usr, data, done
+	if err := s.issue(r, nil, false); err != nil {
+		s.finish(r, nil)
+		return err
+	}
+	return nil
+}
+
+// issue posts r on the first path the policy offers that takes it, skipping skip.
+func (s *Session) issue(r *cltReq, skip *Path, failover bool) error {
+	paths := s.Paths()
+	tried := make([]bool, len(paths))
+	policy := s.Policy()
+	for range paths {
+		i := s.pick(paths, tried, policy, skip)
+		if i < 0 {
+			break
+		}
+		tried[i] = true
+		p := paths[i]
+		if p == skip {
+			continue
+		}
+		if err := p.post(r, policy == MinInflight); err == nil {
+			if failover {
+				p.Failovered.Add(1)
+			}
+			return nil
+		}
+	}
+	return ErrNoPath
+}
+
+// pick returns the next candidate path index, or -1 (the policy iterators of spec 3.6).
+func (s *Session) pick(paths []*Path, tried []bool, policy Policy, skip *Path) int {
+	switch policy {
+	case RoundRobin:
+		// Advances on every step, also over paths that are not connected.
+		for range paths {
+			i := int(s.rr.Add(1)-1) % len(paths)
+			if !tried[i] {
+				return i
+			}
+		}
+		return -1
+	default:
+		best := -1
+		var bestV int64
+		for i, p := range paths {
+			if tried[i] || p == skip || p.State() != StateConnected {
+				continue
+			}
+			v := int64(p.inflight.Load())
+			if policy == MinLatency {
+				v = p.hb.latency.Load()
+			}
+			if best < 0 || v < bestV {
+				best, bestV = i, v
+			}
+		}
+		return best
+	}
+}
+
+// post puts r on this path (rtrs_clt_write_req / rtrs_clt_read_req).
+func (p *Path) post(r *cltReq, countMI bool) error {
+	s := p.sess
+	p.mu.Lock()
+	if p.state != StateConnected || p.res == nil {
+		p.mu.Unlock()
+		return ErrNotConn
+	}
+	res, cons := p.res, p.cons
+	rb := &p.rbufs[r.permit]
+	p.mu.Unlock()
+	c := cons[0]
+	if len(cons) > 1 {
+		c = cons[r.permit%(len(cons)-1)+1]
+	}
+	iu := res.iu.Bytes()[r.permit*MaxHdrSize : (r.permit+1)*MaxHdrSize]
+	n := copy(iu, r.usr)
+	var wrs [2]rdma.SendWR
+	k := 0
+	var dataSGE rdma.SGE
+	if len(r.data) > 0 {
+		fr := res.fr[r.permit]
+		if fr.Valid() {
+			// Still registered from a request that failed over: take it back first.
+			if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}}); err != nil {
+				return err
+			}
+		}
+		iova := uint64(r.permit+1) << 32
+		if err := fr.Map(r.data, iova); err != nil {
+			return err
+		}
+		access := rdma.AccessLocalWrite
+		if r.dir == Read {
+			access |= rdma.AccessRemoteWrite
+		}
+		key := rdma.IncKey(fr.LKey())
+		wrs[k] = rdma.SendWR{Opcode: rdma.OpRegMR, MR: fr, Key: key, Access: access}
+		k++
+		dataSGE = rdma.SGE{Addr: iova, Length: uint32(len(r.data)), LKey: key}
+	}
+	wr := &wrs[k]
+	k++
+	*wr = rdma.SendWR{ID: wrReq | uint64(r.permit), Opcode: rdma.OpRDMAWriteWithImm, Flags: c.signal(), RKey: rb.rkey.Load()}
+	if r.dir == Write {
+		PutMsgRdmaWrite(iu[n:], uint16(len(r.usr)))
+		n += writeHdrSize
+		if len(r.data) > 0 {
+			wr.SGList = append(wr.SGList, dataSGE)
+		}
+		wr.SGList = append(wr.SGList, rdma.SGEOf(res.iu, r.permit*MaxHdrSize, n))
+		wr.RemoteAddr = rb.addr
+	} else {
+		m := MsgRdmaRead{UsrLen: uint16(len(r.usr))}
+		if len(r.data) > 0 {
+			m.Flags = MsgNeedInvalF
+			m.Desc = []SgDesc{{Addr: dataSGE.Addr, Key: dataSGE.LKey, Len: dataSGE.Length}}
+		}
+		m.Put(iu[n:])
+		n += ReadHdrSize(len(m.Desc))
+		wr.SGList = []rdma.SGE{rdma.SGEOf(res.iu, r.permit*MaxHdrSize, n)}
+		wr.RemoteAddr = rb.addr + uint64(len(r.data))
+	}
+	wr.Imm = IOReqImm(uint32(r.permit), uint32(len(r.data)+len(r.usr)), s.memBits)
+	r.path, r.countedMI = p, countMI
+	if countMI {
+		p.inflight.Add(1)
+	}
+	r.owner.Store(c)
+	if _, err := c.qp.PostSend(wrs[:k]); err != nil {
+		if r.owner.CompareAndSwap(c, nil) {
+			if countMI {
+				p.inflight.Add(-1)
+			}
+			return err
+		}
+		return nil // the path failed meanwhile and failover owns it now
+	}
+	return nil
+}
+
+// onCompletions is connection c's completion handler.
+func (p *Path) onCompletions(c *con, wc []rdma.WC) {
+	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
+		for _, w := range wc[:n] {
+			if w.Status != rdma.WCSuccess {
+				if w.Status != rdma.WCFlushErr {
+					p.errRecovery(fmt.Errorf("connection %d: %v completion: %v: %w", c.cid, w.Opcode, w.Status, syscall.EIO))
+				}
+				continue
+			}
+			if w.Opcode != rdma.WCRecv && w.Opcode != rdma.WCRecvRDMAWithImm {
+				continue // send completions only free the send queue
+			}
+			p.hb.missed.Store(0)
+			if w.ID == wrInfo {
+				p.infoRsp(w)
+				continue
+			}
+			p.recv(c, w)
+		}
+	}
+}
+
+// recv handles a receive completion on c and re-posts the receive.
+func (p *Path) recv(c *con, w rdma.WC) {
+	s := p.sess
+	p.mu.Lock()
+	res := p.res
+	p.mu.Unlock()
+	if res == nil {
+		return
+	}
+	repost := rdma.RecvWR{ID: w.ID}
+	idx := int(w.ID &^ wrKindMask)
+	var buf []byte
+	if s.newRkey && c.cid < len(res.rcvOff) && (c.cid > 0 || len(res.rcvOff) == 1) && idx < 2*s.queueDepth {
+		off := res.rcvOff[c.cid] + idx*rkeyRspSize
+		repost.SGList = []rdma.SGE{rdma.SGEOf(res.rcv, off, rkeyRspSize)}
+		buf = res.rcv.Bytes()[off : off+rkeyRspSize]
+	}
+	if _, err := c.qp.PostRecv([]rdma.RecvWR{repost}); err != nil {
+		p.errRecovery(err)
+		return
+	}
+	if w.Flags&rdma.WCWithImm == 0 {
+		return // SEND_WITH_INV: the server released our data key; the response follows
+	}
+	typ, payload := ImmFields(w.Imm)
+	switch typ {
+	case ImmHBMsg:
+		_, _ = c.qp.PostSend(hbWR(ImmHBAckValue))
+		return
+	case ImmHBAck:
+		p.hb.acked()
+		return
+	case ImmIORsp, ImmIORspWInv:
+	default:
+		p.errRecovery(fmt.Errorf("unknown immediate %#x: %w", w.Imm, syscall.EPROTO))
+		return
+	}
+	msgID, errno := IORspFields(payload)
+	if int(msgID) >= s.queueDepth {
+		p.errRecovery(fmt.Errorf("response for message %d: %w", msgID, syscall.EPROTO))
+		return
+	}
+	if w.Opcode == rdma.WCRecv && s.newRkey {
+		var rk MsgRkeyRsp
+		if buf == nil || w.ByteLen != rkeyRspSize || rk.Unmarshal(buf) != nil || int(rk.BufID) != int(msgID) {
+			p.errRecovery(fmt.Errorf("bad rkey response for message %d: %w", msgID, syscall.EPROTO))
+			return
+		}
+		p.rbufs[rk.BufID].rkey.Store(rk.Rkey)
+	}
+	r := &s.reqs[msgID]
+	if !r.owner.CompareAndSwap(c, nil) {
+		return // stale: the request was failed over or finished
+	}
+	if len(r.data) > 0 && typ != ImmIORspWInv {
+		fr := res.fr[r.permit]
+		_, _ = c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}})
+	}
+	p.account(r)
+	s.finish(r, errnoErr(errno))
+}
+
+// account counts a finished request on the path that carried it.
+func (p *Path) account(r *cltReq) {
+	if r.countedMI {
+		p.inflight.Add(-1)
+	}
+	size := uint64(len(r.data) + len(r.usr))
+	if r.dir == Read {
+		p.ReadCnt.Add(1)
+		p.ReadBytes.Add(size)
+	} else {
+		p.WriteCnt.Add(1)
+		p.WriteBytes.Add(size)
+	}
+}
+
+// finish returns r's permit and calls its callback.
+func (s *Session) finish(r *cltReq, err error) {
+	done := r.done
+	r.done, r.usr, r.data, r.path = nil, nil, nil, nil
+	s.permits <- r.permit
+	if done != nil {
+		done(err)
+	}
+}
+
+// failover re-issues every request in flight on cons through the other connected paths
+// (rtrs_clt_failover_req); those no path takes fail.
+func (p *Path) failover(cons []*con) {
+	s := p.sess
+	for i := range s.reqs {
+		r := &s.reqs[i]
+		c := r.owner.Load()
+		if c == nil || !contains(cons, c) || !r.owner.CompareAndSwap(c, nil) {
+			continue
+		}
+		if r.countedMI {
+			p.inflight.Add(-1)
+		}
+		if err := s.issue(r, p, true); err != nil {
+			s.finish(r, err)
+		}
+	}
+}
+
+func contains(cons []*con, c *con) bool {
+	for _, x := range cons {
+		if x == c {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,859 @@
+package transport
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// ServerOptions configure a server. Use DefaultServerOptions and change what differs.
+type ServerOptions struct {
+	Provider rdma.Provider
+	// Addr is the listen address; "[::]:1234" takes IPv4 and IPv6.
+	Addr netip.AddrPort
+	// QueueDepth is sess_queue_depth: chunks (and so client permits) per session.
+	QueueDepth int
+	// ChunkSize is max_chunk_size: a power of two ≥ 8 KiB.
+	ChunkSize int
+	// AlwaysInvalidate invalidates a chunk before handing it up and re-keys it afterwards.
+	AlwaysInvalidate bool
+	Handler          Handler
+	Timings          Timings
+}
+
+// DefaultServerOptions are the kernel module's defaults.
+func DefaultServerOptions() ServerOptions {
+	return ServerOptions{
+		Addr:             netip.AddrPortFrom(netip.IPv6Unspecified(), DefaultPort),
+		QueueDepth:       DefaultQueueDepth,
+		ChunkSize:        DefaultChunkSize,
+		AlwaysInvalidate: true,
+	}
+}
+
+// Handler receives a server's requests and session events.
+type Handler interface {
+	// Request is called for every IO request, on the goroutine that received it: it must not
+	// block. The request is answered later, from any goroutine, with SrvRequest.Respond.
+	Request(r *SrvRequest)
+	// LinkEvent reports a session's first path connecting (Connected) and its last path
+	// going (Disconnected).
+	LinkEvent(s *SrvSess, ev LinkEvent)
+}
+
+// LinkEvent is a session-level connectivity change.
+type LinkEvent int
+
+// Link events (enum rtrs_srv_link_ev / rtrs_clt_link_ev).
+const (
+	LinkConnected LinkEvent = iota
+	LinkDisconnected
+	LinkReconnected
+)
+
+func (e LinkEvent) String() string {
+	return [...]string{"CONNECTED", "DISCONNECTED", "RECONNECTED"}[e]
+}
+
+// Server is an RTRS server: it accepts client paths and hands their requests to the handler.
+type Server struct {
+	opts ServerOptions
+	ln   rdma.Listener
+	log  *log.Entry
+
+	mu       sync.Mutex
+	sessions map[uuid.UUID]*SrvSess
+	closed   bool
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// NewServer validates opts and starts listening.
+func NewServer(opts ServerOptions) (*Server, error) {
+	if opts.Provider == nil || opts.Handler == nil {
+		return nil, errors.New("rtrs: server needs a provider and a handler")
+	}
+	if opts.QueueDepth < 1 || opts.QueueDepth > MaxSessQueueDepth {
+		return nil, fmt.Errorf("rtrs: queue depth %d not in 1..%d: %w", opts.QueueDepth, MaxSessQueueDepth, syscall.EINVAL)
+	}
+	if opts.ChunkSize < MinChunkSize || opts.ChunkSize&(opts.ChunkSize-1) != 0 {
+		return nil, fmt.Errorf("rtrs: chunk size %d is not a power of two ≥ %d: %w", opts.ChunkSize, MinChunkSize, syscall.EINVAL)
+	}
+	if err := CheckImmBits(opts.QueueDepth, opts.ChunkSize); err != nil {
+		return nil, fmt.Errorf("%w: %w", err, syscall.EINVAL)
+	}
+	opts.Timings = opts.Timings.withDefaults()
+	ln, err := opts.Provider.Listen(opts.Addr, 64)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{opts: opts, ln: ln, sessions: map[uuid.UUID]*SrvSess{},
+		log: logger(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.wg.Add(1)
+	go s.acceptLoop()
+	return s, nil
+}
+
+// Addr is the address the server listens on.
+func (s *Server) Addr() netip.AddrPort { return s.ln.Addr() }
+
+// Options returns the server's options (with defaults filled in).
+func (s *Server) Options() ServerOptions { return s.opts }
+
+// Close closes every path and stops listening.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return ErrClosed
+	}
+	s.closed = true
+	var paths []*SrvPath
+	for _, ss := range s.sessions {
+		paths = append(paths, ss.pathList()...)
+	}
+	s.mu.Unlock()
+	s.cancel()
+	err := s.ln.Close()
+	for _, p := range paths {
+		p.Close()
+	}
+	for _, p := range paths {
+		<-p.closed
+	}
+	s.wg.Wait()
+	return err
+}
+
+// Sessions lists the sessions that have a name (a path finished its INFO_REQ), by name.
+func (s *Server) Sessions() []*SrvSess {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*SrvSess
+	for _, ss := range s.sessions {
+		if ss.Name() != "" {
+			out = append(out, ss)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name() < out[j].Name() })
+	return out
+}
+
+func (s *Server) acceptLoop() {
+	defer s.wg.Done()
+	for {
+		req, err := s.ln.Accept(s.ctx)
+		if err != nil {
+			return
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.connect(req)
+		}()
+	}
+}
+
+// reject answers a connection request with errno in conn_rsp.
+func reject(req *rdma.ConnRequest, errno syscall.Errno) {
+	rsp := MsgConnRsp{Errno: -int16(errno)}
+	_ = req.ID.Reject(rsp.Marshal())
+	_ = req.ID.Destroy()
+}
+
+// connect handles one connection request (rtrs_rdma_connect).
+func (s *Server) connect(req *rdma.ConnRequest) {
+	var m MsgConnReq
+	if err := m.Unmarshal(req.PrivateData); err != nil {
+		s.log.WithError(err).Warn("connection request refused")
+		reject(req, syscall.ECONNRESET)
+		return
+	}
+	if m.CidNum == 0 || int(m.CidNum) > MaxConnsPerPath || m.Cid >= m.CidNum {
+		s.log.Warnf("connection request with cid %d of %d refused", m.Cid, m.CidNum)
+		reject(req, syscall.ECONNRESET)
+		return
+	}
+	p, errno := s.findPath(&m, req.ID)
+	if errno != 0 {
+		reject(req, errno)
+		return
+	}
+	if err := p.addCon(req, int(m.Cid)); err != nil {
+		p.log.WithError(err).Warnf("connection %d refused", m.Cid)
+		p.Close()
+		return
+	}
+}
+
+// findPath finds or creates the session and path a request belongs to, applying the kernel's
+// reject rules; it reserves the request's connection slot.
+func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errno) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, syscall.ECONNRESET
+	}
+	ss := s.sessions[m.PathsUUID]
+	if ss == nil {
+		if !m.FirstConn {
+			return nil, syscall.ENXIO
+		}
+		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{},
+			mem: make([]byte, s.opts.QueueDepth*s.opts.ChunkSize)}
+		s.sessions[m.PathsUUID] = ss
+	}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if p := ss.paths[m.SessUUID]; p != nil {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.state != srvConnecting || len(p.cons) != int(m.CidNum) || p.cons[m.Cid] != nil {
+			if p.state == srvConnecting && time.Since(p.created) > s.opts.Timings.ZombieTimeout {
+				go p.Close()
+			}
+			return nil, syscall.ECONNRESET
+		}
+		p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
+		return p, 0
+	}
+	if len(ss.paths) >= MaxPathsNum {
+		return nil, syscall.ECONNRESET
+	}
+	src, dst := addrOf(id.RemoteAddr()), addrOf(id.LocalAddr())
+	for _, o := range ss.paths {
+		if o.src.IP == src.IP && o.dst.IP == dst.IP {
+			o.mu.Lock()
+			zombie := o.state == srvConnecting && time.Since(o.created) > s.opts.Timings.ZombieTimeout
+			o.mu.Unlock()
+			if zombie {
+				go o.Close()
+			}
+			return nil, syscall.EEXIST
+		}
+	}
+	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, created: time.Now(),
+		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
+	p.log = s.log.WithField("path", p.Name())
+	p.cons[m.Cid] = &con{cid: int(m.Cid)}
+	p.opsIdle = sync.NewCond(&p.mu)
+	ss.paths[m.SessUUID] = p
+	return p, 0
+}
+
+// SrvSess is a server session: the chunks its paths share, keyed by the client's session uuid.
+type SrvSess struct {
+	srv  *Server
+	uuid uuid.UUID
+	mem  []byte
+
+	mu          sync.Mutex
+	name        string
+	paths       map[uuid.UUID]*SrvPath
+	established int
+}
+
+// Name is the client's session name (empty until a path has sent INFO_REQ).
+func (ss *SrvSess) Name() string {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.name
+}
+
+// Paths lists the session's connected paths by name.
+func (ss *SrvSess) Paths() []*SrvPath {
+	var out []*SrvPath
+	for _, p := range ss.pathList() {
+		if p.State() == "connected" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func (ss *SrvSess) pathList() []*SrvPath {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	out := make([]*SrvPath, 0, len(ss.paths))
+	for _, p := range ss.paths {
+		out = append(out, p)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name() < out[j].Name() })
+	return out
+}
+
+// chunk returns chunk id's memory.
+func (ss *SrvSess) chunk(id int) []byte {
+	cs := ss.srv.opts.ChunkSize
+	return ss.mem[id*cs : (id+1)*cs : (id+1)*cs]
+}
+
+type srvPathState int
+
+const (
+	srvConnecting srvPathState = iota
+	srvConnected
+	srvClosing
+	srvClosed
+)
+
+// SrvPath is one client path of a server session.
+type SrvPath struct {
+	sess    *SrvSess
+	uuid    uuid.UUID
+	src     Addr // client
+	dst     Addr // server
+	created time.Time
+	hcaName string
+	hcaPort int
+	log     *log.Entry
+
+	mu      sync.Mutex
+	state   srvPathState
+	cons    []*con
+	ops     int // requests handed up and not yet answered
+	opsIdle *sync.Cond
+
+	pd      rdma.PD
+	chunkMR []rdma.MR // one per chunk with always_invalidate, else one for all
+	localMR rdma.MR   // all chunks, local access: the source of READ data
+	ctlMR   rdma.MR   // info request/response and rkey response buffers
+	reqs    []srvReq  // per chunk
+	hb      heartbeat
+	closing sync.Once
+	closed  chan struct{}
+
+	// Stats: the counters of stats/rdma.
+	ReadCnt, ReadBytes, WriteCnt, WriteBytes atomic.Uint64
+}
+
+// Name is "<client addr>@<server addr>".
+func (p *SrvPath) Name() string { return PathName(p.src, p.dst) }
+
+// SrcAddr is the client's address, DstAddr the server's.
+func (p *SrvPath) SrcAddr() Addr { return p.src }
+
+// DstAddr is the server's (local) address.
+func (p *SrvPath) DstAddr() Addr { return p.dst }
+
+// HCA returns the device name and port of connection 0.
+func (p *SrvPath) HCA() (string, int) { return p.hcaName, p.hcaPort }
+
+// Session is the path's session.
+func (p *SrvPath) Session() *SrvSess { return p.sess }
+
+// State is "connected" or "disconnected", as sysfs would say it.
+func (p *SrvPath) State() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.state == srvConnected {
+		return "connected"
+	}
+	return "disconnected"
+}
+
+// Inflight is the number of requests handed up and not yet answered.
+func (p *SrvPath) Inflight() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.ops
+}
+
+// ctl buffer layout: [info request 272][info response][rkey responses qd*8].
+func (p *SrvPath) ctlInfoRsp() int { return infoReqSize }
+func (p *SrvPath) ctlRkey(id int) int {
+	return infoReqSize + InfoRspSize(len(p.chunkMR)) + rkeyRspSize*id
+}
+
+// addCon creates the QP of connection cid and accepts it.
+func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
+	srv := p.sess.srv
+	o := srv.opts
+	if err := p.setupMem(req.ID.Device()); err != nil {
+		reject(req, syscall.ENOMEM)
+		return err
+	}
+	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD)}
+	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+1
+	if !o.AlwaysInvalidate {
+		sendWR = 3*o.QueueDepth + 1
+	}
+	if cid == 0 {
+		sendWR, recvWR = max(sendWR, 1026), max(recvWR, 1026)
+	}
+	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
+	var err error
+	if c.cq, err = req.ID.Device().CreateCQ(sendWR + recvWR); err != nil {
+		reject(req, syscall.ENOMEM)
+		return err
+	}
+	if c.qp, err = req.ID.CreateQP(p.pd, rdma.QPInitAttr{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: sendWR, MaxRecvWR: recvWR, MaxSendSGE: 1, MaxRecvSGE: 1}); err != nil {
+		c.destroy()
+		reject(req, syscall.ENOMEM)
+		return err
+	}
+	// Connection 0 waits for INFO_REQ; IO connections for requests.
+	if cid == 0 {
+		_, err = c.qp.PostRecv([]rdma.RecvWR{{ID: wrInfo, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, 0, infoReqSize)}}})
+	} else {
+		err = postEmptyRecvs(c.qp, o.QueueDepth)
+	}
+	if err != nil {
+		c.destroy()
+		reject(req, syscall.ENOMEM)
+		return err
+	}
+	var wc [16]rdma.WC
+	c.cq.SetHandler(func() { p.onCompletions(c, wc[:]) })
+	rsp := MsgConnRsp{QueueDepth: uint16(o.QueueDepth), MaxIOSize: uint32(o.ChunkSize - MaxHdrSize), MaxHdrSize: MaxHdrSize}
+	if o.AlwaysInvalidate {
+		rsp.Flags = MsgNewRkeyF
+	}
+	ctx, cancel := ctxTimeout(srv.ctx, o.Timings.ConnectTimeout)
+	defer cancel()
+	p.mu.Lock()
+	p.cons[cid] = c
+	p.mu.Unlock()
+	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: rsp.Marshal(), RNRRetryCount: 7}); err != nil {
+		return err
+	}
+	go p.watch(c)
+	return nil
+}
+
+// postEmptyRecvs posts n receives without buffers (for WRITE_WITH_IMM).
+func postEmptyRecvs(qp rdma.QP, n int) error {
+	wrs := make([]rdma.RecvWR, n)
+	for i := range wrs {
+		wrs[i].ID = wrRecv
+	}
+	_, err := qp.PostRecv(wrs)
+	return err
+}
+
+// setupMem registers the session's chunks for this path, once.
+func (p *SrvPath) setupMem(dev rdma.Device) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.pd != nil {
+		if p.pd.Device().Name() != dev.Name() {
+			return fmt.Errorf("rtrs: connection on %s, path on %s", dev.Name(), p.pd.Device().Name())
+		}
+		return nil
+	}
+	o := p.sess.srv.opts
+	pd, err := dev.AllocPD()
+	if err != nil {
+		return err
+	}
+	ss := p.sess
+	access := rdma.AccessLocalWrite | rdma.AccessRemoteWrite
+	var mrs []rdma.MR
+	if o.AlwaysInvalidate {
+		// One region per chunk, so each can be invalidated and re-keyed on its own.
+		for i := 0; i < o.QueueDepth; i++ {
+			m, err := pd.RegMR(ss.chunk(i), access)
+			if err != nil {
+				return err
+			}
+			mrs = append(mrs, m)
+		}
+	} else {
+		m, err := pd.RegMR(ss.mem, access)
+		if err != nil {
+			return err
+		}
+		mrs = append(mrs, m)
+	}
+	local, err := pd.RegMR(ss.mem, rdma.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(len(mrs))+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	p.pd, p.chunkMR, p.localMR, p.ctlMR = pd, mrs, local, ctl
+	p.reqs = make([]srvReq, o.QueueDepth)
+	for i := range p.reqs {
+		p.reqs[i].r.path, p.reqs[i].r.slot, p.reqs[i].id = p, &p.reqs[i], i
+	}
+	return nil
+}
+
+// watch waits for the connection to go and closes the path.
+func (p *SrvPath) watch(c *con) {
+	select {
+	case <-c.id.Events():
+		p.log.Debugf("connection %d disconnected", c.cid)
+		p.Close()
+	case <-p.closed:
+	}
+}
+
+// onCompletions is connection c's completion handler.
+func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
+	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
+		for _, w := range wc[:n] {
+			if w.Status != rdma.WCSuccess {
+				if w.Status != rdma.WCFlushErr {
+					p.log.Warnf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status)
+				}
+				go p.Close()
+				continue
+			}
+			switch {
+			case w.ID == wrInfo:
+				p.infoReq(c, w)
+			case w.ID&wrKindMask == wrLocalInv:
+				p.dispatch(c, int(w.ID&^wrKindMask))
+			case w.Opcode == rdma.WCRecvRDMAWithImm:
+				p.recvImm(c, w.Imm)
+			}
+		}
+	}
+}
+
+// recvImm handles an RDMA_WRITE_WITH_IMM from the client.
+func (p *SrvPath) recvImm(c *con, imm uint32) {
+	p.hb.missed.Store(0)
+	if _, err := c.qp.PostRecv([]rdma.RecvWR{{ID: wrRecv}}); err != nil {
+		go p.Close()
+		return
+	}
+	typ, payload := ImmFields(imm)
+	switch typ {
+	case ImmHBMsg:
+		_, _ = c.qp.PostSend(hbWR(ImmHBAckValue))
+		return
+	case ImmHBAck:
+		p.hb.acked()
+		return
+	case ImmIOReq:
+	default:
+		p.log.Warnf("unknown immediate %#x", imm)
+		go p.Close()
+		return
+	}
+	o := p.sess.srv.opts
+	id, off := IOReqFields(payload, MemBits(o.QueueDepth))
+	if int(id) >= o.QueueDepth || int(off) >= o.ChunkSize {
+		p.log.Warnf("request for chunk %d offset %d out of range", id, off)
+		go p.Close()
+		return
+	}
+	r := &p.reqs[id]
+	r.off, r.con = int(off), c
+	if !o.AlwaysInvalidate {
+		p.dispatch(c, int(id))
+		return
+	}
+	// Take the chunk from the client first: dispatch when its key is dead.
+	_, err := c.qp.PostSend([]rdma.SendWR{{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv,
+		Flags: rdma.SendSignaled, InvRKey: p.chunkMR[id].RKey()}})
+	if err != nil {
+		go p.Close()
+	}
+}
+
+// srvReq is the per-chunk request state of a path.
+type srvReq struct {
+	r       SrvRequest
+	id      int
+	off     int
+	con     *con
+	needInv bool
+	cliKey  uint32
+	desc    SgDesc
+	hasData bool
+}
+
+// SrvRequest is one IO request handed to the handler.
+type SrvRequest struct {
+	Dir  Dir
+	Usr  []byte // the user header
+	Data []byte // WRITE: the data; READ: where the data to return goes
+	path *SrvPath
+	slot *srvReq
+	done atomic.Bool
+}
+
+// Session is the request's session.
+func (r *SrvRequest) Session() *SrvSess { return r.path.sess }
+
+// Path is the path the request came on.
+func (r *SrvRequest) Path() *SrvPath { return r.path }
+
+// dispatch parses the RTRS header at the request's offset and hands the request up.
+func (p *SrvPath) dispatch(c *con, id int) {
+	r := &p.reqs[id]
+	chunk := p.sess.chunk(id)
+	hdr := chunk[r.off:]
+	if len(hdr) < writeHdrSize {
+		p.badRequest(id, "header beyond the chunk")
+		return
+	}
+	typ := binary.LittleEndian.Uint16(hdr)
+	usrLen := int(binary.LittleEndian.Uint16(hdr[2:]))
+	if usrLen > r.off || usrLen > MaxHdrSize {
+		p.badRequest(id, fmt.Sprintf("user header of %d bytes at offset %d", usrLen, r.off))
+		return
+	}
+	dataLen := r.off - usrLen
+	r.needInv, r.hasData = false, false
+	switch uint16(typ) {
+	case MsgTypeWrite:
+		r.r.Dir = Write
+	case MsgTypeRead:
+		var m MsgRdmaRead
+		if err := m.Unmarshal(hdr); err != nil {
+			p.badRequest(id, err.Error())
+			return
+		}
+		r.r.Dir = Read
+		if len(m.Desc) == 1 {
+			r.hasData, r.desc = true, m.Desc[0]
+			if int(r.desc.Len) > dataLen {
+				p.badRequest(id, fmt.Sprintf("read of %d bytes into %d", r.desc.Len, dataLen))
+				return
+			}
+			r.needInv, r.cliKey = m.Flags&MsgNeedInvalF != 0, r.desc.Key
+		}
+	default:
+		p.badRequest(id, fmt.Sprintf("type %d", typ))
+		return
+	}
+	p.mu.Lock()
+	if p.state != srvConnected {
+		p.mu.Unlock()
+		return // dropped, as the kernel does
+	}
+	p.ops++
+	p.mu.Unlock()
+	if r.r.Dir == Read {
+		p.ReadCnt.Add(1)
+		p.ReadBytes.Add(uint64(r.off))
+	} else {
+		p.WriteCnt.Add(1)
+		p.WriteBytes.Add(uint64(r.off))
+	}
+	r.r.Data, r.r.Usr = chunk[:dataLen:dataLen], chunk[dataLen:r.off:r.off]
+	r.r.done.Store(false)
+	p.sess.srv.opts.Handler.Request(&r.r)
+}
+
+func (p *SrvPath) badRequest(id int, why string) {
+	p.log.Warnf("malformed request in chunk %d: %s", id, why)
+	go p.Close()
+}
+
+// Respond answers the request with errno (0 for success; a negative or positive errno value
+// otherwise). For a successful READ the data is first written to the client. It may be called
+// once, from any goroutine.
+func (r *SrvRequest) Respond(errno int) {
+	if r.done.Swap(true) {
+		return
+	}
+	p := r.path
+	defer func() {
+		p.mu.Lock()
+		p.ops--
+		if p.ops == 0 {
+			p.opsIdle.Broadcast()
+		}
+		p.mu.Unlock()
+	}()
+	p.mu.Lock()
+	connected := p.state == srvConnected
+	p.mu.Unlock()
+	if !connected {
+		return // dropped
+	}
+	sr := r.slot
+	o := p.sess.srv.opts
+	c := sr.con
+	var wrs [4]rdma.SendWR
+	n := 0
+	if errno == 0 && sr.hasData && sr.desc.Len > 0 {
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpRDMAWrite, SGList: []rdma.SGE{{Addr: p.localMR.Addr() + uint64(sr.id*o.ChunkSize), Length: sr.desc.Len, LKey: p.localMR.LKey()}},
+			RemoteAddr: sr.desc.Addr, RKey: sr.desc.Key}
+		n++
+	}
+	if sr.needInv {
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpSendWithInv, InvRKey: sr.cliKey}
+		n++
+	}
+	imm := IORspImm(uint32(sr.id), errno, sr.needInv)
+	if o.AlwaysInvalidate {
+		mr := p.chunkMR[sr.id]
+		key := rdma.IncKey(mr.RKey())
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpRegMR, MR: mr, Key: key, Access: rdma.AccessLocalWrite | rdma.AccessRemoteWrite}
+		n++
+		off := p.ctlRkey(sr.id)
+		rk := MsgRkeyRsp{BufID: uint16(sr.id), Rkey: key}
+		rk.Put(p.ctlMR.Bytes()[off:])
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpSendWithImm, Imm: imm, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, off, rkeyRspSize)}}
+	} else {
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpRDMAWriteWithImm, Imm: imm}
+	}
+	wrs[n].ID, wrs[n].Flags = wrResp|uint64(sr.id), c.signal()
+	n++
+	if _, err := c.qp.PostSend(wrs[:n]); err != nil {
+		p.log.WithError(err).Warn("response not sent")
+		go p.Close()
+	}
+}
+
+// infoReq handles INFO_REQ on connection 0 (process_info_req).
+func (p *SrvPath) infoReq(c *con, w rdma.WC) {
+	var m MsgInfoReq
+	if err := m.Unmarshal(p.ctlMR.Bytes()[:w.ByteLen]); err != nil {
+		p.log.WithError(err).Warn("bad INFO_REQ")
+		go p.Close()
+		return
+	}
+	if err := validName(m.PathName); err != nil {
+		p.log.WithError(err).Warn("INFO_REQ refused")
+		go p.Close()
+		return
+	}
+	srv, ss := p.sess.srv, p.sess
+	srv.mu.Lock()
+	for _, o := range srv.sessions {
+		if o != ss && o.Name() == m.PathName {
+			srv.mu.Unlock()
+			p.log.Warnf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM)
+			go p.Close()
+			return
+		}
+	}
+	ss.mu.Lock()
+	if ss.name == "" {
+		ss.name = m.PathName
+	}
+	ss.mu.Unlock()
+	srv.mu.Unlock()
+	p.log = p.log.WithField("session", m.PathName)
+
+	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
+		go p.Close()
+		return
+	}
+	p.mu.Lock()
+	if p.state != srvConnecting {
+		p.mu.Unlock()
+		return
+	}
+	p.state = srvConnected
+	p.mu.Unlock()
+	ss.mu.Lock()
+	ss.established++
+	first := ss.established == 1
+	ss.mu.Unlock()
+	if first {
+		srv.opts.Handler.LinkEvent(ss, LinkConnected)
+	}
+	rsp := MsgInfoRsp{}
+	cs := srv.opts.ChunkSize
+	for _, mr := range p.chunkMR {
+		rsp.Desc = append(rsp.Desc, SgDesc{Addr: mr.Addr(), Key: mr.RKey(), Len: uint32(mr.Len() / cs * cs)})
+	}
+	b := rsp.Marshal()
+	copy(p.ctlMR.Bytes()[p.ctlInfoRsp():], b)
+	if _, err := c.qp.PostSend([]rdma.SendWR{{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}}}); err != nil {
+		go p.Close()
+		return
+	}
+	t := srv.opts.Timings
+	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
+		_, err := c.qp.PostSend(hbWR(ImmHBMsgValue))
+		return err
+	}, func() {
+		p.log.Warn("heartbeat lost, closing the path")
+		go p.Close()
+	})
+	p.log.Info("path connected")
+}
+
+// Disconnect closes the path asynchronously (the server's sysfs disconnect).
+func (p *SrvPath) Disconnect() { go p.Close() }
+
+// Close closes the path (close_path): connections go, requests handed up are waited for,
+// the session goes with its last path. It returns when the path is closed.
+func (p *SrvPath) Close() {
+	p.closing.Do(func() {
+		p.mu.Lock()
+		wasConnected := p.state == srvConnected
+		p.state = srvClosing
+		cons := append([]*con(nil), p.cons...)
+		p.mu.Unlock()
+		p.hb.halt()
+		for _, c := range cons {
+			if c != nil && c.qp != nil {
+				c.qp.ToError()
+			}
+		}
+		p.hb.wait()
+		// Requests already handed up are answered (into the void) before the memory goes.
+		p.mu.Lock()
+		deadline := time.AfterFunc(p.sess.srv.opts.Timings.ConnectTimeout, func() {
+			p.mu.Lock()
+			p.opsIdle.Broadcast()
+			p.mu.Unlock()
+		})
+		start := time.Now()
+		for p.ops > 0 && time.Since(start) < p.sess.srv.opts.Timings.ConnectTimeout {
+			p.opsIdle.Wait()
+		}
+		deadline.Stop()
+		p.mu.Unlock()
+		for _, c := range cons {
+			if c != nil {
+				c.destroy()
+			}
+		}
+		ss, srv := p.sess, p.sess.srv
+		srv.mu.Lock()
+		ss.mu.Lock()
+		delete(ss.paths, p.uuid)
+		last := false
+		if wasConnected {
+			ss.established--
+			last = ss.established == 0
+		}
+		if len(ss.paths) == 0 {
+			delete(srv.sessions, ss.uuid)
+		}
+		ss.mu.Unlock()
+		srv.mu.Unlock()
+		if last {
+			srv.opts.Handler.LinkEvent(ss, LinkDisconnected)
+		}
+		for _, mr := range append(p.chunkMR, p.localMR, p.ctlMR) {
+			if mr != nil {
+				_ = mr.Dereg()
+			}
+		}
+		p.mu.Lock()
+		p.state = srvClosed
+		p.mu.Unlock()
+		p.log.Info("path closed")
+		close(p.closed)
+	})
+	<-p.closed
+}
