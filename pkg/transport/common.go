@@ -160,21 +160,26 @@ type heartbeat struct {
 	missed   atomic.Int32
 	lastSent atomic.Int64 // unix nanos of the last HB_MSG
 	latency  atomic.Int64 // last round trip, ns
-	stop     chan struct{}
-	done     chan struct{}
+
+	mu   sync.Mutex
+	stop chan struct{}
+	done chan struct{}
 }
 
 // run ticks every interval: after more than max unanswered ticks it calls onDead; otherwise
 // it sends a heartbeat when the previous one was answered.
 func (h *heartbeat) run(interval time.Duration, maxMissed int, send func() error, onDead func()) {
-	h.stop, h.done = make(chan struct{}), make(chan struct{})
+	stop, done := make(chan struct{}), make(chan struct{})
+	h.mu.Lock()
+	h.stop, h.done = stop, done
+	h.mu.Unlock()
 	go func() {
-		defer close(h.done)
+		defer close(done)
 		t := time.NewTicker(interval)
 		defer t.Stop()
 		for {
 			select {
-			case <-h.stop:
+			case <-stop:
 				return
 			case <-t.C:
 			}
@@ -194,9 +199,10 @@ func (h *heartbeat) run(interval time.Duration, maxMissed int, send func() error
 	}()
 }
 
-// halt stops the heartbeat and waits for its goroutine; safe to call more than once and
-// from the heartbeat's own onDead.
+// halt stops the heartbeat; safe to call more than once and from onDead.
 func (h *heartbeat) halt() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
 	if h.stop == nil {
 		return
 	}
@@ -209,8 +215,11 @@ func (h *heartbeat) halt() {
 
 // wait waits for the heartbeat goroutine to end (not from onDead).
 func (h *heartbeat) wait() {
-	if h.done != nil {
-		<-h.done
+	h.mu.Lock()
+	d := h.done
+	h.mu.Unlock()
+	if d != nil {
+		<-d
 	}
 }
 

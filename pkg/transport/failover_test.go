@@ -1,0 +1,225 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// waitFor polls cond for up to d.
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); !cond(); {
+		if time.Now().After(end) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// srvPath finds the server path whose client address is src.
+func (e *env) srvPath(t testing.TB, src string) *SrvPath {
+	t.Helper()
+	for _, ss := range e.srv.Sessions() {
+		for _, p := range ss.Paths() {
+			if p.SrcAddr().String() == src {
+				return p
+			}
+		}
+	}
+	t.Fatalf("no server path from %s", src)
+	return nil
+}
+
+// TestFailoverMidIO kills one path's connections while IO runs on both: every request
+// completes with the right data, the path that took the failed-over requests counts them, and
+// the killed path reconnects by itself.
+func TestFailoverMidIO(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, true, 64)
+	e.disk.async = true
+	s := e.open(t, "fo", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
+	p1, p2 := s.Paths()[0], s.Paths()[1]
+	model := make([]byte, len(e.disk.disk))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		randomIO(t, s, model, 4000, 48, 7)
+	}()
+	// Kill path 2 mid-IO from the client's side: its connections go to error at once.
+	waitFor(t, 10*time.Second, "IO on path 2", func() bool { return p2.WriteCnt.Load()+p2.ReadCnt.Load() > 200 })
+	p2.mu.Lock()
+	for _, c := range p2.cons {
+		c.qp.ToError()
+	}
+	p2.mu.Unlock()
+	<-done
+	if p1.Failovered.Load() == 0 {
+		t.Fatal("path 1 took no failed-over request")
+	}
+	waitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == StateConnected })
+	if p2.ReconnectOK.Load() != 1 {
+		t.Fatalf("reconnects ok %d", p2.ReconnectOK.Load())
+	}
+	// IO uses both paths again.
+	before := p2.WriteCnt.Load() + p2.ReadCnt.Load()
+	randomIO(t, s, model, 1000, 32, 8)
+	if p2.WriteCnt.Load()+p2.ReadCnt.Load() == before {
+		t.Fatal("the reconnected path carries no IO")
+	}
+	e.disk.mu.Lock()
+	defer e.disk.mu.Unlock()
+	if string(model) != string(e.disk.disk) {
+		t.Fatal("disk differs from the model")
+	}
+}
+
+// TestAllPathsDown: with both paths gone, requests fail with ECONNABORTED and the session
+// reports DISCONNECTED; when a path returns, RECONNECTED, and IO works again.
+func TestAllPathsDown(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 32)
+	events := make(chan LinkEvent, 16)
+	s := e.open(t, "down", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), func(o *ClientOptions) {
+		o.Timings.ReconnectDelay = 300 * time.Millisecond
+		o.OnLinkEvent = func(ev LinkEvent) { events <- ev }
+	})
+	// The server drops both paths (its sysfs disconnect).
+	e.srvPath(t, "ip:127.0.0.1").Disconnect()
+	e.srvPath(t, "ip:127.0.0.2").Disconnect()
+	select {
+	case ev := <-events:
+		if ev != LinkDisconnected {
+			t.Fatalf("event %v", ev)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no DISCONNECTED event")
+	}
+	err := s.Do(context.Background(), Read, offHdr(0), make([]byte, 4096))
+	if !errors.Is(err, syscall.ECONNABORTED) {
+		t.Fatalf("request with no path: %v", err)
+	}
+	select {
+	case ev := <-events:
+		if ev != LinkReconnected {
+			t.Fatalf("event %v", ev)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no RECONNECTED event")
+	}
+	if err := s.Do(context.Background(), Write, offHdr(4096), make([]byte, 4096)); err != nil {
+		t.Fatalf("IO after reconnect: %v", err)
+	}
+}
+
+// TestNoReconnect: max_reconnect_attempts 0 closes a failed path at the first attempt; a
+// manual reconnect still brings it back.
+func TestNoReconnect(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "norecon", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), func(o *ClientOptions) {
+		o.MaxReconnectAttempts = 0
+	})
+	p := s.Paths()[1]
+	e.srvPath(t, "ip:127.0.0.2").Disconnect()
+	waitFor(t, 5*time.Second, "path closed", func() bool { return p.State() == StateClosed })
+	time.Sleep(200 * time.Millisecond)
+	if p.State() != StateClosed || p.ReconnectOK.Load() != 0 {
+		t.Fatalf("path %v after a failure with no reconnect allowed", p.State())
+	}
+	// As in the kernel, the reconnect attempt itself checks the limit: with 0 even a manual
+	// reconnect closes the path again.
+	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("manual reconnect with max_reconnect_attempts 0: %v", err)
+	}
+	if err := s.SetMaxReconnectAttempts(-1); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Reconnect(context.Background()); err != nil {
+		t.Fatalf("manual reconnect: %v", err)
+	}
+	if p.State() != StateConnected {
+		t.Fatal(p.State())
+	}
+}
+
+// TestHeartbeatLoss: a server whose connection 0 stops answering (hung, not closed) is
+// detected by the client's heartbeat, and the path recovers once the server lets go.
+func TestHeartbeatLoss(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "hb", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	p := s.Paths()[0]
+	waitFor(t, 5*time.Second, "a heartbeat round trip", func() bool { return p.CurLatency() > 0 })
+	sp := e.srvPath(t, "ip:127.0.0.1")
+	block := make(chan struct{})
+	sp.mu.Lock()
+	cq := sp.cons[0].cq
+	sp.mu.Unlock()
+	// Installed from its own goroutine: the handler runs at once and stays busy, so the
+	// server never looks at connection 0's completions again, as a hung peer would.
+	go cq.SetHandler(func() { <-block })
+	start := time.Now()
+	waitFor(t, 5*time.Second, "heartbeat loss", func() bool { return p.State() != StateConnected })
+	t.Logf("loss detected after %v (interval 50ms, 3 misses)", time.Since(start))
+	close(block)
+	waitFor(t, 10*time.Second, "reconnect", func() bool { return p.State() == StateConnected })
+	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 512)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestStaleRkeyRefused: with always_invalidate, the key a client used for a chunk is dead
+// once the request is answered; a write with it is a remote access error, the chunk is not
+// touched, and the path recovers.
+func TestStaleRkeyRefused(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, true, 8)
+	s := e.open(t, "stale", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	p := s.Paths()[0]
+	p.mu.Lock()
+	old := p.rbufs[0].rkey.Load()
+	addr := p.rbufs[0].addr
+	p.mu.Unlock()
+	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	fresh := p.rbufs[0].rkey.Load()
+	c, res := p.cons[1], p.res
+	p.mu.Unlock()
+	if fresh == old {
+		t.Fatal("the chunk key did not change")
+	}
+	ss := e.srv.Sessions()[0]
+	chunk := ss.chunk(0)
+	// The handler took the disk lock after the chunk was filled: holding it orders this read.
+	e.disk.mu.Lock()
+	before := string(chunk[:64])
+	e.disk.mu.Unlock()
+	payload := make([]byte, 64)
+	for i := range payload {
+		payload[i] = 0xee
+	}
+	copy(res.iu.Bytes()[7*MaxHdrSize:], payload)
+	if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled,
+		SGList: []rdma.SGE{rdma.SGEOf(res.iu, 7*MaxHdrSize, 64)}, RemoteAddr: addr, RKey: old}}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
+	e.disk.mu.Lock()
+	after := string(chunk[:64])
+	e.disk.mu.Unlock()
+	if after != before {
+		t.Fatal("a stale key wrote into the chunk")
+	}
+	waitFor(t, 10*time.Second, "reconnect", func() bool { return p.State() == StateConnected })
+	if err := s.Do(context.Background(), Read, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+}
