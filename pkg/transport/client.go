@@ -236,7 +236,7 @@ type Path struct {
 	sess *Session
 	uuid uuid.UUID
 	dst  Addr
-	log  *log.Entry
+	logp atomic.Pointer[log.Entry]
 
 	mu        sync.Mutex
 	stateCond *sync.Cond
@@ -282,12 +282,14 @@ func (s *Session) newPath(pa PathAddrs, first bool) *Path {
 	p := &Path{sess: s, uuid: uuid.New(), dst: pa.Dst, src: pa.Src, firstConn: first,
 		state: StateConnecting, trigger: make(chan struct{}, 1)}
 	p.stateCond = sync.NewCond(&p.mu)
-	p.log = s.log.WithField("dst", pa.Dst.String())
+	p.logp.Store(s.log.WithField("dst", pa.Dst.String()))
 	s.mu.Lock()
 	s.paths = append(s.paths, p)
 	s.mu.Unlock()
 	return p
 }
+
+func (p *Path) lg() *log.Entry { return p.logp.Load() }
 
 // Name is "<src>@<dst>" with the source resolved at the first connect.
 func (p *Path) Name() string {
@@ -398,6 +400,8 @@ func (p *Path) init(ctx context.Context) (err error) {
 		p.mu.Lock()
 		cons[cid] = c
 		p.mu.Unlock()
+		// A disconnect while the path is still connecting fails the connect at once.
+		go p.watch(c)
 		if cid == 0 {
 			rsp = r
 			p.mu.Lock()
@@ -408,7 +412,7 @@ func (p *Path) init(ctx context.Context) (err error) {
 			p.hcaName, p.hcaPort = c.id.Device().Name(), c.id.Port()
 			if p.name == "" {
 				p.name = PathName(p.src, p.dst)
-				p.log = s.log.WithField("path", p.name)
+				p.logp.Store(s.log.WithField("path", p.name))
 			}
 			p.mu.Unlock()
 		}
@@ -424,15 +428,12 @@ func (p *Path) init(ctx context.Context) (err error) {
 	if err := p.infoExchange(ictx); err != nil {
 		return err
 	}
-	for _, c := range cons {
-		go p.watch(c)
-	}
 	p.hb.missed.Store(0)
 	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
 		_, err := cons[0].qp.PostSend(hbWR(ImmHBMsgValue))
 		return err
 	}, func() {
-		p.log.Warn("heartbeat lost")
+		p.lg().Warn("heartbeat lost")
 		p.errRecovery(fmt.Errorf("heartbeat lost: %w", syscall.ETIMEDOUT))
 	})
 	return nil
@@ -657,7 +658,7 @@ func (p *Path) infoRsp(w rdma.WC) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err != nil {
-		p.log.WithError(err).Warn("bad INFO_RSP")
+		p.lg().WithError(err).Warn("bad INFO_RSP")
 		p.setStateLocked(StateConnectingErr)
 		return
 	}
@@ -709,7 +710,7 @@ func (p *Path) errRecovery(cause error) {
 	switch p.state {
 	case StateConnected:
 		p.setStateLocked(StateReconnecting)
-		p.log.WithError(cause).Warn("path down")
+		p.lg().WithError(cause).Warn("path down")
 		p.startWorkerLocked()
 	case StateConnecting:
 		p.setStateLocked(StateConnectingErr)
@@ -751,7 +752,7 @@ func (p *Path) recoverAndReconnect() {
 		}
 		max := uint32(s.maxReconnect.Load())
 		if uint32(p.attempts) >= max {
-			p.log.Warnf("no more reconnect attempts (%d), closing the path", p.attempts)
+			p.lg().Warnf("no more reconnect attempts (%d), closing the path", p.attempts)
 			p.setStateLocked(StateClosing)
 			p.setStateLocked(StateClosed)
 			p.mu.Unlock()
@@ -773,12 +774,12 @@ func (p *Path) recoverAndReconnect() {
 			p.attempts = 0
 			p.mu.Unlock()
 			p.ReconnectOK.Add(1)
-			p.log.Info("path reconnected")
+			p.lg().Info("path reconnected")
 			p.markUp()
 			return
 		}
 		p.ReconnectFail.Add(1)
-		p.log.WithError(err).Warn("reconnect failed")
+		p.lg().WithError(err).Warn("reconnect failed")
 		if !p.setState(StateReconnecting) {
 			return
 		}

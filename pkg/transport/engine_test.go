@@ -20,6 +20,7 @@ type memDisk struct {
 	mu     sync.Mutex
 	disk   []byte
 	async  bool
+	delay  time.Duration // async answers wait this long
 	events chan LinkEvent
 	reqs   map[string]int // requests per path name
 }
@@ -51,7 +52,10 @@ func (d *memDisk) Request(r *SrvRequest) {
 		r.Respond(0)
 	}
 	if d.async {
-		go serve()
+		go func() {
+			time.Sleep(d.delay)
+			serve()
+		}()
 	} else {
 		serve()
 	}

@@ -42,7 +42,7 @@ func (e *env) srvPath(t testing.TB, src string) *SrvPath {
 func TestFailoverMidIO(t *testing.T) {
 	leakcheck.Check(t)
 	e := newEnv(t, true, 64)
-	e.disk.async = true
+	e.disk.async, e.disk.delay = true, time.Millisecond
 	s := e.open(t, "fo", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
 	p1, p2 := s.Paths()[0], s.Paths()[1]
 	model := make([]byte, len(e.disk.disk))
@@ -52,7 +52,9 @@ func TestFailoverMidIO(t *testing.T) {
 		randomIO(t, s, model, 4000, 48, 7)
 	}()
 	// Kill path 2 mid-IO from the client's side: its connections go to error at once.
-	waitFor(t, 10*time.Second, "IO on path 2", func() bool { return p2.WriteCnt.Load()+p2.ReadCnt.Load() > 200 })
+	waitFor(t, 10*time.Second, "IO in flight on path 2", func() bool {
+		return p2.WriteCnt.Load()+p2.ReadCnt.Load() > 200 && p2.Inflight() >= 4
+	})
 	p2.mu.Lock()
 	for _, c := range p2.cons {
 		c.qp.ToError()

@@ -195,7 +195,7 @@ func (s *Server) connect(req *rdma.ConnRequest) {
 		return
 	}
 	if err := p.addCon(req, int(m.Cid)); err != nil {
-		p.log.WithError(err).Warnf("connection %d refused", m.Cid)
+		p.lg().WithError(err).Warnf("connection %d refused", m.Cid)
 		p.Close()
 		return
 	}
@@ -249,7 +249,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 	}
 	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, created: time.Now(),
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
-	p.log = s.log.WithField("path", p.Name())
+	p.logp.Store(s.log.WithField("path", p.Name()))
 	p.cons[m.Cid] = &con{cid: int(m.Cid)}
 	p.opsIdle = sync.NewCond(&p.mu)
 	ss.paths[m.SessUUID] = p
@@ -321,7 +321,7 @@ type SrvPath struct {
 	created time.Time
 	hcaName string
 	hcaPort int
-	log     *log.Entry
+	logp    atomic.Pointer[log.Entry]
 
 	mu      sync.Mutex
 	state   srvPathState
@@ -341,6 +341,8 @@ type SrvPath struct {
 	// Stats: the counters of stats/rdma.
 	ReadCnt, ReadBytes, WriteCnt, WriteBytes atomic.Uint64
 }
+
+func (p *SrvPath) lg() *log.Entry { return p.logp.Load() }
 
 // Name is "<client addr>@<server addr>".
 func (p *SrvPath) Name() string { return PathName(p.src, p.dst) }
@@ -500,7 +502,7 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 func (p *SrvPath) watch(c *con) {
 	select {
 	case <-c.id.Events():
-		p.log.Debugf("connection %d disconnected", c.cid)
+		p.lg().Debugf("connection %d disconnected", c.cid)
 		p.Close()
 	case <-p.closed:
 	}
@@ -512,7 +514,7 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 		for _, w := range wc[:n] {
 			if w.Status != rdma.WCSuccess {
 				if w.Status != rdma.WCFlushErr {
-					p.log.Warnf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status)
+					p.lg().Warnf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status)
 				}
 				go p.Close()
 				continue
@@ -546,14 +548,14 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	case ImmIOReq:
 	default:
-		p.log.Warnf("unknown immediate %#x", imm)
+		p.lg().Warnf("unknown immediate %#x", imm)
 		go p.Close()
 		return
 	}
 	o := p.sess.srv.opts
 	id, off := IOReqFields(payload, MemBits(o.QueueDepth))
 	if int(id) >= o.QueueDepth || int(off) >= o.ChunkSize {
-		p.log.Warnf("request for chunk %d offset %d out of range", id, off)
+		p.lg().Warnf("request for chunk %d offset %d out of range", id, off)
 		go p.Close()
 		return
 	}
@@ -658,7 +660,7 @@ func (p *SrvPath) dispatch(c *con, id int) {
 }
 
 func (p *SrvPath) badRequest(id int, why string) {
-	p.log.Warnf("malformed request in chunk %d: %s", id, why)
+	p.lg().Warnf("malformed request in chunk %d: %s", id, why)
 	go p.Close()
 }
 
@@ -714,7 +716,7 @@ func (r *SrvRequest) Respond(errno int) {
 	wrs[n].ID, wrs[n].Flags = wrResp|uint64(sr.id), c.signal()
 	n++
 	if _, err := c.qp.PostSend(wrs[:n]); err != nil {
-		p.log.WithError(err).Warn("response not sent")
+		p.lg().WithError(err).Warn("response not sent")
 		go p.Close()
 	}
 }
@@ -723,12 +725,12 @@ func (r *SrvRequest) Respond(errno int) {
 func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	var m MsgInfoReq
 	if err := m.Unmarshal(p.ctlMR.Bytes()[:w.ByteLen]); err != nil {
-		p.log.WithError(err).Warn("bad INFO_REQ")
+		p.lg().WithError(err).Warn("bad INFO_REQ")
 		go p.Close()
 		return
 	}
 	if err := validName(m.PathName); err != nil {
-		p.log.WithError(err).Warn("INFO_REQ refused")
+		p.lg().WithError(err).Warn("INFO_REQ refused")
 		go p.Close()
 		return
 	}
@@ -737,7 +739,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	for _, o := range srv.sessions {
 		if o != ss && o.Name() == m.PathName {
 			srv.mu.Unlock()
-			p.log.Warnf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM)
+			p.lg().Warnf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM)
 			go p.Close()
 			return
 		}
@@ -748,7 +750,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	}
 	ss.mu.Unlock()
 	srv.mu.Unlock()
-	p.log = p.log.WithField("session", m.PathName)
+	p.logp.Store(p.lg().WithField("session", m.PathName))
 
 	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
 		go p.Close()
@@ -784,10 +786,10 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		_, err := c.qp.PostSend(hbWR(ImmHBMsgValue))
 		return err
 	}, func() {
-		p.log.Warn("heartbeat lost, closing the path")
+		p.lg().Warn("heartbeat lost, closing the path")
 		go p.Close()
 	})
-	p.log.Info("path connected")
+	p.lg().Info("path connected")
 }
 
 // Disconnect closes the path asynchronously (the server's sysfs disconnect).
@@ -852,7 +854,7 @@ func (p *SrvPath) Close() {
 		p.mu.Lock()
 		p.state = srvClosed
 		p.mu.Unlock()
-		p.log.Info("path closed")
+		p.lg().Info("path closed")
 		close(p.closed)
 	})
 	<-p.closed

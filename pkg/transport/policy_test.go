@@ -1,0 +1,280 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// holdDisk answers requests like memDisk, except those of one path, which it keeps until
+// released.
+type holdDisk struct {
+	*memDisk
+	holdPath atomic.Value // string
+	held     chan *SrvRequest
+	order    chan string
+}
+
+func (d *holdDisk) Request(r *SrvRequest) {
+	select {
+	case d.order <- r.Path().Name():
+	default:
+	}
+	if hp, _ := d.holdPath.Load().(string); r.Path().Name() == hp {
+		d.held <- r
+		return
+	}
+	d.memDisk.Request(r)
+}
+
+func TestPolicies(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 32)
+	hd := &holdDisk{memDisk: e.disk, held: make(chan *SrvRequest, 64), order: make(chan string, 1024)}
+	e.srv.opts.Handler = hd
+	s := e.open(t, "pol", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
+	ctx := context.Background()
+	names := []string{s.Paths()[0].Name(), s.Paths()[1].Name()}
+	drain := func() []string {
+		var out []string
+		for {
+			select {
+			case n := <-hd.order:
+				out = append(out, n)
+			default:
+				return out
+			}
+		}
+	}
+
+	t.Run("round-robin alternates", func(t *testing.T) {
+		if err := s.SetPolicy(RoundRobin); err != nil {
+			t.Fatal(err)
+		}
+		drain()
+		for i := 0; i < 20; i++ {
+			if err := s.Do(ctx, Write, offHdr(0), make([]byte, 512)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		got := drain()
+		for i := 1; i < len(got); i++ {
+			if got[i] == got[i-1] {
+				t.Fatalf("round-robin sent two in a row to %s: %v", got[i], got)
+			}
+		}
+	})
+
+	t.Run("min-inflight avoids a busy path", func(t *testing.T) {
+		if err := s.SetPolicy(MinInflight); err != nil {
+			t.Fatal(err)
+		}
+		// Path 0 keeps its requests unanswered. With both paths idle the request goes to
+		// path 0, which is then the busier one.
+		hd.holdPath.Store(names[0])
+		released := false
+		release := func() {
+			if released {
+				return
+			}
+			released = true
+			hd.holdPath.Store("")
+			for len(hd.held) > 0 {
+				(<-hd.held).Respond(0)
+			}
+		}
+		defer release()
+		if err := s.Request(ctx, Read, offHdr(0), make([]byte, 512), func(error) {}); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 5*time.Second, "the request held", func() bool { return len(hd.held) == 1 })
+		drain()
+		for i := 0; i < 20; i++ {
+			if err := s.Do(ctx, Write, offHdr(0), make([]byte, 512)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, n := range drain() {
+			if n == names[0] {
+				t.Fatal("min-inflight sent a request to the busy path")
+			}
+		}
+		release()
+		waitFor(t, 5*time.Second, "held requests answered", func() bool { return s.Paths()[0].Inflight() == 0 })
+	})
+
+	t.Run("min-latency prefers the faster path", func(t *testing.T) {
+		// Path 1's server answers heartbeats 5 ms late.
+		sp := e.srvPath(t, "ip:127.0.0.2")
+		sp.mu.Lock()
+		c := sp.cons[0]
+		sp.mu.Unlock()
+		var wc [16]rdma.WC
+		c.cq.SetHandler(func() { time.Sleep(5 * time.Millisecond); sp.onCompletions(c, wc[:]) })
+		p0, p1 := s.Paths()[0], s.Paths()[1]
+		waitFor(t, 5*time.Second, "latencies", func() bool {
+			return p1.CurLatency() > 4*time.Millisecond && p0.CurLatency() > 0 && p0.CurLatency() < 2*time.Millisecond
+		})
+		if err := s.SetPolicy(MinLatency); err != nil {
+			t.Fatal(err)
+		}
+		drain()
+		for i := 0; i < 20; i++ {
+			if err := s.Do(ctx, Write, offHdr(0), make([]byte, 512)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, n := range drain() {
+			if n != names[0] {
+				t.Fatalf("min-latency used the slow path (%v vs %v)", p1.CurLatency(), p0.CurLatency())
+			}
+		}
+	})
+	if err := s.SetPolicy(Policy(7)); !errors.Is(err, syscall.EINVAL) {
+		t.Fatal("unknown policy accepted")
+	}
+}
+
+// rawConnect sends one connection request with the given private data and returns the
+// errno of the server's reject (0 if accepted).
+func rawConnect(t *testing.T, e *env, data []byte) int16 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	id, err := e.prov.ResolveAddr(ctx, netip.Addr{}, e.srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer id.Destroy()
+	pd, _ := id.Device().AllocPD()
+	cq, _ := id.Device().CreateCQ(8)
+	defer cq.Destroy()
+	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = id.Connect(ctx, rdma.ConnParam{PrivateData: data})
+	if err == nil {
+		return 0
+	}
+	r, ok := rdma.IsReject(err)
+	if !ok {
+		t.Fatalf("connect: %v", err)
+	}
+	var m MsgConnRsp
+	if m.Unmarshal(r.PrivateData) != nil {
+		t.Fatalf("reject without conn_rsp: %x", r.PrivateData)
+	}
+	return m.Errno
+}
+
+func TestServerRejects(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "rej", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	ctx := context.Background()
+
+	// ENXIO: a path that does not create its session, for a session the server lacks.
+	m := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: uuid.New()}
+	if got := rawConnect(t, e, m.Marshal()); got != -int16(syscall.ENXIO) {
+		t.Errorf("unknown session: errno %d", got)
+	}
+	// ECONNRESET: malformed requests.
+	bad := m
+	bad.FirstConn, bad.Cid, bad.CidNum = true, 2, 2
+	if got := rawConnect(t, e, bad.Marshal()); got != -int16(syscall.ECONNRESET) {
+		t.Errorf("cid ≥ cid_num: errno %d", got)
+	}
+	big := m
+	big.FirstConn, big.CidNum = true, MaxConnsPerPath+1
+	if got := rawConnect(t, e, big.Marshal()); got != -int16(syscall.ECONNRESET) {
+		t.Errorf("cid_num > 4096: errno %d", got)
+	}
+	magic := m.Marshal()
+	magic[2] = 0
+	if got := rawConnect(t, e, magic); got != -int16(syscall.ECONNRESET) {
+		t.Errorf("bad magic: errno %d", got)
+	}
+	if got := rawConnect(t, e, []byte{1, 2, 3}); got != -int16(syscall.ECONNRESET) {
+		t.Errorf("short private data: errno %d", got)
+	}
+	// ECONNRESET: a connection slot of a connected path.
+	p := s.Paths()[0]
+	dup := MsgConnReq{Cid: 1, CidNum: 3, SessUUID: p.uuid, PathsUUID: s.pathsUUID, FirstConn: true}
+	if got := rawConnect(t, e, dup.Marshal()); got != -int16(syscall.ECONNRESET) {
+		t.Errorf("connection of a connected path: errno %d", got)
+	}
+	// EEXIST: a second path with the same addresses, returned by add_path.
+	if _, err := s.AddPath(ctx, paths(t, "ip:127.0.0.1@ip:127.0.0.1")[0]); !errors.Is(err, syscall.EEXIST) {
+		t.Errorf("duplicate path: %v", err)
+	}
+	if len(s.Paths()) != 1 {
+		t.Fatalf("%d paths after a refused add", len(s.Paths()))
+	}
+	// EPERM: another client session with the same name cannot open.
+	o := ClientOptions{Provider: e.prov, SessName: "rej", Paths: paths(t, "ip:127.0.0.2@ip:127.0.0.1"), Port: e.port,
+		ConPerPath: 2, MaxReconnectAttempts: -1, Timings: fastTimings()}
+	if s2, err := Open(ctx, o); err == nil {
+		_ = s2.Close()
+		t.Fatal("second session with the same name opened")
+	}
+	if ss := e.srv.Sessions(); len(ss) != 1 || len(ss[0].Paths()) != 1 {
+		t.Fatalf("server sessions after the refused one: %v", ss)
+	}
+	// The session still works.
+	if err := s.Do(ctx, Write, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestPathOperations(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, true, 16)
+	s := e.open(t, "ops", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	ctx := context.Background()
+	p2, err := s.AddPath(ctx, paths(t, "ip:127.0.0.2,ip:127.0.0.1")[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p2.Name() != "ip:127.0.0.2@ip:127.0.0.1" || p2.State() != StateConnected {
+		t.Fatalf("added %s %v", p2.Name(), p2.State())
+	}
+	srvPaths := func() int { return len(e.srv.Sessions()[0].Paths()) }
+	if srvPaths() != 2 {
+		t.Fatalf("server has %d paths", srvPaths())
+	}
+	p2.Disconnect()
+	if p2.State() != StateClosed {
+		t.Fatalf("after disconnect: %v", p2.State())
+	}
+	waitFor(t, 5*time.Second, "server side gone", func() bool { return srvPaths() == 1 })
+	if err := s.Do(ctx, Write, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatalf("IO with one path disconnected: %v", err)
+	}
+	if err := p2.Reconnect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "server side back", func() bool { return srvPaths() == 2 })
+	p2.Remove()
+	if len(s.Paths()) != 1 || p2.State() != StateDead {
+		t.Fatalf("after remove: %d paths, %v", len(s.Paths()), p2.State())
+	}
+	if err := p2.Reconnect(ctx); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("reconnect of a removed path: %v", err)
+	}
+	// A path to nothing fails add_path and is not kept.
+	if _, err := s.AddPath(ctx, paths(t, "ip:127.0.0.3")[0]); err == nil {
+		t.Fatal("add_path to a closed port succeeded")
+	}
+	if len(s.Paths()) != 1 {
+		t.Fatal("failed path kept")
+	}
+}
