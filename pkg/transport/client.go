@@ -16,6 +16,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/stats"
 )
 
 // Policy is a multipath policy (mpath_policy).
@@ -258,10 +259,8 @@ type Path struct {
 
 	hb heartbeat
 
-	// Stats (stats/rdma, stats/reconnects).
-	ReadCnt, ReadBytes, WriteCnt, WriteBytes, Failovered atomic.Uint64
-	inflight                                             atomic.Int32
-	ReconnectOK, ReconnectFail                           atomic.Int32
+	// Stats are the path's counters (its stats/ directory).
+	Stats *stats.ClientPath
 }
 
 type rbuf struct {
@@ -280,7 +279,7 @@ type pathRes struct {
 
 func (s *Session) newPath(pa PathAddrs, first bool) *Path {
 	p := &Path{sess: s, uuid: uuid.New(), dst: pa.Dst, src: pa.Src, firstConn: first,
-		state: StateConnecting, trigger: make(chan struct{}, 1)}
+		state: StateConnecting, trigger: make(chan struct{}, 1), Stats: stats.NewClientPath()}
 	p.stateCond = sync.NewCond(&p.mu)
 	p.logp.Store(s.log.WithField("dst", pa.Dst.String()))
 	s.mu.Lock()
@@ -321,7 +320,7 @@ func (p *Path) HCA() (string, int) { p.mu.Lock(); defer p.mu.Unlock(); return p.
 func (p *Path) CurLatency() time.Duration { return time.Duration(p.hb.latency.Load()) }
 
 // Inflight is the min-inflight counter of the path.
-func (p *Path) Inflight() int { return int(p.inflight.Load()) }
+func (p *Path) Inflight() int { return int(p.Stats.Inflight.Load()) }
 
 // Session is the path's session.
 func (p *Path) Session() *Session { return p.sess }
@@ -773,12 +772,12 @@ func (p *Path) recoverAndReconnect() {
 			p.mu.Lock()
 			p.attempts = 0
 			p.mu.Unlock()
-			p.ReconnectOK.Add(1)
+			p.Stats.ReconnectOK.Inc()
 			p.lg().Info("path reconnected")
 			p.markUp()
 			return
 		}
-		p.ReconnectFail.Add(1)
+		p.Stats.ReconnectFail.Inc()
 		p.lg().WithError(err).Warn("reconnect failed")
 		if !p.setState(StateReconnecting) {
 			return

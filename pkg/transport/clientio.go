@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/stats"
 )
 
 // cltReq is the state of the request that holds a permit.
@@ -21,6 +23,8 @@ type cltReq struct {
 	owner     atomic.Pointer[con]
 	path      *Path
 	countedMI bool
+	start     time.Time
+	cpu       int
 }
 
 // Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
@@ -71,6 +75,7 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 	}
 	r := &s.reqs[permit]
 	r.dir, r.usr, r.data, r.done = dir, usr, data, done
+	r.start, r.cpu = time.Now(), stats.CPU()
 	if err := s.issue(r, nil, false); err != nil {
 		s.finish(r, nil)
 		return err
@@ -95,7 +100,7 @@ func (s *Session) issue(r *cltReq, skip *Path, failover bool) error {
 		}
 		if err := p.post(r, policy == MinInflight); err == nil {
 			if failover {
-				p.Failovered.Add(1)
+				p.Stats.Failovered.Inc()
 			}
 			return nil
 		}
@@ -122,7 +127,7 @@ func (s *Session) pick(paths []*Path, tried []bool, policy Policy, skip *Path) i
 			if tried[i] || p == skip || p.State() != StateConnected {
 				continue
 			}
-			v := int64(p.inflight.Load())
+			v := int64(p.Stats.Inflight.Load())
 			if policy == MinLatency {
 				v = p.hb.latency.Load()
 			}
@@ -200,13 +205,13 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	wr.Imm = IOReqImm(uint32(r.permit), uint32(len(r.data)+len(r.usr)), s.memBits)
 	r.path, r.countedMI = p, countMI
 	if countMI {
-		p.inflight.Add(1)
+		p.Stats.Inflight.Add(1)
 	}
 	r.owner.Store(c)
 	if _, err := c.qp.PostSend(wrs[:k]); err != nil {
 		if r.owner.CompareAndSwap(c, nil) {
 			if countMI {
-				p.inflight.Add(-1)
+				p.Stats.Inflight.Add(-1)
 			}
 			return err
 		}
@@ -217,7 +222,10 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 
 // onCompletions is connection c's completion handler.
 func (p *Path) onCompletions(c *con, wc []rdma.WC) {
+	total := 0
+	defer func() { p.Stats.HandlerCall(total) }()
 	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
+		total += n
 		for _, w := range wc[:n] {
 			if w.Status != rdma.WCSuccess {
 				if w.Status != rdma.WCFlushErr {
@@ -303,16 +311,13 @@ func (p *Path) recv(c *con, w rdma.WC) {
 // account counts a finished request on the path that carried it.
 func (p *Path) account(r *cltReq) {
 	if r.countedMI {
-		p.inflight.Add(-1)
+		p.Stats.Inflight.Add(-1)
 	}
-	size := uint64(len(r.data) + len(r.usr))
-	if r.dir == Read {
-		p.ReadCnt.Add(1)
-		p.ReadBytes.Add(size)
-	} else {
-		p.WriteCnt.Add(1)
-		p.WriteBytes.Add(size)
+	sg := 0
+	if len(r.data) > 0 {
+		sg = 1
 	}
+	p.Stats.Done(r.dir == Read, uint64(len(r.data)+len(r.usr)), time.Since(r.start), r.cpu, stats.CPU(), sg)
 }
 
 // finish returns r's permit and calls its callback.
@@ -336,7 +341,7 @@ func (p *Path) failover(cons []*con) {
 			continue
 		}
 		if r.countedMI {
-			p.inflight.Add(-1)
+			p.Stats.Inflight.Add(-1)
 		}
 		if err := s.issue(r, p, true); err != nil {
 			s.finish(r, err)

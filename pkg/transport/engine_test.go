@@ -232,6 +232,17 @@ func TestOpenAndRandomIO(t *testing.T) {
 			if len(ss) != 1 || ss[0].Name() != "sess1" || len(ss[0].Paths()) != 2 {
 				t.Fatalf("server sessions %v", ss)
 			}
+			// Without failover, each side counts every request once, per direction.
+			var cr, cw, sr, sw uint64
+			for _, p := range s.Paths() {
+				cr, cw = cr+p.Stats.ReadCnt.Value(), cw+p.Stats.WriteCnt.Value()
+			}
+			for _, p := range ss[0].Paths() {
+				sr, sw = sr+p.Stats.ReadCnt.Value(), sw+p.Stats.WriteCnt.Value()
+			}
+			if cr != sr || cw != sw || cr == 0 || cw == 0 {
+				t.Fatalf("client counted %d reads %d writes, server %d and %d", cr, cw, sr, sw)
+			}
 		})
 	}
 }

@@ -53,7 +53,7 @@ func TestFailoverMidIO(t *testing.T) {
 	}()
 	// Kill path 2 mid-IO from the client's side: its connections go to error at once.
 	waitFor(t, 10*time.Second, "IO in flight on path 2", func() bool {
-		return p2.WriteCnt.Load()+p2.ReadCnt.Load() > 200 && p2.Inflight() >= 4
+		return p2.Stats.WriteCnt.Value()+p2.Stats.ReadCnt.Value() > 200 && p2.Inflight() >= 4
 	})
 	p2.mu.Lock()
 	for _, c := range p2.cons {
@@ -61,17 +61,17 @@ func TestFailoverMidIO(t *testing.T) {
 	}
 	p2.mu.Unlock()
 	<-done
-	if p1.Failovered.Load() == 0 {
+	if p1.Stats.Failovered.Value() == 0 {
 		t.Fatal("path 1 took no failed-over request")
 	}
 	waitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == StateConnected })
-	if p2.ReconnectOK.Load() != 1 {
-		t.Fatalf("reconnects ok %d", p2.ReconnectOK.Load())
+	if p2.Stats.ReconnectOK.Value() != 1 {
+		t.Fatalf("reconnects ok %d", p2.Stats.ReconnectOK.Value())
 	}
 	// IO uses both paths again.
-	before := p2.WriteCnt.Load() + p2.ReadCnt.Load()
+	before := p2.Stats.WriteCnt.Value() + p2.Stats.ReadCnt.Value()
 	randomIO(t, s, model, 1000, 32, 8)
-	if p2.WriteCnt.Load()+p2.ReadCnt.Load() == before {
+	if p2.Stats.WriteCnt.Value()+p2.Stats.ReadCnt.Value() == before {
 		t.Fatal("the reconnected path carries no IO")
 	}
 	e.disk.mu.Lock()
@@ -131,7 +131,7 @@ func TestNoReconnect(t *testing.T) {
 	e.srvPath(t, "ip:127.0.0.2").Disconnect()
 	waitFor(t, 5*time.Second, "path closed", func() bool { return p.State() == StateClosed })
 	time.Sleep(200 * time.Millisecond)
-	if p.State() != StateClosed || p.ReconnectOK.Load() != 0 {
+	if p.State() != StateClosed || p.Stats.ReconnectOK.Value() != 0 {
 		t.Fatalf("path %v after a failure with no reconnect allowed", p.State())
 	}
 	// As in the kernel, the reconnect attempt itself checks the limit: with 0 even a manual

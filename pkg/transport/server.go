@@ -16,6 +16,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/stats"
 )
 
 // ServerOptions configure a server. Use DefaultServerOptions and change what differs.
@@ -338,8 +339,8 @@ type SrvPath struct {
 	closing sync.Once
 	closed  chan struct{}
 
-	// Stats: the counters of stats/rdma.
-	ReadCnt, ReadBytes, WriteCnt, WriteBytes atomic.Uint64
+	// Stats are the path's counters (its stats/ directory).
+	Stats stats.ServerPath
 }
 
 func (p *SrvPath) lg() *log.Entry { return p.logp.Load() }
@@ -510,7 +511,10 @@ func (p *SrvPath) watch(c *con) {
 
 // onCompletions is connection c's completion handler.
 func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
+	total := 0
+	defer func() { p.Stats.HandlerCall(total) }()
 	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
+		total += n
 		for _, w := range wc[:n] {
 			if w.Status != rdma.WCSuccess {
 				if w.Status != rdma.WCFlushErr {
@@ -647,13 +651,8 @@ func (p *SrvPath) dispatch(c *con, id int) {
 	}
 	p.ops++
 	p.mu.Unlock()
-	if r.r.Dir == Read {
-		p.ReadCnt.Add(1)
-		p.ReadBytes.Add(uint64(r.off))
-	} else {
-		p.WriteCnt.Add(1)
-		p.WriteBytes.Add(uint64(r.off))
-	}
+	p.Stats.Inflight.Add(1)
+	p.Stats.Request(r.r.Dir == Read, uint64(r.off))
 	r.r.Data, r.r.Usr = chunk[:dataLen:dataLen], chunk[dataLen:r.off:r.off]
 	r.r.done.Store(false)
 	p.sess.srv.opts.Handler.Request(&r.r)
@@ -673,6 +672,7 @@ func (r *SrvRequest) Respond(errno int) {
 	}
 	p := r.path
 	defer func() {
+		p.Stats.Inflight.Add(-1)
 		p.mu.Lock()
 		p.ops--
 		if p.ops == 0 {

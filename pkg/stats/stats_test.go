@@ -1,0 +1,100 @@
+package stats
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func TestClientPathFiles(t *testing.T) {
+	s := &ClientPath{MigFrom: make([]Counter, 4), MigTo: make([]Counter, 4)}
+	if got := s.RDMA(); got != "0 0 0 0 0 0\n" {
+		t.Fatalf("fresh rdma %q", got)
+	}
+	if got := s.Reconnects(); got != "0 0\n" {
+		t.Fatalf("fresh reconnects %q", got)
+	}
+	s.Done(true, 4096+32, 500*time.Microsecond, 0, 0, 1)
+	s.Done(false, 8192+32, 3*time.Millisecond, 1, 2, 1)
+	s.Done(false, 32, 70*time.Second, 3, 3, 0)
+	s.Inflight.Add(2)
+	s.Failovered.Inc()
+	s.ReconnectOK.Inc()
+	s.ReconnectFail.Add(2)
+	s.HandlerCall(3)
+	s.HandlerCall(1)
+	s.HandlerCall(0)
+	for name, c := range map[string]struct{ got, want string }{
+		"rdma":               {s.RDMA(), "1 4128 2 8256 2 1\n"},
+		"reconnects":         {s.Reconnects(), "1 2\n"},
+		"cpu_migration_from": {s.CPUMigrationFrom(), "0 1 0 0 \n"},
+		"cpu_migration_to":   {s.CPUMigrationTo(), "0 0 1 0 \n"},
+		"wc_completion":      {s.WCCompletion(), "3 2\n"},
+		"sg_entries":         {s.SGEntriesTable(), "0: 1\n1: 2\n"},
+		"cpu_migration":      {s.CPUMigration(), "     CPU0 CPU1 CPU2 CPU3\nfrom:    0    1    0    0\nto  :    0    0    1    0\n"},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: %q, want %q", name, c.got, c.want)
+		}
+	}
+	lat := s.RDMALat()
+	lines := strings.Split(strings.TrimSuffix(lat, "\n"), "\n")
+	if len(lines) != LatBuckets+2 || lines[0] != "1 ms: 1 0" || lines[2] != "4 ms: 0 1" ||
+		lines[LatBuckets] != ">= 65536 ms: 0 1" || lines[LatBuckets+1] != "maximum ms: 0 70000" || lines[16] != "65536 ms: 0 0" {
+		t.Fatalf("rdma_lat:\n%s", lat)
+	}
+	// A reset starts the files again and leaves the totals alone.
+	s.ResetRDMA()
+	if got := s.RDMA(); got != "0 0 0 0 2 0\n" {
+		t.Fatalf("after reset %q", got)
+	}
+	if s.WriteCnt.Total() != 2 {
+		t.Fatal("reset touched the total")
+	}
+	s.ResetAll()
+	if s.RDMA() != "0 0 0 0 0 0\n" || s.Reconnects() != "0 0\n" || s.WCCompletion() != "0 0\n" || !strings.HasPrefix(s.RDMALat(), "1 ms: 0 0\n") {
+		t.Fatal("reset_all left something")
+	}
+	// inflight can go negative after reset_all and prints as unsigned, as in the kernel.
+	s.Inflight.Add(-1)
+	if got := s.RDMA(); got != "0 0 0 0 4294967295 0\n" {
+		t.Fatalf("negative inflight %q", got)
+	}
+}
+
+func TestServerPathFiles(t *testing.T) {
+	var s ServerPath
+	s.Request(true, 100)
+	s.Request(false, 200)
+	s.Request(false, 300)
+	s.Inflight.Add(1)
+	s.HandlerCall(4)
+	s.HandlerCall(2)
+	if s.RDMA() != "1 100 2 500\n" || s.RDMAWithInflight() != "1 100 2 500 1\n" || s.WCCompletion() != "4 6 2\n" {
+		t.Fatalf("%q %q %q", s.RDMA(), s.RDMAWithInflight(), s.WCCompletion())
+	}
+	s.ResetAll()
+	if s.RDMA() != "0 0 0 0\n" || s.WCCompletion() != "0 0 0\n" {
+		t.Fatal("reset")
+	}
+}
+
+func TestConcurrentCounting(t *testing.T) {
+	s := NewClientPath()
+	var wg sync.WaitGroup
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 1000; i++ {
+				s.Done(i%2 == 0, 10, time.Millisecond, CPU(), CPU(), 1)
+				s.HandlerCall(i%5 + 1)
+			}
+		}()
+	}
+	wg.Wait()
+	if s.ReadCnt.Value()+s.WriteCnt.Value() != 8000 || s.WCMax.Value() != 5 {
+		t.Fatal(s.RDMA(), s.WCCompletion())
+	}
+}
