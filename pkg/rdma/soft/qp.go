@@ -206,10 +206,11 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			continue
 		}
 		if !wire {
-			if q.sqN > 1 && q.nextSeq-1 > q.acked && q.ackReq < q.nextSeq-1 {
-				// Completions are reported in order: a local operation behind requests
-				// the peer has not acknowledged needs that acknowledgement to complete,
-				// and no question asked so far covers all of them.
+			if wr.Flags&rdma.SendSignaled != 0 && q.sqN > 1 && q.nextSeq-1 > q.acked && q.ackReq < q.nextSeq-1 {
+				// Completions are reported in order: a signaled local operation behind
+				// requests the peer has not acknowledged needs that acknowledgement to
+				// complete, and no question asked so far covers all of them. (Unsignaled
+				// ones report nothing; their slots come back with later completions.)
 				q.ackReq = q.nextSeq - 1
 				q.w.add(&frameHdr{op: fAck, flags: flagAckReq}, nil)
 				queued = true

@@ -1,0 +1,341 @@
+// Command rtrs-bench is a load generator for RTRS: a client process drives the transport's Go
+// API against a server process that answers from memory and can verify what was written.
+//
+//	rtrs-bench server -listen 127.0.0.1:1234 [-queue-depth 512] [-chunk-size 128K] [-always-invalidate=true]
+//	rtrs-bench client -path ip:127.0.0.1@ip:127.0.0.1 [-path …] -port 1234 -bs 4K -qd 32 -rw randread -duration 5s [-json]
+//	rtrs-bench suite [-duration 3s]      (starts its own servers, prints a markdown report)
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"os/signal"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "rtrs-bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, out io.Writer) error {
+	if len(args) == 0 {
+		return errors.New("usage: rtrs-bench server|client|suite [flags]")
+	}
+	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
+		return err
+	}
+	switch args[0] {
+	case "server":
+		return serverCmd(ctx, args[1:])
+	case "client":
+		return clientCmd(ctx, args[1:], out)
+	case "suite":
+		return suiteCmd(ctx, args[1:], out)
+	case "tcpserver":
+		return tcpServerCmd(ctx, args[1:])
+	}
+	return fmt.Errorf("unknown command %q", args[0])
+}
+
+func parseSize(s string) (int, error) {
+	mult := 1
+	switch {
+	case strings.HasSuffix(s, "K"):
+		mult, s = 1<<10, strings.TrimSuffix(s, "K")
+	case strings.HasSuffix(s, "M"):
+		mult, s = 1<<20, strings.TrimSuffix(s, "M")
+	case strings.HasSuffix(s, "G"):
+		mult, s = 1<<30, strings.TrimSuffix(s, "G")
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("bad size %q", s)
+	}
+	return n * mult, nil
+}
+
+// memStore answers requests from memory; the user header is the 8-byte offset.
+type memStore struct {
+	mem []byte
+	mu  sync.RWMutex
+}
+
+func (m *memStore) Request(r *transport.SrvRequest) {
+	if len(r.Usr) != 8 {
+		r.Respond(-int(syscall.EINVAL))
+		return
+	}
+	off := binary.LittleEndian.Uint64(r.Usr)
+	if off > uint64(len(m.mem)) || uint64(len(r.Data)) > uint64(len(m.mem))-off {
+		r.Respond(-int(syscall.EIO))
+		return
+	}
+	if r.Dir == transport.Write {
+		m.mu.Lock()
+		copy(m.mem[off:], r.Data)
+		m.mu.Unlock()
+	} else {
+		m.mu.RLock()
+		copy(r.Data, m.mem[off:])
+		m.mu.RUnlock()
+	}
+	r.Respond(0)
+}
+
+func (m *memStore) LinkEvent(*transport.SrvSess, transport.LinkEvent) {}
+
+func serverCmd(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("server", flag.ContinueOnError)
+	listen := fs.String("listen", "[::]:1234", "listen address")
+	qd := fs.Int("queue-depth", transport.DefaultQueueDepth, "sess_queue_depth")
+	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
+	inv := fs.Bool("always-invalidate", true, "always_invalidate")
+	size := fs.String("size", "256M", "memory the server answers from")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ap, err := netip.ParseAddrPort(*listen)
+	if err != nil {
+		return err
+	}
+	cs, err := parseSize(*chunk)
+	if err != nil {
+		return err
+	}
+	ms, err := parseSize(*size)
+	if err != nil {
+		return err
+	}
+	o := transport.DefaultServerOptions()
+	o.Provider, o.Addr, o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = soft.New(soft.Options{}), ap, *qd, cs, *inv
+	o.Handler = &memStore{mem: make([]byte, ms)}
+	srv, err := transport.NewServer(o)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "rtrs-bench server on %v\n", srv.Addr())
+	<-ctx.Done()
+	return srv.Close()
+}
+
+// Result is one client run.
+type Result struct {
+	RW       string  `json:"rw"`
+	BS       int     `json:"bs"`
+	QD       int     `json:"qd"`
+	Paths    int     `json:"paths"`
+	Ops      int64   `json:"ops"`
+	Seconds  float64 `json:"seconds"`
+	IOPS     float64 `json:"iops"`
+	MBps     float64 `json:"mb_per_s"`
+	P50us    float64 `json:"p50_us"`
+	P99us    float64 `json:"p99_us"`
+	P999us   float64 `json:"p999_us"`
+	CPUSec   float64 `json:"client_cpu_s"`
+	Verified int64   `json:"verified_reads,omitempty"`
+}
+
+type pathList []string
+
+func (p *pathList) String() string     { return strings.Join(*p, ",") }
+func (p *pathList) Set(s string) error { *p = append(*p, s); return nil }
+
+// pattern fills b with the verification pattern of the block at off.
+func pattern(b []byte, off uint64) {
+	for i := 0; i+8 <= len(b); i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], (off+uint64(i))*0x9E3779B97F4A7C15)
+	}
+}
+
+func clientCmd(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("client", flag.ContinueOnError)
+	var paths pathList
+	fs.Var(&paths, "path", "a path, [src@]dst in RTRS syntax (repeat for more)")
+	port := fs.Uint("port", transport.DefaultPort, "server port")
+	bsF := fs.String("bs", "4K", "block size")
+	qd := fs.Int("qd", 32, "requests in flight")
+	rw := fs.String("rw", "randread", "read, write, randread, randwrite, randrw (50/50)")
+	dur := fs.Duration("duration", 5*time.Second, "how long to run")
+	span := fs.String("size", "256M", "region of the server's memory to use")
+	verify := fs.Bool("verify", false, "write a pattern and check it on every read of a written block")
+	cons := fs.Int("cons", 0, "connections per path (0: CPUs + 1)")
+	asJSON := fs.Bool("json", false, "print JSON")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if len(paths) == 0 {
+		return errors.New("need at least one -path")
+	}
+	r, err := runClient(ctx, clientParams{paths: paths, port: uint16(*port), bs: *bsF, qd: *qd, rw: *rw, dur: *dur, span: *span, verify: *verify, cons: *cons})
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return json.NewEncoder(out).Encode(r)
+	}
+	fmt.Fprintf(out, "%-9s bs %7d qd %3d paths %d: %9.0f IOPS %8.1f MB/s  p50 %7.1f us  p99 %7.1f us  p99.9 %7.1f us  cpu %.2f s\n",
+		r.RW, r.BS, r.QD, r.Paths, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec)
+	return nil
+}
+
+type clientParams struct {
+	paths  []string
+	port   uint16
+	bs     string
+	qd     int
+	rw     string
+	dur    time.Duration
+	span   string
+	verify bool
+	cons   int
+}
+
+func runClient(ctx context.Context, cp clientParams) (Result, error) {
+	bs, err := parseSize(cp.bs)
+	if err != nil {
+		return Result{}, err
+	}
+	span, err := parseSize(cp.span)
+	if err != nil {
+		return Result{}, err
+	}
+	var pas []transport.PathAddrs
+	for _, p := range cp.paths {
+		src, dst, err := transport.ParsePathAddrs(p)
+		if err != nil {
+			return Result{}, err
+		}
+		pas = append(pas, transport.PathAddrs{Src: src, Dst: dst})
+	}
+	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	sess, err := transport.Open(octx, transport.ClientOptions{Provider: soft.New(soft.Options{}), SessName: fmt.Sprintf("bench%d", os.Getpid()),
+		Paths: pas, Port: cp.port, ConPerPath: cp.cons, Policy: transport.MinInflight, MaxReconnectAttempts: -1})
+	if err != nil {
+		return Result{}, err
+	}
+	defer sess.Close()
+	if bs > sess.MaxIOSize() {
+		return Result{}, fmt.Errorf("block size %d over the session's max IO size %d", bs, sess.MaxIOSize())
+	}
+	blocks := span / bs
+	random := strings.HasPrefix(cp.rw, "rand")
+	readPct := map[string]int{"read": 100, "randread": 100, "write": 0, "randwrite": 0, "randrw": 50}[cp.rw]
+	if _, ok := map[string]bool{"read": true, "randread": true, "write": true, "randwrite": true, "randrw": true}[cp.rw]; !ok {
+		return Result{}, fmt.Errorf("unknown -rw %q", cp.rw)
+	}
+	written := make([]atomic.Bool, blocks)
+	busy := make([]atomic.Bool, blocks)
+	lats := make([][]time.Duration, cp.qd)
+	var ops, verified atomic.Int64
+	var seq atomic.Int64
+	errc := make(chan error, cp.qd)
+	cpu0 := cpuSeconds()
+	start := time.Now()
+	deadline := start.Add(cp.dur)
+	var wg sync.WaitGroup
+	for w := 0; w < cp.qd; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), uint64(time.Now().UnixNano())))
+			buf := make([]byte, bs)
+			hdr := make([]byte, 8)
+			for time.Now().Before(deadline) {
+				var b int
+				if random {
+					b = rng.IntN(blocks)
+				} else {
+					b = int(seq.Add(1)-1) % blocks
+				}
+				if cp.verify && !busy[b].CompareAndSwap(false, true) {
+					continue // another worker owns this block now
+				}
+				off := uint64(b) * uint64(bs)
+				binary.LittleEndian.PutUint64(hdr, off)
+				dir := transport.Write
+				if rng.IntN(100) < readPct {
+					dir = transport.Read
+				} else if cp.verify {
+					pattern(buf, off)
+				}
+				t0 := time.Now()
+				err := sess.Do(ctx, dir, hdr, buf)
+				lats[w] = append(lats[w], time.Since(t0))
+				if err == nil && cp.verify {
+					if dir == transport.Write {
+						written[b].Store(true)
+					} else if written[b].Load() {
+						want := make([]byte, bs)
+						pattern(want, off)
+						if string(want) != string(buf) {
+							err = fmt.Errorf("block %d read back wrong", b)
+						}
+						verified.Add(1)
+					}
+				}
+				if cp.verify {
+					busy[b].Store(false)
+				}
+				if err != nil {
+					errc <- err
+					return
+				}
+				ops.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	el := time.Since(start)
+	close(errc)
+	if err := <-errc; err != nil {
+		return Result{}, err
+	}
+	var all []time.Duration
+	for _, l := range lats {
+		all = append(all, l...)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i] < all[j] })
+	pct := func(q float64) float64 {
+		if len(all) == 0 {
+			return 0
+		}
+		return float64(all[min(len(all)-1, int(q*float64(len(all))))].Nanoseconds()) / 1e3
+	}
+	n := ops.Load()
+	return Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: len(pas), Ops: n, Seconds: el.Seconds(),
+		IOPS: float64(n) / el.Seconds(), MBps: float64(n) * float64(bs) / el.Seconds() / 1e6,
+		P50us: pct(0.5), P99us: pct(0.99), P999us: pct(0.999), CPUSec: cpuSeconds() - cpu0, Verified: verified.Load()}, nil
+}
+
+// cpuSeconds is this process's user + system CPU time.
+func cpuSeconds() float64 {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
+}

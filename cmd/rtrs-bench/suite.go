@@ -1,0 +1,294 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// tcpServerCmd is the raw TCP baseline's server: each connection starts with an 8-byte
+// header (mode, request size, response size); mode 1 answers every request of reqSize bytes
+// with respSize bytes (round trips), mode 2 only reads (a stream).
+func tcpServerCmd(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("tcpserver", flag.ContinueOnError)
+	listen := fs.String("listen", "127.0.0.1:1240", "listen address")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	go func() { <-ctx.Done(); ln.Close() }()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return nil
+		}
+		go func() {
+			defer c.Close()
+			var h [8]byte
+			if _, err := io.ReadFull(c, h[:]); err != nil {
+				return
+			}
+			mode, req, resp := h[0], int(binary.LittleEndian.Uint16(h[2:])), int(binary.LittleEndian.Uint32(h[4:]))
+			if mode == 2 {
+				req = resp
+			}
+			if req < 1 || req > 64<<20 || resp > 64<<20 {
+				return
+			}
+			rb, wb := make([]byte, req), make([]byte, max(resp, 1))
+			br := bufio.NewReaderSize(c, 256<<10)
+			for {
+				if _, err := io.ReadFull(br, rb); err != nil {
+					return
+				}
+				if mode == 1 {
+					if _, err := c.Write(wb[:resp]); err != nil {
+						return
+					}
+				}
+			}
+		}()
+	}
+}
+
+// tcpRR measures round trips of reqSize bytes answered with respSize bytes, qd at a time
+// (one connection per request in flight).
+func tcpRR(addr string, reqSize, respSize, qd int, dur time.Duration) (Result, error) {
+	lats := make([][]time.Duration, qd)
+	errc := make(chan error, qd)
+	start := time.Now()
+	for w := 0; w < qd; w++ {
+		go func() {
+			c, err := net.Dial("tcp", addr)
+			if err != nil {
+				errc <- err
+				return
+			}
+			defer c.Close()
+			var h [8]byte
+			h[0] = 1
+			binary.LittleEndian.PutUint16(h[2:], uint16(reqSize))
+			binary.LittleEndian.PutUint32(h[4:], uint32(respSize))
+			if _, err := c.Write(h[:]); err != nil {
+				errc <- err
+				return
+			}
+			req, resp := make([]byte, reqSize), make([]byte, respSize)
+			for time.Since(start) < dur {
+				t0 := time.Now()
+				if _, err := c.Write(req); err != nil {
+					errc <- err
+					return
+				}
+				if _, err := io.ReadFull(c, resp); err != nil {
+					errc <- err
+					return
+				}
+				lats[w] = append(lats[w], time.Since(t0))
+			}
+			errc <- nil
+		}()
+	}
+	for w := 0; w < qd; w++ {
+		if err := <-errc; err != nil {
+			return Result{}, err
+		}
+	}
+	return latencyResult(lats, max(reqSize, respSize), qd, time.Since(start)), nil
+}
+
+// tcpStream measures a one-way stream of size-byte messages from rotating buffers.
+func tcpStream(addr string, size int, dur time.Duration) (Result, error) {
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return Result{}, err
+	}
+	defer c.Close()
+	var h [8]byte
+	h[0] = 2
+	binary.LittleEndian.PutUint32(h[4:], uint32(size))
+	if _, err := c.Write(h[:]); err != nil {
+		return Result{}, err
+	}
+	buf := make([]byte, 8*size)
+	n := 0
+	start := time.Now()
+	for ; time.Since(start) < dur; n++ {
+		if _, err := c.Write(buf[(n%8)*size : (n%8+1)*size]); err != nil {
+			return Result{}, err
+		}
+	}
+	el := time.Since(start)
+	return Result{RW: "tcp-stream", BS: size, QD: 1, Ops: int64(n), Seconds: el.Seconds(), IOPS: float64(n) / el.Seconds(),
+		MBps: float64(n) * float64(size) / el.Seconds() / 1e6}, nil
+}
+
+func latencyResult(lats [][]time.Duration, bs, qd int, el time.Duration) Result {
+	var all []time.Duration
+	for _, l := range lats {
+		all = append(all, l...)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i] < all[j] })
+	pct := func(q float64) float64 {
+		if len(all) == 0 {
+			return 0
+		}
+		return float64(all[min(len(all)-1, int(q*float64(len(all))))].Nanoseconds()) / 1e3
+	}
+	n := len(all)
+	return Result{RW: "tcp-rr", BS: bs, QD: qd, Ops: int64(n), Seconds: el.Seconds(), IOPS: float64(n) / el.Seconds(),
+		MBps: float64(n) * float64(bs) / el.Seconds() / 1e6, P50us: pct(0.5), P99us: pct(0.99), P999us: pct(0.999)}
+}
+
+// procCPU is a process's user + system CPU seconds from /proc.
+func procCPU(pid int) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseFloat(f[11], 64)
+	st, _ := strconv.ParseFloat(f[12], 64)
+	return (ut + st) / 100 // USER_HZ
+}
+
+func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("suite", flag.ContinueOnError)
+	dur := fs.Duration("duration", 3*time.Second, "length of each run")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	start := func(args ...string) (*exec.Cmd, error) {
+		cmd := exec.CommandContext(ctx, self, args...)
+		cmd.Stderr = io.Discard
+		if err := cmd.Start(); err != nil {
+			return nil, err
+		}
+		return cmd, nil
+	}
+	srvOn, err := start("server", "-listen", "127.0.0.1:18601", "-always-invalidate=true")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = srvOn.Process.Kill(); _ = srvOn.Wait() }()
+	srvOff, err := start("server", "-listen", "127.0.0.1:18602", "-always-invalidate=false")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = srvOff.Process.Kill(); _ = srvOff.Wait() }()
+	tcpSrv, err := start("tcpserver", "-listen", "127.0.0.1:18603")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tcpSrv.Process.Kill(); _ = tcpSrv.Wait() }()
+	time.Sleep(500 * time.Millisecond)
+
+	host, _ := os.Hostname()
+	fmt.Fprintf(out, "rtrs-bench suite on %s (%d CPUs, %s/%s), %s; runs of %v; client and server in two processes over loopback (paths from 127.0.0.1 and 127.0.0.2).\n\n",
+		host, runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02 15:04 UTC"), *dur)
+	fmt.Fprintln(out, "| workload | always_invalidate | paths | IOPS | MB/s | p50 µs | p99 µs | p99.9 µs | client CPU s | server CPU s |")
+	fmt.Fprintln(out, "|---|---|---|---|---|---|---|---|---|---|")
+	type key struct {
+		rw, bs string
+		qd     int
+		inv    bool
+		paths  int
+	}
+	res := map[key]Result{}
+	for _, c := range []struct {
+		rw, bs string
+		qd     int
+	}{{"randread", "4K", 1}, {"randwrite", "4K", 1}, {"randread", "4K", 32}, {"randwrite", "4K", 32},
+		{"randread", "128K", 8}, {"randwrite", "128K", 8}, {"randread", "1M", 8}, {"randwrite", "1M", 8}} {
+		for _, inv := range []bool{true, false} {
+			for _, np := range []int{1, 2} {
+				port, srv := uint16(18601), srvOn
+				if !inv {
+					port, srv = 18602, srvOff
+				}
+				ps := []string{"ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"}[:np]
+				bs := c.bs
+				if bs == "1M" {
+					bs = "124K" // max_io_size with 128 KiB chunks is 124 KiB; 1 MiB goes as 8+ requests
+				}
+				cpu0 := procCPU(srv.Process.Pid)
+				runtime.GC()
+				r, err := runClient(ctx, clientParams{paths: ps, port: port, bs: bs, qd: c.qd, rw: c.rw, dur: *dur, span: "256M"})
+				if err != nil {
+					return fmt.Errorf("%s %s qd%d: %w", c.rw, c.bs, c.qd, err)
+				}
+				scpu := procCPU(srv.Process.Pid) - cpu0
+				res[key{c.rw, c.bs, c.qd, inv, np}] = r
+				fmt.Fprintf(out, "| %s %s QD%d | %v | %d | %.0f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n",
+					c.rw, bs, c.qd, inv, np, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec, scpu)
+			}
+		}
+	}
+	fmt.Fprintln(out, "\nSame-run raw TCP baselines (one process each side, same loopback):")
+	fmt.Fprintln(out, "\n| baseline | IOPS | MB/s | p50 µs | p99 µs |\n|---|---|---|---|---|")
+	tcp := "127.0.0.1:18603"
+	var rt4kRead, rt4kWrite, stream Result
+	for _, b := range []struct {
+		name      string
+		req, resp int
+		qd        int
+		out       *Result
+	}{
+		{"round trip: 8 B out, 4 KiB back (a 4 KiB read)", 8, 4096, 1, &rt4kRead},
+		{"round trip: 4 KiB out, 8 B back (a 4 KiB write)", 4096, 8, 1, &rt4kWrite},
+		{"round trips, 32 connections: 8 B out, 4 KiB back", 8, 4096, 32, nil},
+	} {
+		r, err := tcpRR(tcp, b.req, b.resp, b.qd, *dur)
+		if err != nil {
+			return err
+		}
+		if b.out != nil {
+			*b.out = r
+		}
+		fmt.Fprintf(out, "| %s | %.0f | %.1f | %.1f | %.1f |\n", b.name, r.IOPS, r.MBps, r.P50us, r.P99us)
+	}
+	stream, err = tcpStream(tcp, 1<<20, *dur)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "| stream of 1 MiB writes | %.0f | %.1f | | |\n", stream.IOPS, stream.MBps)
+
+	fmt.Fprintln(out, "\nRatios (always_invalidate on, 1 path unless said):")
+	r1 := res[key{"randread", "4K", 1, true, 1}]
+	w1 := res[key{"randwrite", "4K", 1, true, 1}]
+	fmt.Fprintf(out, "- 4 KiB QD1 p50 / raw TCP round trip: read %.2f, write %.2f\n", r1.P50us/rt4kRead.P50us, w1.P50us/rt4kWrite.P50us)
+	for _, rw := range []string{"randread", "randwrite"} {
+		fmt.Fprintf(out, "- 1 MiB (124 KiB requests) QD8 %s / TCP stream: %.2f (2 paths: %.2f)\n", rw,
+			res[key{rw, "1M", 8, true, 1}].MBps/stream.MBps, res[key{rw, "1M", 8, true, 2}].MBps/stream.MBps)
+	}
+	for _, c := range []struct {
+		rw, bs string
+		qd     int
+	}{{"randread", "4K", 32}, {"randwrite", "4K", 32}, {"randread", "1M", 8}, {"randwrite", "1M", 8}} {
+		on, off := res[key{c.rw, c.bs, c.qd, true, 1}], res[key{c.rw, c.bs, c.qd, false, 1}]
+		fmt.Fprintf(out, "- always_invalidate cost, %s %s QD%d: %.0f%% fewer IOPS than off\n", c.rw, c.bs, c.qd, 100*(1-on.IOPS/off.IOPS))
+	}
+	return nil
+}
