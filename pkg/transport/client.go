@@ -72,6 +72,7 @@ type Session struct {
 
 	mu    sync.RWMutex
 	paths []*Path
+	snap  atomic.Pointer[[]*Path] // paths, copied on every change, for the IO path
 
 	queueDepth int
 	maxIOSize  int
@@ -170,6 +171,13 @@ func (s *Session) Paths() []*Path {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return append([]*Path(nil), s.paths...)
+}
+
+// setPathsLocked replaces the path list and its snapshot; s.mu is held.
+func (s *Session) setPathsLocked(paths []*Path) {
+	s.paths = paths
+	snap := append([]*Path(nil), paths...)
+	s.snap.Store(&snap)
 }
 
 // Close closes every path, after the requests in flight have completed or failed.
@@ -283,7 +291,7 @@ func (s *Session) newPath(pa PathAddrs, first bool) *Path {
 	p.stateCond = sync.NewCond(&p.mu)
 	p.logp.Store(s.log.WithField("dst", pa.Dst.String()))
 	s.mu.Lock()
-	s.paths = append(s.paths, p)
+	s.setPathsLocked(append(s.paths, p))
 	s.mu.Unlock()
 	return p
 }
@@ -353,7 +361,7 @@ func (p *Path) connectFirst(ctx context.Context) error {
 		s.mu.Lock()
 		for i, q := range s.paths {
 			if q == p {
-				s.paths = append(s.paths[:i], s.paths[i+1:]...)
+				s.setPathsLocked(append(s.paths[:i:i], s.paths[i+1:]...))
 				break
 			}
 		}
@@ -914,7 +922,7 @@ func (p *Path) Remove() {
 	s.mu.Lock()
 	for i, q := range s.paths {
 		if q == p {
-			s.paths = append(s.paths[:i], s.paths[i+1:]...)
+			s.setPathsLocked(append(s.paths[:i:i], s.paths[i+1:]...))
 			break
 		}
 	}

@@ -25,6 +25,8 @@ type cltReq struct {
 	countedMI bool
 	start     time.Time
 	cpu       int
+	wrs       [2]rdma.SendWR // the request chain, reused: posting copies it
+	sges      [3]rdma.SGE
 }
 
 // Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
@@ -85,15 +87,19 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 
 // issue posts r on the first path the policy offers that takes it, skipping skip.
 func (s *Session) issue(r *cltReq, skip *Path, failover bool) error {
-	paths := s.Paths()
-	tried := make([]bool, len(paths))
+	sp := s.snap.Load()
+	if sp == nil {
+		return ErrNoPath
+	}
+	paths := *sp
+	var tried [MaxPathsNum/64 + 1]uint64
 	policy := s.Policy()
 	for range paths {
-		i := s.pick(paths, tried, policy, skip)
+		i := s.pick(paths, &tried, policy, skip)
 		if i < 0 {
 			break
 		}
-		tried[i] = true
+		tried[i/64] |= 1 << (i % 64)
 		p := paths[i]
 		if p == skip {
 			continue
@@ -109,13 +115,14 @@ func (s *Session) issue(r *cltReq, skip *Path, failover bool) error {
 }
 
 // pick returns the next candidate path index, or -1 (the policy iterators of spec 3.6).
-func (s *Session) pick(paths []*Path, tried []bool, policy Policy, skip *Path) int {
+func (s *Session) pick(paths []*Path, tried *[MaxPathsNum/64 + 1]uint64, policy Policy, skip *Path) int {
+	isTried := func(i int) bool { return tried[i/64]&(1<<(i%64)) != 0 }
 	switch policy {
 	case RoundRobin:
 		// Advances on every step, also over paths that are not connected.
 		for range paths {
 			i := int(s.rr.Add(1)-1) % len(paths)
-			if !tried[i] {
+			if !isTried(i) {
 				return i
 			}
 		}
@@ -124,7 +131,7 @@ func (s *Session) pick(paths []*Path, tried []bool, policy Policy, skip *Path) i
 		best := -1
 		var bestV int64
 		for i, p := range paths {
-			if tried[i] || p == skip || p.State() != StateConnected {
+			if isTried(i) || p == skip || p.State() != StateConnected {
 				continue
 			}
 			v := int64(p.Stats.Inflight.Load())
@@ -156,7 +163,7 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	}
 	iu := res.iu.Bytes()[r.permit*MaxHdrSize : (r.permit+1)*MaxHdrSize]
 	n := copy(iu, r.usr)
-	var wrs [2]rdma.SendWR
+	wrs := &r.wrs
 	k := 0
 	var dataSGE rdma.SGE
 	if len(r.data) > 0 {
@@ -186,20 +193,24 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	if r.dir == Write {
 		PutMsgRdmaWrite(iu[n:], uint16(len(r.usr)))
 		n += writeHdrSize
+		sg := r.sges[:0]
 		if len(r.data) > 0 {
-			wr.SGList = append(wr.SGList, dataSGE)
+			sg = append(sg, dataSGE)
 		}
-		wr.SGList = append(wr.SGList, rdma.SGEOf(res.iu, r.permit*MaxHdrSize, n))
+		wr.SGList = append(sg, rdma.SGEOf(res.iu, r.permit*MaxHdrSize, n))
 		wr.RemoteAddr = rb.addr
 	} else {
+		var desc [1]SgDesc
 		m := MsgRdmaRead{UsrLen: uint16(len(r.usr))}
 		if len(r.data) > 0 {
 			m.Flags = MsgNeedInvalF
-			m.Desc = []SgDesc{{Addr: dataSGE.Addr, Key: dataSGE.LKey, Len: dataSGE.Length}}
+			desc[0] = SgDesc{Addr: dataSGE.Addr, Key: dataSGE.LKey, Len: dataSGE.Length}
+			m.Desc = desc[:]
 		}
 		m.Put(iu[n:])
 		n += ReadHdrSize(len(m.Desc))
-		wr.SGList = []rdma.SGE{rdma.SGEOf(res.iu, r.permit*MaxHdrSize, n)}
+		r.sges[2] = rdma.SGEOf(res.iu, r.permit*MaxHdrSize, n)
+		wr.SGList = r.sges[2:3]
 		wr.RemoteAddr = rb.addr + uint64(len(r.data))
 	}
 	wr.Imm = IOReqImm(uint32(r.permit), uint32(len(r.data)+len(r.usr)), s.memBits)
@@ -255,15 +266,16 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	if res == nil {
 		return
 	}
-	repost := rdma.RecvWR{ID: w.ID}
+	repost := &c.recvWR[0]
+	*repost = rdma.RecvWR{ID: w.ID, SGList: repost.SGList[:0]}
 	idx := int(w.ID &^ wrKindMask)
 	var buf []byte
 	if s.newRkey && c.cid < len(res.rcvOff) && (c.cid > 0 || len(res.rcvOff) == 1) && idx < 2*s.queueDepth {
 		off := res.rcvOff[c.cid] + idx*rkeyRspSize
-		repost.SGList = []rdma.SGE{rdma.SGEOf(res.rcv, off, rkeyRspSize)}
+		repost.SGList = append(repost.SGList, rdma.SGEOf(res.rcv, off, rkeyRspSize))
 		buf = res.rcv.Bytes()[off : off+rkeyRspSize]
 	}
-	if _, err := c.qp.PostRecv([]rdma.RecvWR{repost}); err != nil {
+	if _, err := c.qp.PostRecv(c.recvWR[:]); err != nil {
 		p.errRecovery(err)
 		return
 	}
@@ -273,7 +285,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	typ, payload := ImmFields(w.Imm)
 	switch typ {
 	case ImmHBMsg:
-		_, _ = c.qp.PostSend(hbWR(ImmHBAckValue))
+		_ = c.hbAck()
 		return
 	case ImmHBAck:
 		p.hb.acked()
@@ -301,8 +313,8 @@ func (p *Path) recv(c *con, w rdma.WC) {
 		return // stale: the request was failed over or finished
 	}
 	if len(r.data) > 0 && typ != ImmIORspWInv {
-		fr := res.fr[r.permit]
-		_, _ = c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}})
+		c.sendWR[0] = rdma.SendWR{Opcode: rdma.OpLocalInv, InvRKey: res.fr[r.permit].RKey()}
+		_, _ = c.qp.PostSend(c.sendWR[:])
 	}
 	p.account(r)
 	s.finish(r, errnoErr(errno))

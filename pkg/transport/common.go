@@ -135,6 +135,10 @@ type con struct {
 	// unsignaled requests free their slots only through a later signaled one.
 	sigInterval int
 	sends       atomic.Uint32
+
+	// Scratch for the connection's completion handler (calls never overlap).
+	recvWR [1]rdma.RecvWR
+	sendWR [1]rdma.SendWR
 }
 
 // signal returns the flags for the next send on c.
@@ -233,6 +237,13 @@ func (h *heartbeat) acked() {
 // hbWR is the zero-length RDMA_WRITE_WITH_IMM a heartbeat travels in.
 func hbWR(imm uint32) []rdma.SendWR {
 	return []rdma.SendWR{{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: imm}}
+}
+
+// hbAck answers a heartbeat from the connection's handler without allocating.
+func (c *con) hbAck() error {
+	c.sendWR[0] = rdma.SendWR{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: ImmHBAckValue}
+	_, err := c.qp.PostSend(c.sendWR[:])
+	return err
 }
 
 // devicePD returns a protection domain on dev, one per device for a holder.

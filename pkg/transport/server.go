@@ -250,7 +250,8 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 	}
 	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, created: time.Now(),
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
-	p.logp.Store(s.log.WithField("path", p.Name()))
+	p.name = PathName(src, dst)
+	p.logp.Store(s.log.WithField("path", p.name))
 	p.cons[m.Cid] = &con{cid: int(m.Cid)}
 	p.opsIdle = sync.NewCond(&p.mu)
 	ss.paths[m.SessUUID] = p
@@ -322,6 +323,7 @@ type SrvPath struct {
 	created time.Time
 	hcaName string
 	hcaPort int
+	name    string
 	logp    atomic.Pointer[log.Entry]
 
 	mu      sync.Mutex
@@ -346,7 +348,7 @@ type SrvPath struct {
 func (p *SrvPath) lg() *log.Entry { return p.logp.Load() }
 
 // Name is "<client addr>@<server addr>".
-func (p *SrvPath) Name() string { return PathName(p.src, p.dst) }
+func (p *SrvPath) Name() string { return p.name }
 
 // SrcAddr is the client's address, DstAddr the server's.
 func (p *SrvPath) SrcAddr() Addr { return p.src }
@@ -392,6 +394,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 		return err
 	}
 	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD)}
+	c.recvWR[0].ID = wrRecv
 	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+1
 	if !o.AlwaysInvalidate {
 		sendWR = 3*o.QueueDepth + 1
@@ -538,14 +541,14 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 // recvImm handles an RDMA_WRITE_WITH_IMM from the client.
 func (p *SrvPath) recvImm(c *con, imm uint32) {
 	p.hb.missed.Store(0)
-	if _, err := c.qp.PostRecv([]rdma.RecvWR{{ID: wrRecv}}); err != nil {
+	if _, err := c.qp.PostRecv(c.recvWR[:]); err != nil {
 		go p.Close()
 		return
 	}
 	typ, payload := ImmFields(imm)
 	switch typ {
 	case ImmHBMsg:
-		_, _ = c.qp.PostSend(hbWR(ImmHBAckValue))
+		_ = c.hbAck()
 		return
 	case ImmHBAck:
 		p.hb.acked()
@@ -570,8 +573,8 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	}
 	// Take the chunk from the client first: dispatch when its key is dead.
-	_, err := c.qp.PostSend([]rdma.SendWR{{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv,
-		Flags: rdma.SendSignaled, InvRKey: p.chunkMR[id].RKey()}})
+	r.wrs[0] = rdma.SendWR{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv, Flags: rdma.SendSignaled, InvRKey: p.chunkMR[id].RKey()}
+	_, err := c.qp.PostSend(r.wrs[:1])
 	if err != nil {
 		go p.Close()
 	}
@@ -587,6 +590,10 @@ type srvReq struct {
 	cliKey  uint32
 	desc    SgDesc
 	hasData bool
+	wrs     [4]rdma.SendWR // response chain, reused: posting copies it
+	sge     [2]rdma.SGE
+	rd      MsgRdmaRead
+	rdDesc  [1]SgDesc
 }
 
 // SrvRequest is one IO request handed to the handler.
@@ -626,7 +633,8 @@ func (p *SrvPath) dispatch(c *con, id int) {
 	case MsgTypeWrite:
 		r.r.Dir = Write
 	case MsgTypeRead:
-		var m MsgRdmaRead
+		m := &r.rd
+		m.Desc = r.rdDesc[:0]
 		if err := m.Unmarshal(hdr); err != nil {
 			p.badRequest(id, err.Error())
 			return
@@ -689,11 +697,11 @@ func (r *SrvRequest) Respond(errno int) {
 	sr := r.slot
 	o := p.sess.srv.opts
 	c := sr.con
-	var wrs [4]rdma.SendWR
+	wrs := &sr.wrs
 	n := 0
 	if errno == 0 && sr.hasData && sr.desc.Len > 0 {
-		wrs[n] = rdma.SendWR{Opcode: rdma.OpRDMAWrite, SGList: []rdma.SGE{{Addr: p.localMR.Addr() + uint64(sr.id*o.ChunkSize), Length: sr.desc.Len, LKey: p.localMR.LKey()}},
-			RemoteAddr: sr.desc.Addr, RKey: sr.desc.Key}
+		sr.sge[0] = rdma.SGE{Addr: p.localMR.Addr() + uint64(sr.id*o.ChunkSize), Length: sr.desc.Len, LKey: p.localMR.LKey()}
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpRDMAWrite, SGList: sr.sge[0:1], RemoteAddr: sr.desc.Addr, RKey: sr.desc.Key}
 		n++
 	}
 	if sr.needInv {
@@ -709,7 +717,8 @@ func (r *SrvRequest) Respond(errno int) {
 		off := p.ctlRkey(sr.id)
 		rk := MsgRkeyRsp{BufID: uint16(sr.id), Rkey: key}
 		rk.Put(p.ctlMR.Bytes()[off:])
-		wrs[n] = rdma.SendWR{Opcode: rdma.OpSendWithImm, Imm: imm, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, off, rkeyRspSize)}}
+		sr.sge[1] = rdma.SGEOf(p.ctlMR, off, rkeyRspSize)
+		wrs[n] = rdma.SendWR{Opcode: rdma.OpSendWithImm, Imm: imm, SGList: sr.sge[1:2]}
 	} else {
 		wrs[n] = rdma.SendWR{Opcode: rdma.OpRDMAWriteWithImm, Imm: imm}
 	}

@@ -1,0 +1,30 @@
+package transport
+
+import (
+	"context"
+	"fmt"
+	"testing"
+)
+
+// BenchmarkRequest measures synchronous 4 KiB requests at QD1 over one path, client and
+// server in this process.
+func BenchmarkRequest(b *testing.B) {
+	for _, inv := range []bool{true, false} {
+		for _, dir := range []Dir{Read, Write} {
+			b.Run(fmt.Sprintf("%v/always_invalidate=%v", dir, inv), func(b *testing.B) {
+				e := newEnv(b, inv, 128)
+				s := e.open(b, "bench", paths(b, "ip:127.0.0.1@ip:127.0.0.1"), func(o *ClientOptions) { o.ConPerPath = 2 })
+				buf, hdr := make([]byte, 4096), offHdr(4096)
+				ctx := context.Background()
+				b.SetBytes(4096)
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if err := s.Do(ctx, dir, hdr, buf); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
