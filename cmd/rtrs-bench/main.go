@@ -238,9 +238,7 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 		return Result{}, err
 	}
 	defer sess.Close()
-	if bs > sess.MaxIOSize() {
-		return Result{}, fmt.Errorf("block size %d over the session's max IO size %d", bs, sess.MaxIOSize())
-	}
+
 	blocks := span / bs
 	random := strings.HasPrefix(cp.rw, "rand")
 	readPct := map[string]int{"read": 100, "randread": 100, "write": 0, "randwrite": 0, "randrw": 50}[cp.rw]
@@ -263,7 +261,6 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 			defer wg.Done()
 			rng := rand.New(rand.NewPCG(uint64(w), uint64(time.Now().UnixNano())))
 			buf := make([]byte, bs)
-			hdr := make([]byte, 8)
 			for time.Now().Before(deadline) {
 				var b int
 				if random {
@@ -275,7 +272,6 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 					continue // another worker owns this block now
 				}
 				off := uint64(b) * uint64(bs)
-				binary.LittleEndian.PutUint64(hdr, off)
 				dir := transport.Write
 				if rng.IntN(100) < readPct {
 					dir = transport.Read
@@ -283,7 +279,7 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 					pattern(buf, off)
 				}
 				t0 := time.Now()
-				err := sess.Do(ctx, dir, hdr, buf)
+				err := doSplit(ctx, sess, dir, off, buf)
 				lats[w] = append(lats[w], time.Since(t0))
 				if err == nil && cp.verify {
 					if dir == transport.Write {
@@ -329,6 +325,34 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 	return Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: len(pas), Ops: n, Seconds: el.Seconds(),
 		IOPS: float64(n) / el.Seconds(), MBps: float64(n) * float64(bs) / el.Seconds() / 1e6,
 		P50us: pct(0.5), P99us: pct(0.99), P999us: pct(0.999), CPUSec: cpuSeconds() - cpu0, Verified: verified.Load()}, nil
+}
+
+// doSplit does one logical IO as requests of at most the session's max IO size, in parallel
+// (as the block layer splits a bio for RNBD), and returns the first error.
+func doSplit(ctx context.Context, sess *transport.Session, dir transport.Dir, off uint64, buf []byte) error {
+	max := sess.MaxIOSize()
+	if len(buf) <= max {
+		hdr := make([]byte, 8)
+		binary.LittleEndian.PutUint64(hdr, off)
+		return sess.Do(ctx, dir, hdr, buf)
+	}
+	n := (len(buf) + max - 1) / max
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		part := buf[i*max : min((i+1)*max, len(buf))]
+		hdr := make([]byte, 8)
+		binary.LittleEndian.PutUint64(hdr, off+uint64(i*max))
+		if err := sess.Request(ctx, dir, hdr, part, func(err error) { errs <- err }); err != nil {
+			errs <- err
+		}
+	}
+	var first error
+	for i := 0; i < n; i++ {
+		if err := <-errs; err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
 }
 
 // cpuSeconds is this process's user + system CPU time.

@@ -80,7 +80,7 @@ type Session struct {
 	memBits    int
 	newRkey    bool
 
-	permits chan int
+	permits *permits
 	reqs    []cltReq
 
 	policy       atomic.Int32
@@ -189,13 +189,8 @@ func (s *Session) Close() error {
 	if s.permits != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), s.opts.Timings.ConnectTimeout)
 		defer cancel()
-		for i := 0; i < s.queueDepth; i++ {
-			select {
-			case <-s.permits:
-			case <-ctx.Done():
-				s.log.Warn("closing with requests still in flight")
-				i = s.queueDepth
-			}
+		if !s.permits.drain(ctx) {
+			s.log.Warn("closing with requests still in flight")
 		}
 	}
 	for _, p := range s.Paths() {
@@ -533,10 +528,7 @@ func (s *Session) takeLimits(p *Path, rsp *MsgConnRsp) error {
 		s.queueDepth, s.chunkSize, s.memBits = qd, chunk, MemBits(qd)
 		s.maxIOSize = int(rsp.MaxIOSize)
 		s.newRkey = rsp.Flags&MsgNewRkeyF != 0
-		s.permits = make(chan int, qd)
-		for i := 0; i < qd; i++ {
-			s.permits <- i
-		}
+		s.permits = newPermits(qd)
 		s.reqs = make([]cltReq, qd)
 		for i := range s.reqs {
 			s.reqs[i].permit = i

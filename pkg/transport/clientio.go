@@ -63,15 +63,13 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 	}
 	var permit int
 	if wait {
-		select {
-		case permit = <-s.permits:
-		case <-ctx.Done():
-			return ctx.Err()
+		var err error
+		if permit, err = s.permits.get(ctx); err != nil {
+			return err
 		}
 	} else {
-		select {
-		case permit = <-s.permits:
-		default:
+		var ok bool
+		if permit, ok = s.permits.tryGet(); !ok {
 			return ErrNoPermit
 		}
 	}
@@ -157,6 +155,8 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	res, cons := p.res, p.cons
 	rb := &p.rbufs[r.permit]
 	p.mu.Unlock()
+	// A permit keeps to one IO connection; the kernel picks it by submitting CPU, which in Go
+	// would let a chunk be filled through a different connection each time.
 	c := cons[0]
 	if len(cons) > 1 {
 		c = cons[r.permit%(len(cons)-1)+1]
@@ -336,7 +336,7 @@ func (p *Path) account(r *cltReq) {
 func (s *Session) finish(r *cltReq, err error) {
 	done := r.done
 	r.done, r.usr, r.data, r.path = nil, nil, nil, nil
-	s.permits <- r.permit
+	s.permits.put(r.permit)
 	if done != nil {
 		done(err)
 	}

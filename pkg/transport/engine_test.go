@@ -30,6 +30,13 @@ func newMemDisk(size int) *memDisk {
 }
 
 func (d *memDisk) Request(r *SrvRequest) {
+	// WRITE data is taken out of the chunk here, on the receiving goroutine: after a
+	// failover the client may resend the same request into the same chunk through another
+	// path while this one is still being served (see SrvRequest).
+	data := r.Data
+	if d.async && r.Dir == Write {
+		data = append([]byte(nil), r.Data...)
+	}
 	serve := func() {
 		if len(r.Usr) != 8 {
 			r.Respond(-22)
@@ -44,7 +51,7 @@ func (d *memDisk) Request(r *SrvRequest) {
 			return
 		}
 		if r.Dir == Write {
-			copy(d.disk[off:], r.Data)
+			copy(d.disk[off:], data)
 		} else {
 			copy(r.Data, d.disk[off:])
 		}

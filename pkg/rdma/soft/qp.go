@@ -450,6 +450,7 @@ func (q *qp) readLoop() {
 			q.fatal(0, 0, err)
 			break
 		}
+		raceAcquire(q.w.raceAddr)
 		err = q.handle(&h)
 		q.notify()
 	}

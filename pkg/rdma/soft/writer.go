@@ -49,6 +49,8 @@ type writer struct {
 	// the highest value queued so far.
 	ack     *atomic.Uint64
 	ackSent uint64
+
+	raceAddr unsafe.Pointer // see race_on.go
 }
 
 func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
@@ -69,6 +71,7 @@ func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
 		}
 	}
 	w.writeFn = w.rawWrite
+	w.raceAddr = raceAddrOf(conn)
 	w.idle = sync.NewCond(&w.mu)
 	return w
 }
@@ -94,6 +97,7 @@ func (w *writer) addLocked(h *frameHdr, payload [][]byte) {
 		w.ackSent = h.ack
 	}
 	h.encode(hb)
+	raceRelease(w.raceAddr)
 	w.pend = append(w.pend, hb)
 	for _, p := range payload {
 		if len(p) > 0 {
