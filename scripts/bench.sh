@@ -21,3 +21,5 @@ out=docs/benchmarks-soft-rdma.generated.md
 	echo '```'
 } >"$out"
 echo "wrote $out"
+bin/rtrs-bench suite -duration "$dur" >docs/benchmarks-rtrs.generated.md
+echo "wrote docs/benchmarks-rtrs.generated.md"
