@@ -77,10 +77,12 @@ func parseSize(s string) (int, error) {
 	return n * mult, nil
 }
 
-// memStore answers requests from memory; the user header is the 8-byte offset.
+// memStore answers requests from memory; the user header is the 8-byte offset. A null store
+// answers without touching the data, to measure the transport alone.
 type memStore struct {
-	mem []byte
-	mu  sync.RWMutex
+	mem  []byte
+	mu   sync.RWMutex
+	null bool
 }
 
 func (m *memStore) Request(r *transport.SrvRequest) {
@@ -91,6 +93,10 @@ func (m *memStore) Request(r *transport.SrvRequest) {
 	off := binary.LittleEndian.Uint64(r.Usr)
 	if off > uint64(len(m.mem)) || uint64(len(r.Data)) > uint64(len(m.mem))-off {
 		r.Respond(-int(syscall.EIO))
+		return
+	}
+	if m.null {
+		r.Respond(0)
 		return
 	}
 	if r.Dir == transport.Write {
@@ -114,6 +120,7 @@ func serverCmd(ctx context.Context, args []string) error {
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
 	size := fs.String("size", "256M", "memory the server answers from")
+	null := fs.Bool("null", false, "answer without storing or returning data (the transport alone)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -131,7 +138,7 @@ func serverCmd(ctx context.Context, args []string) error {
 	}
 	o := transport.DefaultServerOptions()
 	o.Provider, o.Addr, o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = soft.New(soft.Options{}), ap, *qd, cs, *inv
-	o.Handler = &memStore{mem: make([]byte, ms)}
+	o.Handler = &memStore{mem: make([]byte, ms), null: *null}
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -198,6 +199,21 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer func() { _ = srvOff.Process.Kill(); _ = srvOff.Wait() }()
+	srvBig, err := start("server", "-listen", "127.0.0.1:18605", "-chunk-size", "2M", "-queue-depth", "128")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = srvBig.Process.Kill(); _ = srvBig.Wait() }()
+	srvBigNull, err := start("server", "-listen", "127.0.0.1:18606", "-chunk-size", "2M", "-queue-depth", "128", "-null")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = srvBigNull.Process.Kill(); _ = srvBigNull.Wait() }()
+	srvNull, err := start("server", "-listen", "127.0.0.1:18604", "-always-invalidate=true", "-null")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = srvNull.Process.Kill(); _ = srvNull.Wait() }()
 	tcpSrv, err := start("tcpserver", "-listen", "127.0.0.1:18603")
 	if err != nil {
 		return err
@@ -243,6 +259,42 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 			}
 		}
 	}
+	fmt.Fprintln(out, "\nThe transport alone: a server that answers without copying data into or out of a store (always_invalidate on, 1 path):")
+	fmt.Fprintln(out, "\n| workload | IOPS | MB/s | p50 µs | p99 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|")
+	nullRes := map[string]Result{}
+	for _, c := range []struct {
+		rw, bs string
+		qd     int
+	}{{"randread", "4K", 1}, {"randread", "4K", 32}, {"randwrite", "4K", 32}, {"randread", "1M", 8}, {"randwrite", "1M", 8}} {
+		cpu0 := procCPU(srvNull.Process.Pid)
+		runtime.GC()
+		r, err := runClient(ctx, clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: 18604, bs: c.bs, qd: c.qd, rw: c.rw, dur: *dur, span: "256M"})
+		if err != nil {
+			return err
+		}
+		nullRes[fmt.Sprintf("%s %s %d", c.rw, c.bs, c.qd)] = r
+		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", c.rw, c.bs, c.qd, r.IOPS, r.MBps, r.P50us, r.P99us, r.CPUSec, procCPU(srvNull.Process.Pid)-cpu0)
+	}
+	fmt.Fprintln(out, "\nWith 2 MiB chunks (max_chunk_size 2M, queue depth 128, always_invalidate on, 1 path), a 1 MiB IO is one request:")
+	fmt.Fprintln(out, "\n| workload | store | IOPS | MB/s | p50 µs | p99 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|---|")
+	bigRes := map[string]Result{}
+	for _, srv := range []struct {
+		name string
+		port uint16
+		cmd  *exec.Cmd
+	}{{"memory", 18605, srvBig}, {"null", 18606, srvBigNull}} {
+		for _, rw := range []string{"randread", "randwrite"} {
+			cpu0 := procCPU(srv.cmd.Process.Pid)
+			runtime.GC()
+			r, err := runClient(ctx, clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: srv.port, bs: "1M", qd: 8, rw: rw, dur: *dur, span: "256M"})
+			if err != nil {
+				return err
+			}
+			bigRes[srv.name+" "+rw] = r
+			fmt.Fprintf(out, "| %s 1M QD8 | %s | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", rw, srv.name, r.IOPS, r.MBps, r.P50us, r.P99us, r.CPUSec, procCPU(srv.cmd.Process.Pid)-cpu0)
+		}
+	}
+	fio := fioBaselines(ctx, *dur, out)
 	fmt.Fprintln(out, "\nSame-run raw TCP baselines (one process each side, same loopback):")
 	fmt.Fprintln(out, "\n| baseline | IOPS | MB/s | p50 µs | p99 µs |\n|---|---|---|---|---|")
 	tcp := "127.0.0.1:18603"
@@ -277,8 +329,19 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	w1 := res[key{"randwrite", "4K", 1, true, 1}]
 	fmt.Fprintf(out, "- 4 KiB QD1 p50 / raw TCP round trip: read %.2f, write %.2f\n", r1.P50us/rt4kRead.P50us, w1.P50us/rt4kWrite.P50us)
 	for _, rw := range []string{"randread", "randwrite"} {
-		fmt.Fprintf(out, "- 1 MiB QD8 %s / TCP stream: %.2f (2 paths: %.2f)\n", rw,
-			res[key{rw, "1M", 8, true, 1}].MBps/stream.MBps, res[key{rw, "1M", 8, true, 2}].MBps/stream.MBps)
+		fmt.Fprintf(out, "- 1 MiB QD8 %s / TCP stream: %.2f (2 paths: %.2f; null server: %.2f)\n", rw,
+			res[key{rw, "1M", 8, true, 1}].MBps/stream.MBps, res[key{rw, "1M", 8, true, 2}].MBps/stream.MBps,
+			nullRes[rw+" 1M 8"].MBps/stream.MBps)
+	}
+	for _, rw := range []string{"randread", "randwrite"} {
+		fmt.Fprintf(out, "- 1 MiB QD8 %s with 2 MiB chunks / TCP stream: %.2f (null store: %.2f)\n", rw,
+			bigRes["memory "+rw].MBps/stream.MBps, bigRes["null "+rw].MBps/stream.MBps)
+	}
+	for _, rw := range []string{"randread", "randwrite"} {
+		if f, ok := fio[rw]; ok {
+			r := res[key{rw, "4K", 32, true, 1}]
+			fmt.Fprintf(out, "- 4 KiB QD32 %s / fio→nbdkit memory over TCP: %.2f (%.0f against %.0f IOPS)\n", rw, r.IOPS/f.IOPS, r.IOPS, f.IOPS)
+		}
 	}
 	for _, c := range []struct {
 		rw, bs string
@@ -288,4 +351,84 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		fmt.Fprintf(out, "- always_invalidate cost, %s %s QD%d: %.0f%% fewer IOPS than off\n", c.rw, c.bs, c.qd, 100*(1-on.IOPS/off.IOPS))
 	}
 	return nil
+}
+
+// fioBaselines runs fio's nbd engine against nbdkit's memory plugin over TCP, 4 KiB QD32 and
+// QD1, when both are installed, and prints the figures.
+func fioBaselines(ctx context.Context, dur time.Duration, out io.Writer) map[string]Result {
+	res := map[string]Result{}
+	if _, err := exec.LookPath("fio"); err != nil {
+		fmt.Fprintln(out, "\n(fio not installed: no fio→nbdkit baseline)")
+		return res
+	}
+	if _, err := exec.LookPath("nbdkit"); err != nil {
+		fmt.Fprintln(out, "\n(nbdkit not installed: no fio→nbdkit baseline)")
+		return res
+	}
+	nbd := exec.CommandContext(ctx, "nbdkit", "-f", "-p", "18610", "-i", "127.0.0.1", "memory", "256M")
+	if err := nbd.Start(); err != nil {
+		fmt.Fprintf(out, "\n(nbdkit: %v)\n", err)
+		return res
+	}
+	defer func() { _ = nbd.Process.Kill(); _ = nbd.Wait() }()
+	time.Sleep(500 * time.Millisecond)
+	fmt.Fprintln(out, "\nSame-run baseline: fio (nbd engine) → nbdkit memory, over TCP on loopback:")
+	fmt.Fprintln(out, "\n| workload | IOPS | MB/s | p50 µs | p99 µs | fio CPU s | nbdkit CPU s |\n|---|---|---|---|---|---|---|")
+	for _, c := range []struct {
+		rw string
+		qd int
+	}{{"randread", 1}, {"randwrite", 1}, {"randread", 32}, {"randwrite", 32}} {
+		cpu0 := procCPU(nbd.Process.Pid)
+		cmd := exec.CommandContext(ctx, "fio", "--name=b", "--ioengine=nbd", "--uri=nbd://127.0.0.1:18610", "--rw="+c.rw,
+			"--bs=4k", fmt.Sprintf("--iodepth=%d", c.qd), fmt.Sprintf("--runtime=%d", int(dur.Seconds())), "--time_based",
+			"--output-format=json")
+		b, err := cmd.Output()
+		if err != nil {
+			fmt.Fprintf(out, "| %s 4K QD%d | fio failed: %v | | | | | |\n", c.rw, c.qd, err)
+			continue
+		}
+		r, fcpu, err := parseFio(b, c.rw)
+		if err != nil {
+			fmt.Fprintf(out, "| %s 4K QD%d | %v | | | | | |\n", c.rw, c.qd, err)
+			continue
+		}
+		if c.qd == 32 {
+			res[c.rw] = r
+		}
+		fmt.Fprintf(out, "| %s 4K QD%d | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", c.rw, c.qd, r.IOPS, r.MBps, r.P50us, r.P99us, fcpu, procCPU(nbd.Process.Pid)-cpu0)
+	}
+	return res
+}
+
+// parseFio reads fio's JSON (after whatever the nbd engine printed before it).
+func parseFio(b []byte, rw string) (Result, float64, error) {
+	i := strings.IndexByte(string(b), '{')
+	if i < 0 {
+		return Result{}, 0, fmt.Errorf("no JSON from fio")
+	}
+	var d struct {
+		Jobs []struct {
+			Read, Write struct {
+				IOPS   float64 `json:"iops"`
+				BW     float64 `json:"bw_bytes"`
+				ClatNs struct {
+					Percentile map[string]float64 `json:"percentile"`
+				} `json:"clat_ns"`
+			}
+			UsrCPU  float64 `json:"usr_cpu"`
+			SysCPU  float64 `json:"sys_cpu"`
+			Elapsed float64 `json:"elapsed"`
+		} `json:"jobs"`
+	}
+	if err := json.Unmarshal(b[i:], &d); err != nil || len(d.Jobs) == 0 {
+		return Result{}, 0, fmt.Errorf("fio JSON: %v", err)
+	}
+	j := d.Jobs[0]
+	st := j.Read
+	if strings.Contains(rw, "write") {
+		st = j.Write
+	}
+	cpu := (j.UsrCPU + j.SysCPU) / 100 * j.Elapsed
+	return Result{RW: rw, IOPS: st.IOPS, MBps: st.BW / 1e6, P50us: st.ClatNs.Percentile["50.000000"] / 1e3,
+		P99us: st.ClatNs.Percentile["99.000000"] / 1e3}, cpu, nil
 }

@@ -225,3 +225,29 @@ func TestStaleRkeyRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestQueueDepthChange: a server that comes back with another queue depth gets no automatic
+// reconnects from that path (the kernel logs "queue depth changed" and stops).
+func TestQueueDepthChange(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "qdchange", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	p := s.Paths()[0]
+	addr := e.srv.Addr()
+	if err := e.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
+	o := DefaultServerOptions()
+	o.Provider, o.Handler, o.Timings, o.Addr, o.QueueDepth = e.prov, e.disk, fastTimings(), addr, 32
+	srv2, err := NewServer(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv2.Close()
+	waitFor(t, 10*time.Second, "path closed", func() bool { return p.State() == StateClosed })
+	time.Sleep(300 * time.Millisecond)
+	if p.State() != StateClosed || p.Stats.ReconnectOK.Value() != 0 || p.Stats.ReconnectFail.Value() == 0 {
+		t.Fatalf("path %v, reconnects %s", p.State(), p.Stats.Reconnects())
+	}
+}
