@@ -50,6 +50,10 @@ type DeviceAttr struct {
 	MaxFastRegPageListLen int    // max_fast_reg_page_list_len
 	MaxMsgSize            uint32 // largest single message or RDMA operation
 	PhysPortCnt           int    // phys_port_cnt
+	// SyncLocalOps: LOCAL_INV and REG_MR take effect before PostSend returns (their
+	// completions only report it). A consumer that waits for a key to die may then go on at
+	// once; on an HCA, which executes them later, it must wait for the completion.
+	SyncLocalOps bool
 }
 
 // PortAttr describes a device port (ibv_query_port).

@@ -332,14 +332,15 @@ type SrvPath struct {
 	ops     int // requests handed up and not yet answered
 	opsIdle *sync.Cond
 
-	pd      rdma.PD
-	chunkMR []rdma.MR // one per chunk with always_invalidate, else one for all
-	localMR rdma.MR   // all chunks, local access: the source of READ data
-	ctlMR   rdma.MR   // info request/response and rkey response buffers
-	reqs    []srvReq  // per chunk
-	hb      heartbeat
-	closing sync.Once
-	closed  chan struct{}
+	pd        rdma.PD
+	syncLocal bool      // the device's LOCAL_INV takes effect when posted
+	chunkMR   []rdma.MR // one per chunk with always_invalidate, else one for all
+	localMR   rdma.MR   // all chunks, local access: the source of READ data
+	ctlMR     rdma.MR   // info request/response and rkey response buffers
+	reqs      []srvReq  // per chunk
+	hb        heartbeat
+	closing   sync.Once
+	closed    chan struct{}
 
 	// Stats are the path's counters (its stats/ directory).
 	Stats stats.ServerPath
@@ -495,6 +496,7 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 		return err
 	}
 	p.pd, p.chunkMR, p.localMR, p.ctlMR = pd, mrs, local, ctl
+	p.syncLocal = dev.Query().SyncLocalOps
 	p.reqs = make([]srvReq, o.QueueDepth)
 	for i := range p.reqs {
 		p.reqs[i].r.path, p.reqs[i].r.slot, p.reqs[i].id = p, &p.reqs[i], i
@@ -573,10 +575,25 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	}
 	// Take the chunk from the client first: dispatch when its key is dead.
-	r.wrs[0] = rdma.SendWR{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv, Flags: rdma.SendSignaled, InvRKey: p.chunkMR[id].RKey()}
-	_, err := c.qp.PostSend(r.wrs[:1])
-	if err != nil {
+	// What dispatch waits for is a dead key. A device whose local operations take effect when
+	// posted has it at once, and the completion (ordered behind the acknowledgements of earlier
+	// responses) is not asked for; otherwise dispatch waits for the completion, as the kernel.
+	mr := p.chunkMR[id]
+	r.wrs[0] = rdma.SendWR{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv, InvRKey: mr.RKey()}
+	if !p.syncLocal {
+		r.wrs[0].Flags = rdma.SendSignaled
+	}
+	if _, err := c.qp.PostSend(r.wrs[:1]); err != nil {
 		go p.Close()
+		return
+	}
+	if p.syncLocal {
+		if mr.Valid() {
+			p.lg().Warn("chunk key still valid after a synchronous LOCAL_INV")
+			go p.Close()
+			return
+		}
+		p.dispatch(c, int(id))
 	}
 }
 

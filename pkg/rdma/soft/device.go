@@ -165,6 +165,7 @@ func (d *device) Query() rdma.DeviceAttr {
 	return rdma.DeviceAttr{
 		MaxQPWR: maxQPWR, MaxSGE: maxSGE, MaxCQE: maxCQE, MaxMRSize: maxMRSize,
 		MaxFastRegPageListLen: maxFRPageList, MaxMsgSize: maxMsgSize, PhysPortCnt: 1,
+		SyncLocalOps: true,
 	}
 }
 
