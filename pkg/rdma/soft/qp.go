@@ -74,6 +74,10 @@ type qp struct {
 	stop   chan struct{} // stops the flusher
 	wg     sync.WaitGroup
 
+	// batching is set while the reader runs completion handlers at the end of a burst: sends
+	// they post on this QP wait for the reader's flush, so a burst's answers leave together.
+	batching atomic.Bool
+
 	// Responder state, owned by the reader goroutine (lastSeq is read by the writer).
 	lastSeq  atomic.Uint64 // highest request executed
 	ackAsked bool          // the peer asked for an ack it has not been sent
@@ -302,7 +306,9 @@ func (q *qp) finishPost(queued bool) {
 	q.drainLocked()
 	w := q.w
 	q.mu.Unlock()
-	if queued {
+	// Enqueued before the flag is read: if the reader is still batching, its flush after
+	// clearing the flag takes these frames along.
+	if queued && !q.batching.Load() {
 		w.flush()
 	}
 }
@@ -434,17 +440,24 @@ var errPeer = errors.New("soft-rdma: protocol violation by peer")
 func (q *qp) readLoop() {
 	var hb [hdrLen]byte
 	var err error
+	frames := 0
 	for err == nil {
-		if q.br.Buffered() == 0 && q.ackAsked {
-			q.ackAsked = false
-			if q.w.ackOwed() {
-				q.w.add(&frameHdr{op: fAck}, nil)
-				q.w.flush()
+		if q.br.Buffered() == 0 || frames >= burstFrames {
+			// End of what arrived together: run the handlers once for all of it.
+			frames = 0
+			q.endBurst()
+			if q.ackAsked {
+				q.ackAsked = false
+				if q.w.ackOwed() {
+					q.w.add(&frameHdr{op: fAck}, nil)
+					q.w.flush()
+				}
 			}
 		}
 		if _, err = io.ReadFull(q.br, hb[:]); err != nil {
 			break
 		}
+		frames++
 		var h frameHdr
 		if h, err = decodeHdr(hb[:]); err != nil {
 			q.fatal(0, 0, err)
@@ -452,7 +465,6 @@ func (q *qp) readLoop() {
 		}
 		raceAcquire(q.w.raceAddr)
 		err = q.handle(&h)
-		q.notify()
 	}
 	q.mu.Lock()
 	q.errorLocked()
@@ -471,6 +483,18 @@ func (q *qp) readLoop() {
 		ev.Err = err
 	}
 	q.events <- ev
+}
+
+// burstFrames bounds how many frames the reader executes before it runs the handlers.
+const burstFrames = 64
+
+// endBurst runs the completion handlers for what the reader executed since the last burst and
+// writes what they posted on this QP in one go.
+func (q *qp) endBurst() {
+	q.batching.Store(true)
+	q.notify()
+	q.batching.Store(false)
+	q.w.flush()
 }
 
 // errDisconnected ends the read loop after an orderly disconnect.
@@ -580,6 +604,12 @@ func (q *qp) execute(h *frameHdr) error {
 func (q *qp) waitRecv(h *frameHdr) error {
 	retries := 0
 	q.mu.Lock()
+	if q.rqN == 0 {
+		// The handlers may be about to re-post receives for completions of this burst.
+		q.mu.Unlock()
+		q.endBurst()
+		q.mu.Lock()
+	}
 	for q.rqN == 0 {
 		q.mu.Unlock()
 		if q.rnrRetry == 7 {
