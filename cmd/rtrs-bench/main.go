@@ -317,21 +317,28 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 	if err := <-errc; err != nil {
 		return Result{}, err
 	}
+	n := ops.Load()
+	r := Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: len(pas), Ops: n, Seconds: el.Seconds(),
+		IOPS: float64(n) / el.Seconds(), MBps: float64(n) * float64(bs) / el.Seconds() / 1e6,
+		CPUSec: cpuSeconds() - cpu0, Verified: verified.Load()}
+	r.P50us, r.P99us, r.P999us, _ = percentiles(lats)
+	return r, nil
+}
+
+// percentiles merges per-worker latencies and returns p50, p99 and p99.9 in µs, and the count.
+func percentiles(lats [][]time.Duration) (p50, p99, p999 float64, n int) {
 	var all []time.Duration
 	for _, l := range lats {
 		all = append(all, l...)
 	}
+	if len(all) == 0 {
+		return 0, 0, 0, 0
+	}
 	sort.Slice(all, func(i, j int) bool { return all[i] < all[j] })
 	pct := func(q float64) float64 {
-		if len(all) == 0 {
-			return 0
-		}
 		return float64(all[min(len(all)-1, int(q*float64(len(all))))].Nanoseconds()) / 1e3
 	}
-	n := ops.Load()
-	return Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: len(pas), Ops: n, Seconds: el.Seconds(),
-		IOPS: float64(n) / el.Seconds(), MBps: float64(n) * float64(bs) / el.Seconds() / 1e6,
-		P50us: pct(0.5), P99us: pct(0.99), P999us: pct(0.999), CPUSec: cpuSeconds() - cpu0, Verified: verified.Load()}, nil
+	return pct(0.5), pct(0.99), pct(0.999), len(all)
 }
 
 // doSplit does one logical IO as requests of at most the session's max IO size, in parallel

@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -139,20 +138,11 @@ func tcpStream(addr string, size int, dur time.Duration) (Result, error) {
 }
 
 func latencyResult(lats [][]time.Duration, bs, qd int, el time.Duration) Result {
-	var all []time.Duration
-	for _, l := range lats {
-		all = append(all, l...)
-	}
-	sort.Slice(all, func(i, j int) bool { return all[i] < all[j] })
-	pct := func(q float64) float64 {
-		if len(all) == 0 {
-			return 0
-		}
-		return float64(all[min(len(all)-1, int(q*float64(len(all))))].Nanoseconds()) / 1e3
-	}
-	n := len(all)
-	return Result{RW: "tcp-rr", BS: bs, QD: qd, Ops: int64(n), Seconds: el.Seconds(), IOPS: float64(n) / el.Seconds(),
-		MBps: float64(n) * float64(bs) / el.Seconds() / 1e6, P50us: pct(0.5), P99us: pct(0.99), P999us: pct(0.999)}
+	r := Result{RW: "tcp-rr", BS: bs, QD: qd, Seconds: el.Seconds()}
+	var n int
+	r.P50us, r.P99us, r.P999us, n = percentiles(lats)
+	r.Ops, r.IOPS, r.MBps = int64(n), float64(n)/el.Seconds(), float64(n)*float64(bs)/el.Seconds()/1e6
+	return r
 }
 
 // procCPU is a process's user + system CPU seconds from /proc.

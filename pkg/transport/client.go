@@ -352,15 +352,7 @@ func (p *Path) connectFirst(ctx context.Context) error {
 	if err := p.init(ctx); err == nil {
 		p.markUp()
 	} else {
-		s := p.sess
-		s.mu.Lock()
-		for i, q := range s.paths {
-			if q == p {
-				s.setPathsLocked(append(s.paths[:i:i], s.paths[i+1:]...))
-				break
-			}
-		}
-		s.mu.Unlock()
+		p.sess.removePath(p)
 		p.mu.Lock()
 		p.state = StateDead
 		p.mu.Unlock()
@@ -910,15 +902,19 @@ func (p *Path) Remove() {
 	p.mu.Lock()
 	p.setStateLocked(StateDead)
 	p.mu.Unlock()
-	s := p.sess
+	p.sess.removePath(p)
+}
+
+// removePath takes p out of the session's list.
+func (s *Session) removePath(p *Path) {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	for i, q := range s.paths {
 		if q == p {
 			s.setPathsLocked(append(s.paths[:i:i], s.paths[i+1:]...))
-			break
+			return
 		}
 	}
-	s.mu.Unlock()
 }
 
 // AddPath adds a path and connects it; it returns when the path is connected or failed
