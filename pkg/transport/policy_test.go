@@ -278,3 +278,46 @@ func TestPathOperations(t *testing.T) {
 		t.Fatal("failed path kept")
 	}
 }
+
+// TestZombiePath: a path whose client connects but never sends INFO_REQ is closed after the
+// zombie timeout, and its connection with it.
+func TestZombiePath(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	e.srv.opts.Timings.ZombieTimeout = 200 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	id, err := e.prov.ResolveAddr(ctx, netip.Addr{}, e.srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer id.Destroy()
+	pd, _ := id.Device().AllocPD()
+	cq, _ := id.Device().CreateCQ(8)
+	defer cq.Destroy()
+	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
+		t.Fatal(err)
+	}
+	m := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: uuid.New(), FirstConn: true}
+	if _, err := id.Connect(ctx, rdma.ConnParam{PrivateData: m.Marshal()}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	select {
+	case ev := <-id.Events():
+		if ev.Type != rdma.EventDisconnected {
+			t.Fatalf("event %v", ev.Type)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("the zombie path was not closed")
+	}
+	if el := time.Since(start); el < 150*time.Millisecond {
+		t.Fatalf("closed after %v, before the timeout", el)
+	}
+	e.srv.mu.Lock()
+	n := len(e.srv.sessions)
+	e.srv.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d sessions left", n)
+	}
+}

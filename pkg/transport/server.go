@@ -254,6 +254,16 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 	p.logp.Store(s.log.WithField("path", p.name))
 	p.cons[m.Cid] = &con{cid: int(m.Cid)}
 	p.opsIdle = sync.NewCond(&p.mu)
+	// A path that has not finished connecting (INFO_REQ) when the timer fires is a zombie.
+	p.zombie = time.AfterFunc(s.opts.Timings.ZombieTimeout, func() {
+		p.mu.Lock()
+		stuck := p.state == srvConnecting
+		p.mu.Unlock()
+		if stuck {
+			p.lg().Warn("path did not finish connecting, closing it")
+			p.Close()
+		}
+	})
 	ss.paths[m.SessUUID] = p
 	return p, 0
 }
@@ -339,6 +349,7 @@ type SrvPath struct {
 	ctlMR     rdma.MR   // info request/response and rkey response buffers
 	reqs      []srvReq  // per chunk
 	hb        heartbeat
+	zombie    *time.Timer
 	closing   sync.Once
 	closed    chan struct{}
 
@@ -795,6 +806,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	}
 	p.state = srvConnected
 	p.mu.Unlock()
+	p.zombie.Stop()
 	ss.mu.Lock()
 	ss.established++
 	first := ss.established == 1
@@ -836,6 +848,7 @@ func (p *SrvPath) Close() {
 		p.state = srvClosing
 		cons := append([]*con(nil), p.cons...)
 		p.mu.Unlock()
+		p.zombie.Stop()
 		p.hb.halt()
 		for _, c := range cons {
 			if c != nil && c.qp != nil {
