@@ -164,8 +164,12 @@ func procCPU(pid int) float64 {
 func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("suite", flag.ContinueOnError)
 	dur := fs.Duration("duration", 3*time.Second, "length of each run")
+	procs := fs.Int("gomaxprocs", 0, "GOMAXPROCS of every Go process of the suite (client, servers, TCP baseline); 0 leaves the default")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *procs > 0 {
+		runtime.GOMAXPROCS(*procs)
 	}
 	self, err := os.Executable()
 	if err != nil {
@@ -174,6 +178,9 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	start := func(args ...string) (*exec.Cmd, error) {
 		cmd := exec.CommandContext(ctx, self, args...)
 		cmd.Stderr = io.Discard
+		if *procs > 0 {
+			cmd.Env = append(os.Environ(), fmt.Sprintf("GOMAXPROCS=%d", *procs))
+		}
 		if err := cmd.Start(); err != nil {
 			return nil, err
 		}
@@ -212,8 +219,8 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	time.Sleep(500 * time.Millisecond)
 
 	host, _ := os.Hostname()
-	fmt.Fprintf(out, "rtrs-bench suite on %s (%d CPUs, %s/%s), %s; runs of %v; client and server in two processes over loopback (paths from 127.0.0.1 and 127.0.0.2).\n\n",
-		host, runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02 15:04 UTC"), *dur)
+	fmt.Fprintf(out, "rtrs-bench suite on %s (%d CPUs, %s/%s), %s; runs of %v; GOMAXPROCS %d in every Go process; client and server in two processes over loopback (paths from 127.0.0.1 and 127.0.0.2).\n\n",
+		host, runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02 15:04 UTC"), *dur, runtime.GOMAXPROCS(0))
 	fmt.Fprintln(out, "| workload | always_invalidate | paths | IOPS | MB/s | p50 µs | p99 µs | p99.9 µs | client CPU s | server CPU s |")
 	fmt.Fprintln(out, "|---|---|---|---|---|---|---|---|---|---|")
 	type key struct {
