@@ -321,3 +321,35 @@ func TestZombiePath(t *testing.T) {
 		t.Fatalf("%d sessions left", n)
 	}
 }
+
+// TestCloseWithIOInFlight: Close waits for the requests in flight (each completes once), and
+// requests after it fail with ErrClosed.
+func TestCloseWithIOInFlight(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, true, 32)
+	e.disk.async, e.disk.delay = true, 2*time.Millisecond
+	s := e.open(t, "closing", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
+	var completed atomic.Int32
+	for i := 0; i < 24; i++ {
+		if err := s.Request(context.Background(), Write, offHdr(i*4096), make([]byte, 4096), func(err error) {
+			if err != nil {
+				t.Errorf("request in flight at close: %v", err)
+			}
+			completed.Add(1)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if completed.Load() != 24 {
+		t.Fatalf("%d of 24 completed when Close returned", completed.Load())
+	}
+	if err := s.Do(context.Background(), Read, offHdr(0), make([]byte, 4096)); !errors.Is(err, ErrClosed) {
+		t.Fatalf("request after close: %v", err)
+	}
+	if err := s.Close(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("second close: %v", err)
+	}
+}
