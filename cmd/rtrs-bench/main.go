@@ -189,6 +189,7 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 	span := fs.String("size", "256M", "region of the server's memory to use")
 	verify := fs.Bool("verify", false, "write a pattern and check it on every read of a written block")
 	cons := fs.Int("cons", 0, "connections per path (0: CPUs + 1)")
+	async := fs.Bool("async", false, "issue each of the qd request chains' next request from the previous one's completion callback (as fio's async engines) instead of qd goroutines calling Do")
 	asJSON := fs.Bool("json", false, "print JSON")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -196,7 +197,7 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 	if len(paths) == 0 {
 		return errors.New("need at least one -path")
 	}
-	r, err := runClient(ctx, clientParams{paths: paths, port: uint16(*port), bs: *bsF, qd: *qd, rw: *rw, dur: *dur, span: *span, verify: *verify, cons: *cons})
+	r, err := runClient(ctx, clientParams{paths: paths, port: uint16(*port), bs: *bsF, qd: *qd, rw: *rw, dur: *dur, span: *span, verify: *verify, cons: *cons, async: *async})
 	if err != nil {
 		return err
 	}
@@ -218,6 +219,7 @@ type clientParams struct {
 	span   string
 	verify bool
 	cons   int
+	async  bool
 }
 
 func runClient(ctx context.Context, cp clientParams) (Result, error) {
@@ -251,6 +253,12 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 	readPct := map[string]int{"read": 100, "randread": 100, "write": 0, "randwrite": 0, "randrw": 50}[cp.rw]
 	if _, ok := map[string]bool{"read": true, "randread": true, "write": true, "randwrite": true, "randrw": true}[cp.rw]; !ok {
 		return Result{}, fmt.Errorf("unknown -rw %q", cp.rw)
+	}
+	if cp.async {
+		if cp.verify || bs > sess.MaxIOSize() {
+			return Result{}, errors.New("-async needs blocks within the max IO size and no -verify")
+		}
+		return runAsync(ctx, sess, cp, bs, blocks, random, readPct, len(pas))
 	}
 	written := make([]atomic.Bool, blocks)
 	busy := make([]atomic.Bool, blocks)
@@ -339,6 +347,69 @@ func percentiles(lats [][]time.Duration) (p50, p99, p999 float64, n int) {
 		return float64(all[min(len(all)-1, int(q*float64(len(all))))].Nanoseconds()) / 1e3
 	}
 	return pct(0.5), pct(0.99), pct(0.999), len(all)
+}
+
+// runAsync keeps qd request chains going, each issuing its next request from the completion
+// callback of the previous one (on the transport's goroutine, without waiting for a permit:
+// the completing request's permit is free again by then).
+func runAsync(ctx context.Context, sess *transport.Session, cp clientParams, bs, blocks int, random bool, readPct, npaths int) (Result, error) {
+	lats := make([][]time.Duration, cp.qd)
+	var ops atomic.Int64
+	var seq atomic.Int64
+	errc := make(chan error, cp.qd)
+	cpu0 := cpuSeconds()
+	start := time.Now()
+	deadline := start.Add(cp.dur)
+	for w := 0; w < cp.qd; w++ {
+		rng := rand.New(rand.NewPCG(uint64(w), uint64(start.UnixNano())))
+		buf, hdr := make([]byte, bs), make([]byte, 8)
+		var t0 time.Time
+		var issue func() error
+		done := func(err error) {
+			lats[w] = append(lats[w], time.Since(t0))
+			if err == nil {
+				ops.Add(1)
+				if time.Now().Before(deadline) {
+					err = issue()
+					if err == nil {
+						return
+					}
+				}
+			}
+			errc <- err
+		}
+		issue = func() error {
+			b := int(seq.Add(1)-1) % blocks
+			if random {
+				b = rng.IntN(blocks)
+			}
+			binary.LittleEndian.PutUint64(hdr, uint64(b)*uint64(bs))
+			dir := transport.Write
+			if rng.IntN(100) < readPct {
+				dir = transport.Read
+			}
+			t0 = time.Now()
+			return sess.TryRequest(dir, hdr, buf, done)
+		}
+		if err := issue(); err != nil {
+			return Result{}, err
+		}
+	}
+	var first error
+	for w := 0; w < cp.qd; w++ {
+		if err := <-errc; err != nil && first == nil {
+			first = err
+		}
+	}
+	el := time.Since(start)
+	if first != nil {
+		return Result{}, first
+	}
+	n := ops.Load()
+	r := Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: npaths, Ops: n, Seconds: el.Seconds(),
+		IOPS: float64(n) / el.Seconds(), MBps: float64(n) * float64(bs) / el.Seconds() / 1e6, CPUSec: cpuSeconds() - cpu0}
+	r.P50us, r.P99us, r.P999us, _ = percentiles(lats)
+	return r, nil
 }
 
 // doSplit does one logical IO as requests of at most the session's max IO size, in parallel
