@@ -76,6 +76,27 @@ func TestTwoProcesses(t *testing.T) {
 	t.Logf("%d requests, %d reads verified against the written pattern", r.Ops, r.Verified)
 }
 
+// TestAsyncEngine: request chains resubmitted from completion callbacks, against a server
+// process, QD1 and QD16.
+func TestAsyncEngine(t *testing.T) {
+	port := freePort(t)
+	startServer(t, fmt.Sprintf("127.0.0.1:%d", port))
+	for _, qd := range []int{1, 16} {
+		r, err := runClient(context.Background(), clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: uint16(port),
+			bs: "4K", qd: qd, rw: "randrw", dur: time.Second, span: "16M", cons: 2, async: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Ops < 100 || r.P50us <= 0 {
+			t.Fatalf("qd %d: %d requests, p50 %v", qd, r.Ops, r.P50us)
+		}
+	}
+	if _, err := runClient(context.Background(), clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: uint16(port),
+		bs: "4K", qd: 1, rw: "randrw", dur: time.Second, span: "16M", verify: true, async: true}); err == nil {
+		t.Fatal("-async with -verify accepted")
+	}
+}
+
 // TestServerKilledAndRestarted: kill -9 of the server process mid-IO; the client's session
 // goes down, reconnects to the restarted server by itself, and IO continues.
 func TestServerKilledAndRestarted(t *testing.T) {
