@@ -25,6 +25,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
@@ -80,7 +81,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	listen := fs.String("listen", "", "serve on this address (RDMA on the port, raw TCP on port+1)")
 	connect := fs.String("connect", "", "server address")
 	test := fs.String("test", "send_lat", "send_lat, write_bw, read_bw, tcp_lat or tcp_bw")
-	size := fs.String("size", "64", "message size (K and M suffixes)")
+	sizeF := fs.String("size", "64", "message size (K and M suffixes)")
 	depth := fs.Int("depth", 16, "operations in flight (bandwidth tests)")
 	dur := fs.Duration("duration", 5*time.Second, "how long to measure")
 	mode := fs.String("mode", "handler", "how the latency client takes completions: handler (CQ handler, the provider's poll context), wait (CQ.Wait) or poll (busy Poll)")
@@ -114,7 +115,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	sz, err := parseSize(*size)
+	sz, err := size.Parse(*sizeF)
 	if err != nil {
 		return err
 	}
@@ -143,21 +144,6 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	fmt.Fprintf(out, "%-9s size %8d depth %3d ops %8d  %9.1f MB/s  p50 %7.2f us  p99 %7.2f us\n",
 		r.Test, r.Size, r.Depth, r.Ops, r.MBps, r.P50us, r.P99us)
 	return nil
-}
-
-func parseSize(s string) (int, error) {
-	mult := 1
-	switch {
-	case strings.HasSuffix(s, "K"):
-		mult, s = 1<<10, strings.TrimSuffix(s, "K")
-	case strings.HasSuffix(s, "M"):
-		mult, s = 1<<20, strings.TrimSuffix(s, "M")
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n < 1 || n*mult > 64<<20 {
-		return 0, fmt.Errorf("bad size %q", s)
-	}
-	return n * mult, nil
 }
 
 func tcpAddr(ap netip.AddrPort) string {

@@ -19,13 +19,13 @@ import (
 	"os"
 	"os/signal"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
@@ -58,23 +58,6 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return tcpServerCmd(ctx, args[1:])
 	}
 	return fmt.Errorf("unknown command %q", args[0])
-}
-
-func parseSize(s string) (int, error) {
-	mult := 1
-	switch {
-	case strings.HasSuffix(s, "K"):
-		mult, s = 1<<10, strings.TrimSuffix(s, "K")
-	case strings.HasSuffix(s, "M"):
-		mult, s = 1<<20, strings.TrimSuffix(s, "M")
-	case strings.HasSuffix(s, "G"):
-		mult, s = 1<<30, strings.TrimSuffix(s, "G")
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 {
-		return 0, fmt.Errorf("bad size %q", s)
-	}
-	return n * mult, nil
 }
 
 // memStore answers requests from memory; the user header is the 8-byte offset. A null store
@@ -119,7 +102,7 @@ func serverCmd(ctx context.Context, args []string) error {
 	qd := fs.Int("queue-depth", transport.DefaultQueueDepth, "sess_queue_depth")
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
-	size := fs.String("size", "256M", "memory the server answers from")
+	sizeF := fs.String("size", "256M", "memory the server answers from")
 	null := fs.Bool("null", false, "answer without storing or returning data (the transport alone)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -128,11 +111,11 @@ func serverCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	cs, err := parseSize(*chunk)
+	cs, err := size.Parse(*chunk)
 	if err != nil {
 		return err
 	}
-	ms, err := parseSize(*size)
+	ms, err := size.Parse(*sizeF)
 	if err != nil {
 		return err
 	}
@@ -223,11 +206,11 @@ type clientParams struct {
 }
 
 func runClient(ctx context.Context, cp clientParams) (Result, error) {
-	bs, err := parseSize(cp.bs)
+	bs, err := size.Parse(cp.bs)
 	if err != nil {
 		return Result{}, err
 	}
-	span, err := parseSize(cp.span)
+	span, err := size.Parse(cp.span)
 	if err != nil {
 		return Result{}, err
 	}

@@ -150,18 +150,8 @@ func rawConnect(t *testing.T, e *env, data []byte) int16 {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	id, err := e.prov.ResolveAddr(ctx, netip.Addr{}, e.srv.Addr())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer id.Destroy()
-	pd, _ := id.Device().AllocPD()
-	cq, _ := id.Device().CreateCQ(8)
-	defer cq.Destroy()
-	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
-		t.Fatal(err)
-	}
-	_, err = id.Connect(ctx, rdma.ConnParam{PrivateData: data})
+	id := rawID(t, e)
+	_, err := id.Connect(ctx, rdma.ConnParam{PrivateData: data})
 	if err == nil {
 		return 0
 	}
@@ -174,6 +164,24 @@ func rawConnect(t *testing.T, e *env, data []byte) int16 {
 		t.Fatalf("reject without conn_rsp: %x", r.PrivateData)
 	}
 	return m.Errno
+}
+
+// rawID is a connection identifier with a QP, resolved to the server, destroyed at cleanup.
+func rawID(t *testing.T, e *env) rdma.ConnID {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	id, err := e.prov.ResolveAddr(ctx, netip.Addr{}, e.srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pd, _ := id.Device().AllocPD()
+	cq, _ := id.Device().CreateCQ(8)
+	t.Cleanup(func() { _ = id.Destroy(); _ = cq.Destroy() })
+	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
+		t.Fatal(err)
+	}
+	return id
 }
 
 func TestServerRejects(t *testing.T) {
@@ -287,17 +295,7 @@ func TestZombiePath(t *testing.T) {
 	e.srv.opts.Timings.ZombieTimeout = 200 * time.Millisecond
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	id, err := e.prov.ResolveAddr(ctx, netip.Addr{}, e.srv.Addr())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer id.Destroy()
-	pd, _ := id.Device().AllocPD()
-	cq, _ := id.Device().CreateCQ(8)
-	defer cq.Destroy()
-	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
-		t.Fatal(err)
-	}
+	id := rawID(t, e)
 	m := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: uuid.New(), FirstConn: true}
 	if _, err := id.Connect(ctx, rdma.ConnParam{PrivateData: m.Marshal()}); err != nil {
 		t.Fatal(err)
