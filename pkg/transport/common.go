@@ -246,29 +246,6 @@ func (c *con) hbAck() error {
 	return err
 }
 
-// devicePD returns a protection domain on dev, one per device for a holder.
-type pdCache struct {
-	mu  sync.Mutex
-	pds map[string]rdma.PD
-}
-
-func (c *pdCache) get(dev rdma.Device) (rdma.PD, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if pd, ok := c.pds[dev.Name()]; ok {
-		return pd, nil
-	}
-	pd, err := dev.AllocPD()
-	if err != nil {
-		return nil, err
-	}
-	if c.pds == nil {
-		c.pds = map[string]rdma.PD{}
-	}
-	c.pds[dev.Name()] = pd
-	return pd, nil
-}
-
 // addrOf turns a connection endpoint into an RTRS address.
 func addrOf(ap netip.AddrPort) Addr { return Addr{IP: ap.Addr().Unmap()} }
 
