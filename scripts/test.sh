@@ -33,6 +33,11 @@ if [ -n "$bad" ]; then
 fi
 echo "== go vet"
 go vet ./...
+echo "== staticcheck"
+# Pinned; built from the module proxy into the Go cache's bin directory.
+sc_bin="$(go env GOPATH)/bin/staticcheck"
+[ -x "$sc_bin" ] || go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
+"$sc_bin" ./...
 echo "== go test -race"
 go test -race -count=1 -timeout 20m ./...
 
