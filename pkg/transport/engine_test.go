@@ -37,12 +37,12 @@ func (d *memDisk) Request(r *SrvRequest) {
 	if d.async && r.Dir == Write {
 		data = append([]byte(nil), r.Data...)
 	}
+	if len(r.Usr) != 8 {
+		r.Respond(-22)
+		return
+	}
+	off := int(binary.LittleEndian.Uint64(r.Usr))
 	serve := func() {
-		if len(r.Usr) != 8 {
-			r.Respond(-22)
-			return
-		}
-		off := int(binary.LittleEndian.Uint64(r.Usr))
 		d.mu.Lock()
 		d.reqs[r.Path().Name()]++
 		if off < 0 || off+len(r.Data) > len(d.disk) {

@@ -628,9 +628,10 @@ type srvReq struct {
 //
 // Data and Usr live in the session's chunk for the request. As in the kernel, a client that
 // fails a request over resends it into the same chunk through another path, possibly while
-// the dead path's copy is still being served: a handler that works on WRITE data after
-// Request returns should copy it out first (the resent copy carries the same bytes), and READ
-// data written later lands in the data area, which a resent request's header does not touch.
+// the dead path's copy is still being served: a handler that needs the user header or WRITE
+// data after Request returns should take them out of the chunk first (the resent copy carries
+// the same bytes), and READ data written later lands in the data area, which a resent
+// request's header does not touch.
 type SrvRequest struct {
 	Dir  Dir
 	Usr  []byte // the user header
