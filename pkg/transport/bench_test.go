@@ -31,7 +31,13 @@ func BenchmarkRequest(b *testing.B) {
 
 // BenchmarkRequestQD32 keeps 32 asynchronous 4 KiB reads in flight over one path.
 func BenchmarkRequestQD32(b *testing.B) {
-	e := newEnv(b, true, 128)
+	for _, inv := range []bool{true, false} {
+		b.Run(fmt.Sprintf("always_invalidate=%v", inv), func(b *testing.B) { benchQD32(b, inv) })
+	}
+}
+
+func benchQD32(b *testing.B, inv bool) {
+	e := newEnv(b, inv, 128)
 	s := e.open(b, "bench32", paths(b, "ip:127.0.0.1@ip:127.0.0.1"), nil)
 	ctx := context.Background()
 	sem := make(chan []byte, 32)
