@@ -133,19 +133,20 @@ func serverCmd(ctx context.Context, args []string) error {
 
 // Result is one client run.
 type Result struct {
-	RW       string  `json:"rw"`
-	BS       int     `json:"bs"`
-	QD       int     `json:"qd"`
-	Paths    int     `json:"paths"`
-	Ops      int64   `json:"ops"`
-	Seconds  float64 `json:"seconds"`
-	IOPS     float64 `json:"iops"`
-	MBps     float64 `json:"mb_per_s"`
-	P50us    float64 `json:"p50_us"`
-	P99us    float64 `json:"p99_us"`
-	P999us   float64 `json:"p999_us"`
-	CPUSec   float64 `json:"client_cpu_s"`
-	Verified int64   `json:"verified_reads,omitempty"`
+	RW           string  `json:"rw"`
+	BS           int     `json:"bs"`
+	QD           int     `json:"qd"`
+	Paths        int     `json:"paths"`
+	Ops          int64   `json:"ops"`
+	Seconds      float64 `json:"seconds"`
+	IOPS         float64 `json:"iops"`
+	MBps         float64 `json:"mb_per_s"`
+	P50us        float64 `json:"p50_us"`
+	P99us        float64 `json:"p99_us"`
+	P999us       float64 `json:"p999_us"`
+	CPUSec       float64 `json:"client_cpu_s"`
+	ServerCPUSec float64 `json:"server_cpu_s,omitempty"`
+	Verified     int64   `json:"verified_reads,omitempty"`
 }
 
 type pathList []string
@@ -174,21 +175,33 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 	cons := fs.Int("cons", 0, "connections per path (0: CPUs + 1)")
 	async := fs.Bool("async", false, "issue each of the qd request chains' next request from the previous one's completion callback (as fio's async engines) instead of qd goroutines calling Do")
 	asJSON := fs.Bool("json", false, "print JSON")
+	serverPid := fs.Int("server-pid", 0, "pid of a server on this machine, to report its CPU seconds too")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if len(paths) == 0 {
 		return errors.New("need at least one -path")
 	}
+	scpu0 := 0.0
+	if *serverPid > 0 {
+		scpu0 = procCPU(*serverPid)
+	}
 	r, err := runClient(ctx, clientParams{paths: paths, port: uint16(*port), bs: *bsF, qd: *qd, rw: *rw, dur: *dur, span: *span, verify: *verify, cons: *cons, async: *async})
 	if err != nil {
 		return err
 	}
+	if *serverPid > 0 {
+		r.ServerCPUSec = procCPU(*serverPid) - scpu0
+	}
 	if *asJSON {
 		return json.NewEncoder(out).Encode(r)
 	}
-	fmt.Fprintf(out, "%-9s bs %7d qd %3d paths %d: %9.0f IOPS %8.1f MB/s  p50 %7.1f us  p99 %7.1f us  p99.9 %7.1f us  cpu %.2f s\n",
+	fmt.Fprintf(out, "%-9s bs %7d qd %3d paths %d: %9.0f IOPS %8.1f MB/s  p50 %7.1f us  p99 %7.1f us  p99.9 %7.1f us  cpu %.2f s",
 		r.RW, r.BS, r.QD, r.Paths, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec)
+	if *serverPid > 0 {
+		fmt.Fprintf(out, "  server cpu %.2f s", r.ServerCPUSec)
+	}
+	fmt.Fprintln(out)
 	return nil
 }
 
