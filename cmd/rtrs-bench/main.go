@@ -4,6 +4,7 @@
 //	rtrs-bench server -listen 127.0.0.1:1234 [-queue-depth 512] [-chunk-size 128K] [-always-invalidate=true]
 //	rtrs-bench client -path ip:127.0.0.1@ip:127.0.0.1 [-path …] -port 1234 -bs 4K -qd 32 -rw randread -duration 5s [-json]
 //	rtrs-bench suite [-duration 3s]      (starts its own servers, prints a markdown report)
+//	rtrs-bench latency [-reps 5]         (QD1 latency against the TCP round trip, medians)
 package main
 
 import (
@@ -42,7 +43,7 @@ func main() {
 
 func run(ctx context.Context, args []string, out io.Writer) error {
 	if len(args) == 0 {
-		return errors.New("usage: rtrs-bench server|client|suite [flags]")
+		return errors.New("usage: rtrs-bench server|client|suite|latency [flags]")
 	}
 	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
 		return err
@@ -56,6 +57,8 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return suiteCmd(ctx, args[1:], out)
 	case "tcpserver":
 		return tcpServerCmd(ctx, args[1:])
+	case "latency":
+		return latencyCmd(ctx, args[1:], out)
 	}
 	return fmt.Errorf("unknown command %q", args[0])
 }
