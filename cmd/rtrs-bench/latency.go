@@ -5,8 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
-	"os/exec"
 	"runtime"
 	"sort"
 	"time"
@@ -22,25 +20,17 @@ func latencyCmd(ctx context.Context, args []string, out io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	self, err := os.Executable()
+	kids, err := newChildren(ctx, 0)
 	if err != nil {
 		return err
 	}
-	start := func(args ...string) (*exec.Cmd, error) {
-		cmd := exec.CommandContext(ctx, self, args...)
-		cmd.Stderr = io.Discard
-		return cmd, cmd.Start()
-	}
-	srv, err := start("server", "-listen", "127.0.0.1:18620", fmt.Sprintf("-always-invalidate=%v", *inv))
-	if err != nil {
+	defer kids.stop()
+	if _, err := kids.start("server", "-listen", "127.0.0.1:18620", fmt.Sprintf("-always-invalidate=%v", *inv)); err != nil {
 		return err
 	}
-	defer func() { _ = srv.Process.Kill(); _ = srv.Wait() }()
-	tcp, err := start("tcpserver", "-listen", "127.0.0.1:18621")
-	if err != nil {
+	if _, err := kids.start("tcpserver", "-listen", "127.0.0.1:18621"); err != nil {
 		return err
 	}
-	defer func() { _ = tcp.Process.Kill(); _ = tcp.Wait() }()
 	time.Sleep(500 * time.Millisecond)
 	var rr, rw, tr, tw []float64
 	for i := 0; i < *reps; i++ {

@@ -171,51 +171,34 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	if *procs > 0 {
 		runtime.GOMAXPROCS(*procs)
 	}
-	self, err := os.Executable()
+	kids, err := newChildren(ctx, *procs)
 	if err != nil {
 		return err
 	}
-	start := func(args ...string) (*exec.Cmd, error) {
-		cmd := exec.CommandContext(ctx, self, args...)
-		cmd.Stderr = io.Discard
-		if *procs > 0 {
-			cmd.Env = append(os.Environ(), fmt.Sprintf("GOMAXPROCS=%d", *procs))
-		}
-		if err := cmd.Start(); err != nil {
-			return nil, err
-		}
-		return cmd, nil
-	}
-	srvOn, err := start("server", "-listen", "127.0.0.1:18601", "-always-invalidate=true")
+	defer kids.stop()
+	srvOn, err := kids.start("server", "-listen", "127.0.0.1:18601", "-always-invalidate=true")
 	if err != nil {
 		return err
 	}
-	defer func() { _ = srvOn.Process.Kill(); _ = srvOn.Wait() }()
-	srvOff, err := start("server", "-listen", "127.0.0.1:18602", "-always-invalidate=false")
+	srvOff, err := kids.start("server", "-listen", "127.0.0.1:18602", "-always-invalidate=false")
 	if err != nil {
 		return err
 	}
-	defer func() { _ = srvOff.Process.Kill(); _ = srvOff.Wait() }()
-	srvBig, err := start("server", "-listen", "127.0.0.1:18605", "-chunk-size", "2M", "-queue-depth", "128")
+	srvBig, err := kids.start("server", "-listen", "127.0.0.1:18605", "-chunk-size", "2M", "-queue-depth", "128")
 	if err != nil {
 		return err
 	}
-	defer func() { _ = srvBig.Process.Kill(); _ = srvBig.Wait() }()
-	srvBigNull, err := start("server", "-listen", "127.0.0.1:18606", "-chunk-size", "2M", "-queue-depth", "128", "-null")
+	srvBigNull, err := kids.start("server", "-listen", "127.0.0.1:18606", "-chunk-size", "2M", "-queue-depth", "128", "-null")
 	if err != nil {
 		return err
 	}
-	defer func() { _ = srvBigNull.Process.Kill(); _ = srvBigNull.Wait() }()
-	srvNull, err := start("server", "-listen", "127.0.0.1:18604", "-always-invalidate=true", "-null")
+	srvNull, err := kids.start("server", "-listen", "127.0.0.1:18604", "-always-invalidate=true", "-null")
 	if err != nil {
 		return err
 	}
-	defer func() { _ = srvNull.Process.Kill(); _ = srvNull.Wait() }()
-	tcpSrv, err := start("tcpserver", "-listen", "127.0.0.1:18603")
-	if err != nil {
+	if _, err := kids.start("tcpserver", "-listen", "127.0.0.1:18603"); err != nil {
 		return err
 	}
-	defer func() { _ = tcpSrv.Process.Kill(); _ = tcpSrv.Wait() }()
 	time.Sleep(500 * time.Millisecond)
 
 	host, _ := os.Hostname()
@@ -460,4 +443,42 @@ func parseFio(b []byte, rw string) (Result, float64, error) {
 	cpu := (j.UsrCPU + j.SysCPU) / 100 * j.Elapsed
 	return Result{RW: rw, IOPS: st.IOPS, MBps: st.BW / 1e6, P50us: st.ClatNs.Percentile["50.000000"] / 1e3,
 		P99us: st.ClatNs.Percentile["99.000000"] / 1e3}, cpu, nil
+}
+
+// children starts copies of this program (the servers of a measurement) and stops them all.
+type children struct {
+	ctx   context.Context
+	self  string
+	env   []string
+	procs []*exec.Cmd
+}
+
+// newChildren prepares to start children with GOMAXPROCS procs (0: inherited).
+func newChildren(ctx context.Context, procs int) (*children, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	c := &children{ctx: ctx, self: self, env: os.Environ()}
+	if procs > 0 {
+		c.env = append(c.env, fmt.Sprintf("GOMAXPROCS=%d", procs))
+	}
+	return c, nil
+}
+
+func (c *children) start(args ...string) (*exec.Cmd, error) {
+	cmd := exec.CommandContext(c.ctx, c.self, args...)
+	cmd.Stderr, cmd.Env = io.Discard, c.env
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	c.procs = append(c.procs, cmd)
+	return cmd, nil
+}
+
+func (c *children) stop() {
+	for _, p := range c.procs {
+		_ = p.Process.Kill()
+		_ = p.Wait()
+	}
 }
