@@ -233,28 +233,23 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 
 // onCompletions is connection c's completion handler.
 func (p *Path) onCompletions(c *con, wc []rdma.WC) {
-	total := 0
-	defer func() { p.Stats.HandlerCall(total) }()
-	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
-		total += n
-		for _, w := range wc[:n] {
-			if w.Status != rdma.WCSuccess {
-				if w.Status != rdma.WCFlushErr {
-					p.errRecovery(fmt.Errorf("connection %d: %v completion: %v: %w", c.cid, w.Opcode, w.Status, syscall.EIO))
-				}
-				continue
+	p.Stats.HandlerCall(c.drain(wc, func(w rdma.WC) {
+		if w.Status != rdma.WCSuccess {
+			if w.Status != rdma.WCFlushErr {
+				p.errRecovery(fmt.Errorf("connection %d: %v completion: %v: %w", c.cid, w.Opcode, w.Status, syscall.EIO))
 			}
-			if w.Opcode != rdma.WCRecv && w.Opcode != rdma.WCRecvRDMAWithImm {
-				continue // send completions only free the send queue
-			}
-			p.hb.missed.Store(0)
-			if w.ID == wrInfo {
-				p.infoRsp(w)
-				continue
-			}
-			p.recv(c, w)
+			return
 		}
-	}
+		if w.Opcode != rdma.WCRecv && w.Opcode != rdma.WCRecvRDMAWithImm {
+			return // send completions only free the send queue
+		}
+		p.hb.missed.Store(0)
+		if w.ID == wrInfo {
+			p.infoRsp(w)
+			return
+		}
+		p.recv(c, w)
+	}))
 }
 
 // recv handles a receive completion on c and re-posts the receive.

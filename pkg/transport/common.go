@@ -149,6 +149,19 @@ func (c *con) signal() rdma.SendFlags {
 	return 0
 }
 
+// drain polls c's queue empty, passing each completion to handle, and returns how many there
+// were (for wc_completion).
+func (c *con) drain(wc []rdma.WC, handle func(rdma.WC)) int {
+	total := 0
+	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
+		total += n
+		for _, w := range wc[:n] {
+			handle(w)
+		}
+	}
+	return total
+}
+
 func (c *con) destroy() {
 	if c.id != nil {
 		_ = c.id.Destroy()

@@ -527,28 +527,23 @@ func (p *SrvPath) watch(c *con) {
 
 // onCompletions is connection c's completion handler.
 func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
-	total := 0
-	defer func() { p.Stats.HandlerCall(total) }()
-	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
-		total += n
-		for _, w := range wc[:n] {
-			if w.Status != rdma.WCSuccess {
-				if w.Status != rdma.WCFlushErr {
-					p.lg().Warnf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status)
-				}
-				go p.Close()
-				continue
+	p.Stats.HandlerCall(c.drain(wc, func(w rdma.WC) {
+		if w.Status != rdma.WCSuccess {
+			if w.Status != rdma.WCFlushErr {
+				p.lg().Warnf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status)
 			}
-			switch {
-			case w.ID == wrInfo:
-				p.infoReq(c, w)
-			case w.ID&wrKindMask == wrLocalInv:
-				p.dispatch(c, int(w.ID&^wrKindMask))
-			case w.Opcode == rdma.WCRecvRDMAWithImm:
-				p.recvImm(c, w.Imm)
-			}
+			go p.Close()
+			return
 		}
-	}
+		switch {
+		case w.ID == wrInfo:
+			p.infoReq(c, w)
+		case w.ID&wrKindMask == wrLocalInv:
+			p.dispatch(c, int(w.ID&^wrKindMask))
+		case w.Opcode == rdma.WCRecvRDMAWithImm:
+			p.recvImm(c, w.Imm)
+		}
+	}))
 }
 
 // recvImm handles an RDMA_WRITE_WITH_IMM from the client.
