@@ -557,14 +557,13 @@ func (p *Path) allocRes() error {
 	if res.iu, err = res.pd.AllocMR(qd*MaxHdrSize, rdma.AccessLocalWrite); err != nil {
 		return err
 	}
-	// Receive buffers: the info response, then 2*qd rkey responses per IO connection.
+	// Receive buffers: the info response, then 2*qd rkey responses per connection; connection
+	// 0 carries heartbeats and the admin requests (DoAdmin), whose responses may bring keys.
 	size := InfoRspSize(qd)
 	res.rcvOff = make([]int, len(cons))
 	for i := range cons {
 		res.rcvOff[i] = size
-		if i > 0 || len(cons) == 1 {
-			size += 2 * qd * rkeyRspSize
-		}
+		size += 2 * qd * rkeyRspSize
 	}
 	if res.rcv, err = res.pd.AllocMR(size, rdma.AccessLocalWrite); err != nil {
 		return err
@@ -578,24 +577,19 @@ func (p *Path) allocRes() error {
 		var wc [32]rdma.WC
 		c.sigInterval = min(qd, ServiceConQD)
 		c.cq.SetHandler(func() { p.onCompletions(c, wc[:]) })
+		n := 2 * qd
 		if i == 0 && len(cons) > 1 {
-			// Heartbeats only; a lone connection 0 also carries IO and gets the
-			// buffered receives below.
-			if err := postEmptyRecvs(c.qp, 1024); err != nil {
-				return err
+			n = min(n, 2*ServiceConQD) // the admin connection's queue (sized before qd is known)
+		}
+		wrs := make([]rdma.RecvWR, n)
+		for j := range wrs {
+			wrs[j].ID = wrRecv | uint64(j)
+			if s.newRkey {
+				wrs[j].SGList = []rdma.SGE{rdma.SGEOf(res.rcv, res.rcvOff[i]+j*rkeyRspSize, rkeyRspSize)}
 			}
 		}
-		if i > 0 || len(cons) == 1 {
-			wrs := make([]rdma.RecvWR, 2*qd)
-			for j := range wrs {
-				wrs[j].ID = wrRecv | uint64(j)
-				if s.newRkey {
-					wrs[j].SGList = []rdma.SGE{rdma.SGEOf(res.rcv, res.rcvOff[i]+j*rkeyRspSize, rkeyRspSize)}
-				}
-			}
-			if _, err := c.qp.PostRecv(wrs); err != nil {
-				return err
-			}
+		if _, err := c.qp.PostRecv(wrs); err != nil {
+			return err
 		}
 	}
 	return nil

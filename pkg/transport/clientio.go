@@ -22,6 +22,7 @@ type cltReq struct {
 	// completion or the failover) finishes the request, exactly once.
 	owner     atomic.Pointer[con]
 	path      *Path
+	admin     bool // on connection 0, as RTRS_ADMIN_CON permits are
 	countedMI bool
 	start     time.Time
 	cpu       int
@@ -33,24 +34,34 @@ type cltReq struct {
 // user header (the server's handler gets both). done is called once with the outcome, on a
 // transport goroutine; it must not block. Request waits for a permit until ctx ends.
 func (s *Session) Request(ctx context.Context, dir Dir, usr, data []byte, done func(error)) error {
-	return s.request(ctx, dir, usr, data, done, true)
+	return s.request(ctx, dir, usr, data, done, true, false)
 }
 
 // TryRequest is Request without waiting for a permit: ErrNoPermit when none is free.
 func (s *Session) TryRequest(dir Dir, usr, data []byte, done func(error)) error {
-	return s.request(context.Background(), dir, usr, data, done, false)
+	return s.request(context.Background(), dir, usr, data, done, false, false)
 }
 
 // Do is the synchronous Request.
 func (s *Session) Do(ctx context.Context, dir Dir, usr, data []byte) error {
+	return s.do(ctx, dir, usr, data, false)
+}
+
+// DoAdmin is Do on connection 0 of a path, where the kernel's users (RNBD's SESS_INFO, OPEN
+// and CLOSE) send their control messages with an admin permit.
+func (s *Session) DoAdmin(ctx context.Context, dir Dir, usr, data []byte) error {
+	return s.do(ctx, dir, usr, data, true)
+}
+
+func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool) error {
 	ch := make(chan error, 1)
-	if err := s.Request(ctx, dir, usr, data, func(err error) { ch <- err }); err != nil {
+	if err := s.request(ctx, dir, usr, data, func(err error) { ch <- err }, true, admin); err != nil {
 		return err
 	}
 	return <-ch
 }
 
-func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait bool) error {
+func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait, admin bool) error {
 	if s.closed.Load() {
 		return ErrClosed
 	}
@@ -74,7 +85,7 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 		}
 	}
 	r := &s.reqs[permit]
-	r.dir, r.usr, r.data, r.done = dir, usr, data, done
+	r.dir, r.usr, r.data, r.done, r.admin = dir, usr, data, done, admin
 	r.start, r.cpu = time.Now(), stats.CPU()
 	if err := s.issue(r, nil, false); err != nil {
 		s.finish(r, nil)
@@ -158,7 +169,7 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	// A permit keeps to one IO connection; the kernel picks it by submitting CPU, which in Go
 	// would let a chunk be filled through a different connection each time.
 	c := cons[0]
-	if len(cons) > 1 {
+	if len(cons) > 1 && !r.admin {
 		c = cons[r.permit%(len(cons)-1)+1]
 	}
 	iu := res.iu.Bytes()[r.permit*MaxHdrSize : (r.permit+1)*MaxHdrSize]
@@ -265,7 +276,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	*repost = rdma.RecvWR{ID: w.ID, SGList: repost.SGList[:0]}
 	idx := int(w.ID &^ wrKindMask)
 	var buf []byte
-	if s.newRkey && c.cid < len(res.rcvOff) && (c.cid > 0 || len(res.rcvOff) == 1) && idx < 2*s.queueDepth {
+	if s.newRkey && c.cid < len(res.rcvOff) && idx < 2*s.queueDepth {
 		off := res.rcvOff[c.cid] + idx*rkeyRspSize
 		repost.SGList = append(repost.SGList, rdma.SGEOf(res.rcv, off, rkeyRspSize))
 		buf = res.rcv.Bytes()[off : off+rkeyRspSize]

@@ -1,0 +1,176 @@
+package rnbd
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// backing is an opened export: a regular file or a block device.
+type backing struct {
+	f        *os.File
+	fd       int
+	bdev     bool
+	size     int64
+	lbs, pbs int
+	dev, ino uint64 // identity, so two names of one file are one device
+	writable bool
+}
+
+// openBeneath opens name under the search path root without leaving it: leading slashes
+// are dropped (a client's "/disk" is root/disk, as RNBD joins dev_search_path and the name),
+// and ".." or symlinks that would climb out are refused by openat2's RESOLVE_BENEATH.
+func openBeneath(root *os.File, name string, writable bool) (*backing, error) {
+	rel := strings.TrimLeft(name, "/")
+	if rel == "" || strings.IndexByte(rel, 0) >= 0 {
+		return nil, fmt.Errorf("rnbd: device path %q: %w", name, syscall.EINVAL)
+	}
+	flags := unix.O_RDONLY
+	if writable {
+		flags = unix.O_RDWR
+	}
+	how := unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC | unix.O_NOCTTY), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
+	fd, err := unix.Openat2(int(root.Fd()), rel, &how)
+	if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) {
+		fd, err = unix.Openat2(int(root.Fd()), rel, &how)
+	}
+	if err != nil {
+		if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ELOOP) {
+			return nil, fmt.Errorf("rnbd: device path %q leaves the export directory: %w", name, syscall.EACCES)
+		}
+		return nil, fmt.Errorf("rnbd: open %q: %w", name, err)
+	}
+	b := &backing{f: os.NewFile(uintptr(fd), filepath.Join(root.Name(), rel)), fd: fd, writable: writable}
+	if err := b.probe(); err != nil {
+		b.f.Close()
+		return nil, fmt.Errorf("rnbd: %q: %w", name, err)
+	}
+	return b, nil
+}
+
+// probe reads the geometry: files get 512-byte logical and 4 KiB physical blocks, block
+// devices report theirs.
+func (b *backing) probe() error {
+	var st unix.Stat_t
+	if err := unix.Fstat(b.fd, &st); err != nil {
+		return err
+	}
+	b.dev, b.ino = st.Dev, st.Ino
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		b.size, b.lbs, b.pbs = st.Size, SectorSize, 4096
+	case unix.S_IFBLK:
+		b.bdev = true
+		var sz uint64
+		if err := ioctlPtr(b.fd, unix.BLKGETSIZE64, unsafe.Pointer(&sz)); err != nil {
+			return err
+		}
+		var lbs, pbs int32
+		if err := ioctlPtr(b.fd, unix.BLKSSZGET, unsafe.Pointer(&lbs)); err != nil {
+			return err
+		}
+		if err := ioctlPtr(b.fd, unix.BLKPBSZGET, unsafe.Pointer(&pbs)); err != nil {
+			pbs = lbs
+		}
+		b.size, b.lbs, b.pbs = int64(sz), int(lbs), int(pbs)
+	default:
+		return fmt.Errorf("not a regular file or block device: %w", syscall.ENODEV)
+	}
+	if b.lbs < SectorSize || b.lbs&(b.lbs-1) != 0 || b.pbs < b.lbs {
+		return fmt.Errorf("block sizes %d/%d: %w", b.lbs, b.pbs, syscall.EINVAL)
+	}
+	// A file whose size is not a whole number of blocks exports the whole blocks.
+	b.size -= b.size % int64(b.lbs)
+	return nil
+}
+
+func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), uintptr(req), uintptr(p)); e != 0 {
+		return e
+	}
+	return nil
+}
+
+// readAt fills p from off; a short read means the device shrank under us: EIO.
+func (b *backing) readAt(p []byte, off int64) error {
+	for len(p) > 0 {
+		n, err := unix.Pread(b.fd, p, off)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return fmt.Errorf("read beyond the end of %s: %w", b.f.Name(), syscall.EIO)
+		}
+		p, off = p[n:], off+int64(n)
+	}
+	return nil
+}
+
+// writeAt writes p at off; fua makes each write durable before it returns (RWF_DSYNC).
+func (b *backing) writeAt(p []byte, off int64, fua bool) error {
+	flags := 0
+	if fua {
+		flags = unix.RWF_DSYNC
+	}
+	for len(p) > 0 {
+		n, err := unix.Pwritev2(b.fd, [][]byte{p}, off, flags)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return syscall.EIO
+		}
+		p, off = p[n:], off+int64(n)
+	}
+	return nil
+}
+
+func (b *backing) flush() error { return unix.Fdatasync(b.fd) }
+
+// discard deallocates the range: a hole in a file, BLKDISCARD on a block device.
+func (b *backing) discard(off, n int64) error {
+	if b.bdev {
+		r := [2]uint64{uint64(off), uint64(n)}
+		return ioctlPtr(b.fd, unix.BLKDISCARD, unsafe.Pointer(&r))
+	}
+	return unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+}
+
+// writeZeroes makes the range read as zeroes: BLKZEROOUT, or for a file ZERO_RANGE, a
+// punched hole where that is not supported (tmpfs), and written zeroes as the last resort.
+func (b *backing) writeZeroes(off, n int64) error {
+	if b.bdev {
+		r := [2]uint64{uint64(off), uint64(n)}
+		return ioctlPtr(b.fd, unix.BLKZEROOUT, unsafe.Pointer(&r))
+	}
+	err := unix.Fallocate(b.fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+	if err == nil || (err != unix.EOPNOTSUPP && err != unix.EINVAL) {
+		return err
+	}
+	if err = unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n); err == nil || (err != unix.EOPNOTSUPP && err != unix.EINVAL) {
+		return err
+	}
+	zero := make([]byte, min(n, 1<<20))
+	for n > 0 {
+		k := min(n, int64(len(zero)))
+		if err := b.writeAt(zero[:k], off, false); err != nil {
+			return err
+		}
+		off, n = off+k, n-k
+	}
+	return nil
+}
+
+func (b *backing) close() error { return b.f.Close() }

@@ -1,0 +1,631 @@
+package rnbd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+// DefaultReconnectTimeout is how long IO to a device waits for its session to come back
+// before it fails with EIO.
+const DefaultReconnectTimeout = 30 * time.Second
+
+// ClientOptions configure a block client.
+type ClientOptions struct {
+	// Session is the template for the RTRS sessions the client opens: provider, connections,
+	// policy, reconnect attempts, timings. Name, paths, port and the link-event callback are
+	// set per session.
+	Session transport.ClientOptions
+	// ReconnectTimeout bounds how long IO waits for a session that lost all its paths.
+	ReconnectTimeout time.Duration
+}
+
+// Client maps remote devices (the rnbd-client module): sessions by name, devices per session.
+type Client struct {
+	opts ClientOptions
+	log  *log.Entry
+
+	mu       sync.Mutex
+	sessions map[string]*cltSess
+	closed   bool
+}
+
+// NewClient returns a client with no sessions.
+func NewClient(opts ClientOptions) *Client {
+	if opts.ReconnectTimeout <= 0 {
+		opts.ReconnectTimeout = DefaultReconnectTimeout
+	}
+	return &Client{opts: opts, sessions: map[string]*cltSess{},
+		log: log.G(context.Background()).WithField("component", "rnbd-clt")}
+}
+
+// cltSess is an RNBD client session (rnbd_clt_session) over one RTRS session.
+type cltSess struct {
+	c    *Client
+	name string
+	rtrs *transport.Session
+	ver  uint8
+
+	mu       sync.Mutex
+	devs     []*Device
+	remap    bool // a remap goroutine is running
+	again    bool // and must run once more
+	closing  bool
+	remapped sync.WaitGroup
+}
+
+// MapOptions say what to map (the map_device tokens).
+type MapOptions struct {
+	SessName   string
+	Paths      []transport.PathAddrs
+	Port       uint16
+	DevicePath string
+	AccessMode AccessMode
+}
+
+// Map opens DevicePath on the server of session SessName. An existing session of that name
+// is reused and Paths are ignored (as RNBD does); a new one needs at least one path, and all
+// of them must connect.
+func (c *Client) Map(ctx context.Context, o MapOptions) (*Device, error) {
+	if o.DevicePath == "" || len(o.DevicePath) >= NameMax {
+		return nil, fmt.Errorf("rnbd: device path of %d bytes: %w", len(o.DevicePath), syscall.EINVAL)
+	}
+	if o.AccessMode > AccessMigration {
+		return nil, fmt.Errorf("rnbd: access mode %d: %w", o.AccessMode, syscall.EINVAL)
+	}
+	s, err := c.session(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	d := &Device{sess: s, path: o.DevicePath, mode: o.AccessMode, changed: make(chan struct{})}
+	s.mu.Lock()
+	for _, e := range s.devs {
+		if e.path == o.DevicePath {
+			s.mu.Unlock()
+			c.putSessIfIdle(s)
+			return nil, fmt.Errorf("rnbd: %q is mapped in session %q already: %w", o.DevicePath, s.name, syscall.EEXIST)
+		}
+	}
+	s.devs = append(s.devs, d) // claims the name while the open is on the wire
+	s.mu.Unlock()
+	if err := d.open(ctx); err != nil {
+		s.remove(d)
+		c.putSessIfIdle(s)
+		return nil, err
+	}
+	return d, nil
+}
+
+// session finds or opens the RTRS session and exchanges SESS_INFO on a new one.
+func (c *Client) session(ctx context.Context, o MapOptions) (*cltSess, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, transport.ErrClosed
+	}
+	if s := c.sessions[o.SessName]; s != nil {
+		return s, nil
+	}
+	if len(o.Paths) == 0 {
+		return nil, fmt.Errorf("rnbd: new session %q without a path: %w", o.SessName, syscall.ENXIO)
+	}
+	s := &cltSess{c: c, name: o.SessName}
+	so := c.opts.Session
+	so.SessName, so.Paths, so.Port = o.SessName, o.Paths, o.Port
+	so.OnLinkEvent = s.linkEvent
+	rs, err := transport.Open(ctx, so)
+	if err != nil {
+		return nil, err
+	}
+	s.rtrs = rs
+	if err := s.sessInfo(ctx); err != nil {
+		rs.Close()
+		return nil, err
+	}
+	c.sessions[o.SessName] = s
+	return s, nil
+}
+
+func (s *cltSess) sessInfo(ctx context.Context) error {
+	var usr [SessInfoSize]byte
+	MsgSessInfo{Ver: ProtoVerMajor}.Put(usr[:], MsgTypeSessInfo)
+	var rsp [SessInfoRspSize]byte
+	if err := s.rtrs.DoAdmin(ctx, transport.Read, usr[:], rsp[:]); err != nil {
+		return fmt.Errorf("rnbd: SESS_INFO: %w", err)
+	}
+	var m MsgSessInfo
+	if err := m.Unmarshal(rsp[:], MsgTypeSessInfoRsp); err != nil {
+		return err
+	}
+	s.ver = min(m.Ver, ProtoVerMajor)
+	return nil
+}
+
+// linkEvent runs on a transport goroutine: mark devices down, or remap them.
+func (s *cltSess) linkEvent(ev transport.LinkEvent) {
+	switch ev {
+	case transport.LinkDisconnected:
+		s.mu.Lock()
+		devs := append([]*Device(nil), s.devs...)
+		s.mu.Unlock()
+		for _, d := range devs {
+			d.setDown()
+		}
+	case transport.LinkReconnected:
+		s.kickRemap()
+	}
+}
+
+// errRemapDevice marks a remap error of one device; the others are still tried.
+var errRemapDevice = errors.New("rnbd: remap")
+
+// kickRemap starts (or repeats) the remap: SESS_INFO, then OPEN of every device (RNBD's
+// reconnect path). The server answers an OPEN of a device it still has open with its id.
+func (s *cltSess) kickRemap() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closing {
+		return
+	}
+	if s.remap {
+		s.again = true
+		return
+	}
+	s.remap = true
+	s.remapped.Add(1)
+	go s.remapLoop()
+}
+
+func (s *cltSess) remapLoop() {
+	defer s.remapped.Done()
+	backoff := 10 * time.Millisecond
+	for {
+		s.mu.Lock()
+		s.again = false
+		devs := append([]*Device(nil), s.devs...)
+		closing := s.closing
+		s.mu.Unlock()
+		ok := !closing
+		if ok {
+			ctx, cancel := context.WithTimeout(context.Background(), s.c.opts.ReconnectTimeout)
+			err := s.sessInfo(ctx)
+			for _, d := range devs {
+				if err != nil && !errors.Is(err, errRemapDevice) {
+					break
+				}
+				if d.State() == StateUnmapped {
+					continue
+				}
+				if e := d.open(ctx); e != nil {
+					err = fmt.Errorf("%w: %w", errRemapDevice, e)
+				}
+			}
+			cancel()
+			if err != nil {
+				s.c.log.WithField("session", s.name).Warnf("remap: %v", err)
+				ok = false
+			}
+		}
+		s.mu.Lock()
+		if s.closing || (ok && !s.again) {
+			s.remap = false
+			s.mu.Unlock()
+			return
+		}
+		s.mu.Unlock()
+		if !ok {
+			// Wait for a path before trying again; the link event kicks us too.
+			time.Sleep(backoff)
+			backoff = min(2*backoff, time.Second)
+			if !s.anyConnected() {
+				s.mu.Lock()
+				s.remap = false
+				s.mu.Unlock()
+				return // LinkReconnected will start it again
+			}
+		}
+	}
+}
+
+func (s *cltSess) anyConnected() bool {
+	for _, p := range s.rtrs.Paths() {
+		if p.State() == transport.StateConnected {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *cltSess) remove(d *Device) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, e := range s.devs {
+		if e == d {
+			s.devs = append(s.devs[:i], s.devs[i+1:]...)
+			return
+		}
+	}
+}
+
+// putSessIfIdle closes a session that has no devices left (the kernel frees an RNBD session
+// with its last device).
+func (c *Client) putSessIfIdle(s *cltSess) {
+	c.mu.Lock()
+	s.mu.Lock()
+	idle := len(s.devs) == 0 && !s.closing
+	if idle {
+		s.closing = true
+		if c.sessions[s.name] == s {
+			delete(c.sessions, s.name)
+		}
+	}
+	s.mu.Unlock()
+	c.mu.Unlock()
+	if idle {
+		s.remapped.Wait()
+		s.rtrs.Close()
+	}
+}
+
+// Session returns the RTRS session of that name, if the client has it.
+func (c *Client) Session(name string) *transport.Session {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if s := c.sessions[name]; s != nil {
+		return s.rtrs
+	}
+	return nil
+}
+
+// Devices lists the mapped devices by session and path.
+func (c *Client) Devices() []*Device {
+	c.mu.Lock()
+	var out []*Device
+	for _, s := range c.sessions {
+		s.mu.Lock()
+		out = append(out, s.devs...)
+		s.mu.Unlock()
+	}
+	c.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].sess.name != out[j].sess.name {
+			return out[i].sess.name < out[j].sess.name
+		}
+		return out[i].path < out[j].path
+	})
+	return out
+}
+
+// Close unmaps every device and closes the sessions.
+func (c *Client) Close(ctx context.Context) {
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
+	for _, d := range c.Devices() {
+		_ = d.Unmap(ctx)
+	}
+}
+
+// DeviceState is a mapped device's state.
+type DeviceState int
+
+// Device states: mapped and usable; disconnected (its session has no path; IO waits up to
+// the reconnect timeout); unmapped.
+const (
+	StateMapped DeviceState = iota
+	StateDisconnected
+	StateUnmapped
+)
+
+func (st DeviceState) String() string {
+	return [...]string{"open", "disconnected", "closed"}[st]
+}
+
+// Device is a mapped remote device: an io.ReaderAt and io.WriterAt of its size, plus Flush,
+// Discard and WriteZeroes.
+type Device struct {
+	sess *cltSess
+	path string
+	mode AccessMode
+
+	mu        sync.Mutex
+	state     DeviceState
+	id        uint32
+	geo       MsgOpenRsp
+	downSince time.Time
+	changed   chan struct{} // closed and replaced on every state change
+}
+
+// open sends OPEN and takes the answer: id and geometry. A remapped device must keep its size.
+func (d *Device) open(ctx context.Context) error {
+	var usr [OpenSize]byte
+	if err := (MsgOpen{AccessMode: d.mode, DevName: d.path}).Put(usr[:]); err != nil {
+		return err
+	}
+	var buf [OpenRspSize]byte
+	if err := d.sess.rtrs.DoAdmin(ctx, transport.Read, usr[:], buf[:]); err != nil {
+		return fmt.Errorf("rnbd: open %q: %w", d.path, err)
+	}
+	var rsp MsgOpenRsp
+	if err := rsp.Unmarshal(buf[:]); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.state == StateUnmapped {
+		return nil
+	}
+	if d.geo.LogicalBlockSize != 0 && (rsp.NSectors != d.geo.NSectors || rsp.LogicalBlockSize != d.geo.LogicalBlockSize) {
+		d.setStateLocked(StateDisconnected)
+		return fmt.Errorf("rnbd: %q changed geometry on remap (%d → %d sectors): %w", d.path, d.geo.NSectors, rsp.NSectors, syscall.EIO)
+	}
+	d.id, d.geo = rsp.DeviceID, rsp
+	d.setStateLocked(StateMapped)
+	return nil
+}
+
+func (d *Device) setStateLocked(st DeviceState) {
+	if st == StateDisconnected && d.state != StateDisconnected {
+		d.downSince = time.Now()
+	}
+	d.state = st
+	close(d.changed)
+	d.changed = make(chan struct{})
+}
+
+func (d *Device) setDown() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.state == StateMapped {
+		d.setStateLocked(StateDisconnected)
+	}
+}
+
+// Session is the device's session name; Path its path on the server.
+func (d *Device) Session() string { return d.sess.name }
+
+// Path is the device path the server opened.
+func (d *Device) Path() string { return d.path }
+
+// AccessMode is the mode the device was mapped with.
+func (d *Device) AccessMode() AccessMode { return d.mode }
+
+// State is the device's state.
+func (d *Device) State() DeviceState { d.mu.Lock(); defer d.mu.Unlock(); return d.state }
+
+// ID is the server's id for the device (it changes when the device is remapped).
+func (d *Device) ID() uint32 { d.mu.Lock(); defer d.mu.Unlock(); return d.id }
+
+// Size is the device's size in bytes.
+func (d *Device) Size() int64 { d.mu.Lock(); defer d.mu.Unlock(); return int64(d.geo.NSectors) * SectorSize }
+
+// Geometry is the server's OPEN_RSP for the device.
+func (d *Device) Geometry() MsgOpenRsp { d.mu.Lock(); defer d.mu.Unlock(); return d.geo }
+
+// BlockSize is the logical block size: offsets and lengths of IO must be multiples of it.
+func (d *Device) BlockSize() int { d.mu.Lock(); defer d.mu.Unlock(); return int(d.geo.LogicalBlockSize) }
+
+// Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
+// waiting fails.
+func (d *Device) Unmap(ctx context.Context) error {
+	d.mu.Lock()
+	if d.state == StateUnmapped {
+		d.mu.Unlock()
+		return fmt.Errorf("rnbd: %q is not mapped: %w", d.path, syscall.ENOENT)
+	}
+	wasMapped, id := d.state == StateMapped, d.id
+	d.setStateLocked(StateUnmapped)
+	d.mu.Unlock()
+	var err error
+	if wasMapped {
+		var usr [CloseSize]byte
+		MsgClose{DeviceID: id}.Put(usr[:])
+		if err = d.sess.rtrs.DoAdmin(ctx, transport.Write, usr[:], nil); err != nil {
+			err = fmt.Errorf("rnbd: close %q: %w", d.path, err)
+		}
+	}
+	d.sess.remove(d)
+	d.sess.c.putSessIfIdle(d.sess)
+	return err
+}
+
+// usable waits until the device is mapped and returns its id, or fails: EIO once the
+// session has been gone for longer than the reconnect timeout, ENODEV when unmapped.
+func (d *Device) usable(ctx context.Context) (uint32, error) {
+	for {
+		d.mu.Lock()
+		st, id, ch := d.state, d.id, d.changed
+		deadline := d.downSince.Add(d.sess.c.opts.ReconnectTimeout)
+		d.mu.Unlock()
+		switch st {
+		case StateMapped:
+			return id, nil
+		case StateUnmapped:
+			return 0, fmt.Errorf("rnbd: %q is unmapped: %w", d.path, syscall.ENODEV)
+		}
+		wait := time.Until(deadline)
+		if wait <= 0 {
+			return 0, fmt.Errorf("rnbd: session %q gone for longer than %v: %w", d.sess.name, d.sess.c.opts.ReconnectTimeout, syscall.EIO)
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ch:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return 0, ctx.Err()
+		}
+		t.Stop()
+	}
+}
+
+// retryable says whether an IO error means "the session or the device id went away":
+// no path took the request, or the server does not know the id (it lost the session).
+func retryable(err error) bool {
+	return errors.Is(err, transport.ErrNoPath) || errors.Is(err, syscall.ENOTCONN) ||
+		errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, syscall.ENODEV)
+}
+
+// submit sends one IO of at most the max IO size, and waits and resends it while the
+// session is away (within the reconnect timeout).
+func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n int, data []byte) error {
+	var usr [IOSize]byte
+	dir := transport.Write
+	if op == OpRead {
+		dir = transport.Read
+	}
+	for {
+		id, err := d.usable(ctx)
+		if err != nil {
+			return err
+		}
+		MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(n)}.Put(usr[:])
+		err = d.sess.rtrs.Do(ctx, dir, usr[:], data)
+		if err == nil || !retryable(err) || ctx.Err() != nil {
+			return err
+		}
+		// The link event may not have come yet; mark the device down so that we wait for
+		// the remap, and ask for one in case the session is up and only the id is stale.
+		d.mu.Lock()
+		if d.state == StateMapped && d.id == id {
+			d.setStateLocked(StateDisconnected)
+		}
+		d.mu.Unlock()
+		if d.sess.anyConnected() {
+			d.sess.kickRemap()
+		}
+	}
+}
+
+// maxIO is the largest IO one request carries: the session's and the device's limit, in
+// whole blocks.
+func (d *Device) maxIO() int {
+	d.mu.Lock()
+	lbs, hw := int(d.geo.LogicalBlockSize), int(d.geo.MaxHWSectors)*SectorSize
+	d.mu.Unlock()
+	m := d.sess.rtrs.MaxIOSize()
+	if hw > 0 {
+		m = min(m, hw)
+	}
+	return m - m%lbs
+}
+
+// check validates a range against the device: whole blocks, inside the device.
+func (d *Device) check(off int64, n int64) error {
+	d.mu.Lock()
+	lbs, size := int64(d.geo.LogicalBlockSize), int64(d.geo.NSectors)*SectorSize
+	d.mu.Unlock()
+	if off < 0 || n < 0 || off%lbs != 0 || n%lbs != 0 || off+n > size {
+		return fmt.Errorf("rnbd: %d bytes at %d on a %d-byte device with %d-byte blocks: %w", n, off, size, lbs, syscall.EINVAL)
+	}
+	return nil
+}
+
+// split runs fn on consecutive pieces of [off, off+n) of at most max bytes, in parallel,
+// and returns the first error.
+func split(off, n int64, max int, fn func(off int64, n int) error) error {
+	if n <= int64(max) {
+		return fn(off, int(n))
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var first error
+	for n > 0 {
+		k := int(min(n, int64(max)))
+		wg.Add(1)
+		go func(off int64, k int) {
+			defer wg.Done()
+			if err := fn(off, k); err != nil {
+				mu.Lock()
+				if first == nil {
+					first = err
+				}
+				mu.Unlock()
+			}
+		}(off, k)
+		off, n = off+int64(k), n-int64(k)
+	}
+	wg.Wait()
+	return first
+}
+
+// ReadAtContext reads len(p) bytes at off (whole blocks).
+func (d *Device) ReadAtContext(ctx context.Context, p []byte, off int64) error {
+	if err := d.check(off, int64(len(p))); err != nil {
+		return err
+	}
+	return split(off, int64(len(p)), d.maxIO(), func(o int64, n int) error {
+		b := p[o-off : o-off+int64(n)]
+		return d.submit(ctx, OpRead, 0, o, n, b)
+	})
+}
+
+// WriteAtContext writes p at off (whole blocks); fua makes it durable before it completes.
+func (d *Device) WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error {
+	if err := d.check(off, int64(len(p))); err != nil {
+		return err
+	}
+	if d.mode == AccessRO {
+		return fmt.Errorf("rnbd: %q is mapped ro: %w", d.path, syscall.EPERM)
+	}
+	flags := uint32(0)
+	if fua {
+		flags = FlagFUA | FlagSync
+	}
+	return split(off, int64(len(p)), d.maxIO(), func(o int64, n int) error {
+		return d.submit(ctx, OpWrite, flags, o, n, p[o-off:o-off+int64(n)])
+	})
+}
+
+// Flush makes every completed write durable (fdatasync on the server).
+func (d *Device) Flush(ctx context.Context) error {
+	return d.submit(ctx, OpFlush, FlagSync, 0, 0, nil)
+}
+
+// Discard deallocates whole blocks; they read back as zeroes from a file export.
+func (d *Device) Discard(ctx context.Context, off, n int64) error {
+	return d.rangeOp(ctx, OpDiscard, off, n, d.Geometry().MaxDiscardSectors)
+}
+
+// WriteZeroes makes whole blocks read back as zeroes without sending them.
+func (d *Device) WriteZeroes(ctx context.Context, off, n int64) error {
+	return d.rangeOp(ctx, OpWriteZeroes, off, n, d.Geometry().MaxWriteZeroesSectors)
+}
+
+func (d *Device) rangeOp(ctx context.Context, op Op, off, n int64, maxSect uint32) error {
+	if maxSect == 0 {
+		return fmt.Errorf("rnbd: %v not supported on %q: %w", op, d.path, syscall.EOPNOTSUPP)
+	}
+	if err := d.check(off, n); err != nil {
+		return err
+	}
+	lbs := d.BlockSize()
+	max := int(min(int64(maxSect)*SectorSize, 1<<30))
+	max -= max % lbs
+	return split(off, n, max, func(o int64, k int) error {
+		return d.submit(ctx, op, 0, o, k, nil)
+	})
+}
+
+// ReadAt implements io.ReaderAt: whole blocks, no deadline beyond the reconnect timeout.
+func (d *Device) ReadAt(p []byte, off int64) (int, error) {
+	if err := d.ReadAtContext(context.Background(), p, off); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// WriteAt implements io.WriterAt (whole blocks).
+func (d *Device) WriteAt(p []byte, off int64) (int, error) {
+	if err := d.WriteAtContext(context.Background(), p, off, false); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}

@@ -1,0 +1,624 @@
+package rnbd
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+func TestMain(m *testing.M) {
+	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
+		panic(err)
+	}
+	os.Exit(m.Run())
+}
+
+func fastTimings() transport.Timings {
+	return transport.Timings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMissed: 3, ConnectTimeout: 5 * time.Second,
+		ReconnectDelay: 100 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond, ZombieTimeout: 5 * time.Second}
+}
+
+// tmpfsDir is a fresh directory on tmpfs (/dev/shm) when there is one, else a temp dir.
+func tmpfsDir(t testing.TB) string {
+	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
+		d, err := os.MkdirTemp("/dev/shm", "rnbd-test-")
+		if err == nil {
+			t.Cleanup(func() { os.RemoveAll(d) })
+			return d
+		}
+	}
+	return t.TempDir()
+}
+
+type testEnv struct {
+	prov *soft.Provider
+	dir  string
+	port uint16
+
+	mu  sync.Mutex
+	srv *transport.Server
+	rs  *Server
+}
+
+// newTestEnv starts an RNBD server over RTRS exporting a fresh tmpfs directory.
+func newTestEnv(t testing.TB) *testEnv {
+	t.Helper()
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: tmpfsDir(t)}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	return e
+}
+
+func (e *testEnv) start(t testing.TB, port uint16) {
+	t.Helper()
+	rs, err := NewServer(ServerOptions{SearchPath: e.dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := transport.DefaultServerOptions()
+	o.Provider, o.Handler, o.Timings = e.prov, rs, fastTimings()
+	o.Addr = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port)
+	o.QueueDepth = 64
+	var srv *transport.Server
+	for end := time.Now().Add(5 * time.Second); ; {
+		if srv, err = transport.NewServer(o); err == nil || time.Now().After(end) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // the old listener's port may linger briefly
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	e.srv, e.rs, e.port = srv, rs, srv.Addr().Port()
+	e.mu.Unlock()
+}
+
+func (e *testEnv) stop() {
+	e.mu.Lock()
+	srv, rs := e.srv, e.rs
+	e.srv, e.rs = nil, nil
+	e.mu.Unlock()
+	if srv != nil {
+		_ = srv.Close()
+		rs.Close()
+	}
+}
+
+func (e *testEnv) server() *Server { e.mu.Lock(); defer e.mu.Unlock(); return e.rs }
+
+func (e *testEnv) file(t testing.TB, name string, size int) []byte {
+	t.Helper()
+	data := make([]byte, size)
+	fill(rand.New(rand.NewPCG(uint64(size), 1)), data)
+	if err := os.WriteFile(filepath.Join(e.dir, name), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
+// fill writes random bytes, eight at a time (len(b) is a multiple of 512).
+func fill(rng *rand.Rand, b []byte) {
+	for i := 0; i+8 <= len(b); i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], rng.Uint64())
+	}
+}
+
+func (e *testEnv) client(t testing.TB, timeout time.Duration) *Client {
+	c := NewClient(ClientOptions{
+		Session: transport.ClientOptions{Provider: e.prov, ConPerPath: 3, MaxReconnectAttempts: -1,
+			Policy: transport.MinInflight, Timings: fastTimings()},
+		ReconnectTimeout: timeout,
+	})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c.Close(ctx)
+	})
+	return c
+}
+
+func twoPaths(t testing.TB) []transport.PathAddrs {
+	var out []transport.PathAddrs
+	for _, s := range []string{"ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"} {
+		src, dst, err := transport.ParsePathAddrs(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, transport.PathAddrs{Src: src, Dst: dst})
+	}
+	return out
+}
+
+func (e *testEnv) mapDev(t testing.TB, c *Client, sess, dev string, mode AccessMode) (*Device, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return c.Map(ctx, MapOptions{SessName: sess, Paths: twoPaths(t), Port: e.port, DevicePath: dev, AccessMode: mode})
+}
+
+func mustMap(t testing.TB, e *testEnv, c *Client, sess, dev string, mode AccessMode) *Device {
+	t.Helper()
+	d, err := e.mapDev(t, c, sess, dev, mode)
+	if err != nil {
+		t.Fatalf("map %s: %v", dev, err)
+	}
+	return d
+}
+
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); !cond(); {
+		if time.Now().After(end) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// randomIO runs n random block-aligned reads and writes (512 B to 600 KiB, so some split at
+// the max IO size) with depth goroutines, checking every read against the model. Writers
+// take disjoint ranges per goroutine so the model stays exact.
+func randomIO(t testing.TB, d *Device, model []byte, n, depth int, seed uint64) {
+	t.Helper()
+	var wg sync.WaitGroup
+	var mu sync.Mutex // the model
+	errc := make(chan error, depth)
+	region := len(model) / depth
+	for g := 0; g < depth; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(seed, uint64(g)))
+			base := g * region
+			for i := 0; i < n/depth; i++ {
+				size := (1 + rng.IntN(600)) * 512
+				if size > region {
+					size = region
+				}
+				off := base + rng.IntN((region-size)/512+1)*512
+				buf := make([]byte, size)
+				if rng.IntN(2) == 0 {
+					fill(rng, buf)
+					if _, err := d.WriteAt(buf, int64(off)); err != nil {
+						errc <- err
+						return
+					}
+					mu.Lock()
+					copy(model[off:], buf)
+					mu.Unlock()
+				} else {
+					if _, err := d.ReadAt(buf, int64(off)); err != nil {
+						errc <- err
+						return
+					}
+					mu.Lock()
+					ok := bytes.Equal(buf, model[off:off+size])
+					mu.Unlock()
+					if !ok {
+						errc <- errors.New("read data differs from the model")
+						return
+					}
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	close(errc)
+	for err := range errc {
+		t.Fatal(err)
+	}
+}
+
+func TestMapRandomIO(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	model := e.file(t, "disk", 8<<20)
+	c := e.client(t, 5*time.Second)
+	d := mustMap(t, e, c, "blk", "disk", AccessRW)
+	if d.Size() != 8<<20 || d.BlockSize() != 512 || d.State() != StateMapped {
+		t.Fatalf("size %d, block %d, state %v", d.Size(), d.BlockSize(), d.State())
+	}
+	randomIO(t, d, model, 1500, 8, 1)
+	if err := d.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(filepath.Join(e.dir, "disk"))
+	if err != nil || !bytes.Equal(got, model) {
+		t.Fatalf("backing file differs from the model (%v)", err)
+	}
+	// Both paths carried IO.
+	for _, p := range c.Session("blk").Paths() {
+		if p.Stats.ReadCnt.Value()+p.Stats.WriteCnt.Value() == 0 {
+			t.Errorf("path %s carried no IO", p.Name())
+		}
+	}
+}
+
+// TestFailoverNoIOError: one path's connections are closed by the server mid-IO; the block
+// user sees no error and the data matches.
+func TestFailoverNoIOError(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	model := e.file(t, "disk", 8<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "fo", "disk", AccessRW)
+	sess := c.Session("fo")
+	p2 := sess.Paths()[1]
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		randomIO(t, d, model, 1600, 16, 2)
+	}()
+	waitFor(t, 10*time.Second, "IO in flight on path 2", func() bool { return p2.Inflight() >= 2 })
+	for _, ss := range e.server().sessionsOf() {
+		for _, p := range ss.Paths() {
+			if p.SrcAddr().String() == "ip:127.0.0.2" {
+				p.Disconnect()
+			}
+		}
+	}
+	<-done
+	waitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == transport.StateConnected })
+	if fo := sess.Paths()[0].Stats.Failovered.Value(); fo == 0 {
+		t.Log("no request was in flight on path 2 when it went (failovered 0)")
+	}
+	buf := make([]byte, len(model))
+	if _, err := d.ReadAt(buf, 0); err != nil || !bytes.Equal(buf, model) {
+		t.Fatalf("data after failover differs (%v)", err)
+	}
+}
+
+// sessionsOf lists the transport sessions the RNBD server has seen.
+func (s *Server) sessionsOf() []*transport.SrvSess {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*transport.SrvSess
+	for ts := range s.sessions {
+		out = append(out, ts)
+	}
+	return out
+}
+
+// TestSessionDownShort: the server drops both paths; IO issued meanwhile waits and completes
+// once the session is back and the device is remapped.
+func TestSessionDownShort(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	model := e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "short", "disk", AccessRW)
+	for _, ts := range e.server().sessionsOf() {
+		for _, p := range ts.Paths() {
+			p.Disconnect()
+		}
+	}
+	waitFor(t, 5*time.Second, "device disconnected", func() bool { return d.State() == StateDisconnected })
+	buf := bytes.Repeat([]byte{0x5a}, 64<<10)
+	if _, err := d.WriteAt(buf, 4096); err != nil {
+		t.Fatalf("write while the session was away: %v", err)
+	}
+	copy(model[4096:], buf)
+	if d.State() != StateMapped {
+		t.Fatalf("state %v after the write", d.State())
+	}
+	got := make([]byte, len(model))
+	if _, err := d.ReadAt(got, 0); err != nil || !bytes.Equal(got, model) {
+		t.Fatalf("read back (%v)", err)
+	}
+}
+
+// TestSessionDownLong: the server is gone for longer than the reconnect timeout: IO fails
+// with EIO; when a server comes back on the port the device is remapped and IO works again.
+func TestSessionDownLong(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	model := e.file(t, "disk", 1<<20)
+	c := e.client(t, 400*time.Millisecond)
+	d := mustMap(t, e, c, "long", "disk", AccessRW)
+	oldID := d.ID()
+	port := e.port
+	e.stop()
+	start := time.Now()
+	_, err := d.ReadAt(make([]byte, 4096), 0)
+	if !errors.Is(err, syscall.EIO) {
+		t.Fatalf("read with the server gone: %v", err)
+	}
+	if el := time.Since(start); el < 300*time.Millisecond {
+		t.Fatalf("failed after %v, before the timeout", el)
+	}
+	// Later IO fails at once while the session stays away.
+	if _, err := d.WriteAt(make([]byte, 512), 0); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("write: %v", err)
+	}
+	e.start(t, port)
+	waitFor(t, 10*time.Second, "remap", func() bool { return d.State() == StateMapped })
+	if d.ID() == oldID {
+		t.Logf("same id %d after the server restarted", oldID)
+	}
+	got := make([]byte, len(model))
+	if _, err := d.ReadAt(got, 0); err != nil || !bytes.Equal(got, model) {
+		t.Fatalf("read after the server came back (%v)", err)
+	}
+}
+
+func TestOpenRefusals(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	outside := t.TempDir()
+	if err := os.WriteFile(filepath.Join(outside, "secret"), make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Join(outside, "secret"), filepath.Join(e.dir, "link-out")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("disk", filepath.Join(e.dir, "link-in")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(e.dir, "sub"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	c := e.client(t, time.Second)
+	// Keep the session up between refusals.
+	keep := mustMap(t, e, c, "s", "/disk", AccessRO)
+	for _, tc := range []struct {
+		dev  string
+		want syscall.Errno
+	}{
+		{"../" + filepath.Base(outside) + "/secret", syscall.EACCES},
+		{"sub/../../x", syscall.EACCES},
+		{"link-out", syscall.EACCES},
+		{outside + "/secret", syscall.ENOENT}, // absolute: taken under the export directory
+		{"missing", syscall.ENOENT},
+		{"sub", syscall.EISDIR}, // a directory is no device
+	} {
+		if _, err := e.mapDev(t, c, "s", tc.dev, AccessRW); !errors.Is(err, tc.want) {
+			t.Errorf("map %q: %v, want %v", tc.dev, err, tc.want)
+		}
+	}
+	if _, err := e.mapDev(t, c, "s", "/disk", AccessRO); !errors.Is(err, syscall.EEXIST) {
+		t.Errorf("map twice: %v", err)
+	}
+	// The same file through a symlink inside is the same device: one session may not have it twice.
+	if _, err := e.mapDev(t, c, "s", "link-in", AccessRO); !errors.Is(err, syscall.EEXIST) {
+		t.Errorf("map through an inside symlink: %v", err)
+	}
+	if err := keep.Unmap(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if c.Session("s") != nil {
+		t.Fatal("session kept after its last device was unmapped")
+	}
+	// A new session needs a path.
+	if _, err := c.Map(context.Background(), MapOptions{SessName: "nopath", DevicePath: "disk"}); !errors.Is(err, syscall.ENXIO) {
+		t.Errorf("new session without a path: %v", err)
+	}
+}
+
+// TestAccessModes: one rw opener across sessions, any number of ro, migration as the second rw.
+func TestAccessModes(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, time.Second)
+	a := mustMap(t, e, c, "a", "disk", AccessRW)
+	if _, err := e.mapDev(t, c, "b", "disk", AccessRW); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("second rw: %v", err)
+	}
+	ro := mustMap(t, e, c, "b", "disk", AccessRO)
+	if _, err := ro.WriteAt(make([]byte, 512), 0); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("write to a ro mapping: %v", err)
+	}
+	mig := mustMap(t, e, c, "m", "disk", AccessMigration)
+	if _, err := e.mapDev(t, c, "n", "disk", AccessMigration); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("third writer: %v", err)
+	}
+	if got := len(e.server().Devices()); got != 3 {
+		t.Fatalf("server has %d devices open", got)
+	}
+	// Unmapping the rw opener lets another in.
+	ctx := context.Background()
+	for _, d := range []*Device{a, mig} {
+		if err := d.Unmap(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustMap(t, e, c, "c", "disk", AccessRW)
+	if err := ro.Unmap(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := ro.Unmap(ctx); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("unmap twice: %v", err)
+	}
+}
+
+// TestBadIO sends IO the client API would not, straight through the session: the server
+// refuses each with the right errno and keeps serving.
+func TestBadIO(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	e.file(t, "ro", 64<<10)
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "bad", "disk", AccessRW)
+	rod := mustMap(t, e, c, "bad", "ro", AccessRO)
+	s := c.Session("bad")
+	ctx := context.Background()
+	send := func(m MsgIO, dir transport.Dir, data []byte) error {
+		usr := make([]byte, IOSize)
+		m.Put(usr)
+		return s.Do(ctx, dir, usr, data)
+	}
+	id := d.ID()
+	for _, tc := range []struct {
+		name string
+		m    MsgIO
+		dir  transport.Dir
+		data []byte
+		want syscall.Errno
+	}{
+		{"read past the end", MsgIO{DeviceID: id, Sector: 2047, RW: uint32(OpRead), BiSize: 1024}, transport.Read, make([]byte, 1024), syscall.EINVAL},
+		{"huge sector", MsgIO{DeviceID: id, Sector: 1 << 62, RW: uint32(OpRead), BiSize: 512}, transport.Read, make([]byte, 512), syscall.EINVAL},
+		{"size not in blocks", MsgIO{DeviceID: id, RW: uint32(OpWrite), BiSize: 100}, transport.Write, make([]byte, 100), syscall.EINVAL},
+		{"bi_size differs from data", MsgIO{DeviceID: id, RW: uint32(OpWrite), BiSize: 4096}, transport.Write, make([]byte, 512), syscall.EINVAL},
+		{"write as rtrs read", MsgIO{DeviceID: id, RW: uint32(OpWrite), BiSize: 512}, transport.Read, make([]byte, 512), syscall.EINVAL},
+		{"discard past the end", MsgIO{DeviceID: id, Sector: 2040, RW: uint32(OpDiscard), BiSize: 8192}, transport.Write, nil, syscall.EINVAL},
+		{"unknown device", MsgIO{DeviceID: id + 1000, RW: uint32(OpRead), BiSize: 512}, transport.Read, make([]byte, 512), syscall.ENODEV},
+		{"unknown op", MsgIO{DeviceID: id, RW: 7, BiSize: 512}, transport.Read, make([]byte, 512), syscall.EOPNOTSUPP},
+		{"secure erase", MsgIO{DeviceID: id, RW: uint32(OpSecureErase), BiSize: 512}, transport.Write, nil, syscall.EOPNOTSUPP},
+		{"write to ro", MsgIO{DeviceID: rod.ID(), RW: uint32(OpWrite), BiSize: 512}, transport.Write, make([]byte, 512), syscall.EPERM},
+	} {
+		if err := send(tc.m, tc.dir, tc.data); !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.want)
+		}
+	}
+	// Garbage user headers.
+	if err := s.Do(ctx, transport.Write, []byte{9, 0}, nil); !errors.Is(err, syscall.EBADMSG) {
+		t.Errorf("2-byte header: %v", err)
+	}
+	if err := s.Do(ctx, transport.Write, []byte{9, 0, 0, 0}, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("type 9: %v", err)
+	}
+	// The client API refuses what it can see is wrong before sending.
+	if _, err := d.ReadAt(make([]byte, 4096), 1<<20); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("client read past the end: %v", err)
+	}
+	if _, err := d.ReadAt(make([]byte, 4096), 100); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("client unaligned read: %v", err)
+	}
+	// Still serving.
+	if _, err := d.ReadAt(make([]byte, 4096), 0); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestFlushFUADiscard checks the effect of each operation on the backing file.
+func TestFlushFUADiscard(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 4<<20)
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "ops", "disk", AccessRW)
+	ctx := context.Background()
+	path := filepath.Join(e.dir, "disk")
+	st := &e.server().Stats
+
+	pattern := bytes.Repeat([]byte("rnbd"), 1024)
+	if err := d.WriteAtContext(ctx, pattern, 8192, true); err != nil {
+		t.Fatal(err)
+	}
+	if st.FUAWrites.Value() != 1 {
+		t.Fatalf("FUA writes %d", st.FUAWrites.Value())
+	}
+	if err := d.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st.Flushes.Value() != 1 {
+		t.Fatalf("flushes %d", st.Flushes.Value())
+	}
+	f, err := os.ReadFile(path)
+	if err != nil || !bytes.Equal(f[8192:8192+4096], pattern) {
+		t.Fatalf("FUA write not in the file (%v)", err)
+	}
+
+	blocks := func() int64 {
+		var s syscall.Stat_t
+		if err := syscall.Stat(path, &s); err != nil {
+			t.Fatal(err)
+		}
+		return s.Blocks
+	}
+	before := blocks()
+	if err := d.Discard(ctx, 1<<20, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if after := blocks(); after > before-(1<<20)/512 {
+		t.Fatalf("discard of 1 MiB: %d → %d blocks allocated", before, after)
+	}
+	if err := d.WriteZeroes(ctx, 3<<20, 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	f, _ = os.ReadFile(path)
+	if !bytes.Equal(f[1<<20:2<<20], make([]byte, 1<<20)) || !bytes.Equal(f[3<<20:3<<20+64<<10], make([]byte, 64<<10)) {
+		t.Fatal("discarded or zeroed range does not read as zeroes")
+	}
+	if f[3<<20-1] == 0 && f[3<<20+64<<10] == 0 {
+		t.Fatal("write-zeroes spilled over its range")
+	}
+	// Through the device too.
+	got := make([]byte, 64<<10)
+	if _, err := d.ReadAt(got, 3<<20); err != nil || !bytes.Equal(got, make([]byte, 64<<10)) {
+		t.Fatalf("zeroes via the device (%v)", err)
+	}
+}
+
+// TestDeviceFails: the backing file shrinks under a mapped device; reads past its new end
+// fail with EIO, the rest keeps working, and the server survives.
+func TestDeviceFails(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "shrink", "disk", AccessRW)
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 512<<10); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ReadAt(make([]byte, 4096), 768<<10); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("read past the shrunk end: %v", err)
+	}
+	if _, err := d.ReadAt(make([]byte, 4096), 0); err != nil {
+		t.Fatalf("read inside: %v", err)
+	}
+	// A deleted export stays readable through the open descriptor, as a block device would.
+	if err := os.Remove(filepath.Join(e.dir, "disk")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.WriteAt(make([]byte, 4096), 0); err != nil {
+		t.Fatalf("write to a deleted file: %v", err)
+	}
+}
+
+// TestDevicesListing checks the listing and states of mapped devices.
+func TestDevicesListing(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "a", 1<<20)
+	e.file(t, "b", 2<<20)
+	c := e.client(t, time.Second)
+	mustMap(t, e, c, "s2", "b", AccessRO)
+	mustMap(t, e, c, "s1", "a", AccessRW)
+	mustMap(t, e, c, "s1", "b", AccessRO)
+	var got []string
+	for _, d := range c.Devices() {
+		got = append(got, d.Session()+"/"+d.Path()+":"+d.AccessMode().String()+":"+d.State().String())
+	}
+	want := "s1/a:rw:open s1/b:ro:open s2/b:ro:open"
+	if s := joinSpace(got); s != want {
+		t.Fatalf("devices %q, want %q", s, want)
+	}
+}
+
+func joinSpace(v []string) string {
+	var b bytes.Buffer
+	for i, s := range v {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(s)
+	}
+	return b.String()
+}

@@ -1,0 +1,484 @@
+package rnbd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/stats"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+// SessNamePlaceholder in a search path is replaced by the client's session name, as
+// RNBD's dev_search_path does.
+const SessNamePlaceholder = "%SESSNAME%"
+
+// ServerOptions configure the block server.
+type ServerOptions struct {
+	// SearchPath is the directory exports are opened under (dev_search_path); it may contain
+	// %SESSNAME%.
+	SearchPath string
+	// MaxIOSize is the largest IO the server announces (bytes); the transport's chunk size
+	// bounds it too.
+	MaxIOSize int
+}
+
+// ServerStats count what the server did to its exports, across sessions.
+type ServerStats struct {
+	Reads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Counter
+}
+
+// Server serves RNBD requests from RTRS: it is the transport server's Handler.
+type Server struct {
+	opts  ServerOptions
+	log   *log.Entry
+	Stats ServerStats
+
+	mu       sync.Mutex
+	sessions map[*transport.SrvSess]*srvSess
+	devs     map[devKey]*srvDev // open devices by identity, for the access-mode rule
+	nextID   uint32
+	closed   bool
+	wg       sync.WaitGroup
+}
+
+type devKey struct{ dev, ino uint64 }
+
+// srvDev is one exported device open in at least one session (rnbd_srv_dev).
+type srvDev struct {
+	name    string
+	readers int
+	writers int
+}
+
+// srvSess is an RNBD server session (rnbd_srv_session): its open devices by id.
+type srvSess struct {
+	name string
+	ver  uint8
+	devs map[uint32]*sessDev
+}
+
+// sessDev is a device opened by a session (rnbd_srv_sess_dev).
+type sessDev struct {
+	id   uint32
+	name string
+	mode AccessMode
+	key  devKey
+
+	mu     sync.RWMutex // IO holds it shared; close takes it to retire the descriptor
+	b      *backing
+	closed bool
+}
+
+// NewServer returns a handler that exports files and block devices under opts.SearchPath.
+func NewServer(opts ServerOptions) (*Server, error) {
+	if opts.SearchPath == "" {
+		return nil, fmt.Errorf("rnbd: no search path: %w", syscall.EINVAL)
+	}
+	if opts.MaxIOSize <= 0 {
+		opts.MaxIOSize = 128 << 10
+	}
+	return &Server{
+		opts:     opts,
+		log:      log.G(context.Background()).WithField("component", "rnbd-srv"),
+		sessions: map[*transport.SrvSess]*srvSess{},
+		devs:     map[devKey]*srvDev{},
+		// Ids are never reused within a server's life, and a restarted server starts
+		// elsewhere, so a client's stale id names no device rather than another one.
+		nextID: rand.Uint32(),
+	}, nil
+}
+
+// DeviceInfo describes an open device of a server session.
+type DeviceInfo struct {
+	Session    string
+	ID         uint32
+	Path       string
+	AccessMode AccessMode
+}
+
+// Devices lists every session's open devices, by session name and id.
+func (s *Server) Devices() []DeviceInfo {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []DeviceInfo
+	for _, ss := range s.sessions {
+		for _, d := range ss.devs {
+			out = append(out, DeviceInfo{Session: ss.name, ID: d.id, Path: d.name, AccessMode: d.mode})
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Session != out[j].Session {
+			return out[i].Session < out[j].Session
+		}
+		return out[i].ID < out[j].ID
+	})
+	return out
+}
+
+// Close closes every device and waits for the IO in progress.
+func (s *Server) Close() {
+	s.mu.Lock()
+	s.closed = true
+	var all []*transport.SrvSess
+	for ts := range s.sessions {
+		all = append(all, ts)
+	}
+	s.mu.Unlock()
+	for _, ts := range all {
+		s.destroySess(ts)
+	}
+	s.wg.Wait()
+}
+
+// Request implements transport.Handler: every request runs on its own goroutine, since
+// file IO blocks and the transport's goroutine must not.
+func (s *Server) Request(r *transport.SrvRequest) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		r.Respond(-int(syscall.ESHUTDOWN))
+		return
+	}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		r.Respond(s.process(r))
+	}()
+}
+
+// LinkEvent implements transport.Handler: a session whose last path went closes its devices
+// (the client re-opens them when it comes back).
+func (s *Server) LinkEvent(ts *transport.SrvSess, ev transport.LinkEvent) {
+	if ev == transport.LinkDisconnected {
+		s.destroySess(ts)
+	}
+}
+
+func (s *Server) destroySess(ts *transport.SrvSess) {
+	s.mu.Lock()
+	ss := s.sessions[ts]
+	delete(s.sessions, ts)
+	var devs []*sessDev
+	if ss != nil {
+		for _, d := range ss.devs {
+			devs = append(devs, d)
+			s.putDevLocked(d)
+		}
+	}
+	s.mu.Unlock()
+	for _, d := range devs {
+		d.close()
+	}
+}
+
+// process handles one request and returns the errno for the response.
+func (s *Server) process(r *transport.SrvRequest) int {
+	typ, ok := PeekType(r.Usr)
+	if !ok {
+		return -int(syscall.EBADMSG)
+	}
+	var err error
+	switch typ {
+	case MsgTypeIO:
+		err = s.processIO(r)
+	case MsgTypeSessInfo:
+		err = s.processSessInfo(r)
+	case MsgTypeOpen:
+		err = s.processOpen(r)
+	case MsgTypeClose:
+		err = s.processClose(r)
+	default:
+		err = fmt.Errorf("rnbd: message type %d: %w", typ, syscall.EINVAL)
+	}
+	if err != nil {
+		s.Stats.Errors.Inc()
+		s.log.WithField("session", r.Session().Name()).Debugf("%v", err)
+	}
+	return errnoOf(err)
+}
+
+// errnoOf is the negative errno an error stands for (EIO when it names none).
+func errnoOf(err error) int {
+	if err == nil {
+		return 0
+	}
+	var en syscall.Errno
+	if errors.As(err, &en) {
+		return -int(en)
+	}
+	return -int(syscall.EIO)
+}
+
+func (s *Server) sess(ts *transport.SrvSess) *srvSess {
+	ss := s.sessions[ts]
+	if ss == nil {
+		ss = &srvSess{name: ts.Name(), devs: map[uint32]*sessDev{}}
+		s.sessions[ts] = ss
+	}
+	return ss
+}
+
+func (s *Server) processSessInfo(r *transport.SrvRequest) error {
+	var m MsgSessInfo
+	if err := m.Unmarshal(r.Usr, MsgTypeSessInfo); err != nil {
+		return err
+	}
+	if r.Dir != transport.Read || len(r.Data) < SessInfoRspSize {
+		return fmt.Errorf("rnbd: SESS_INFO needs a %d-byte READ buffer: %w", SessInfoRspSize, syscall.EINVAL)
+	}
+	s.mu.Lock()
+	s.sess(r.Session()).ver = min(m.Ver, ProtoVerMajor)
+	s.mu.Unlock()
+	MsgSessInfo{Ver: ProtoVerMajor}.Put(r.Data, MsgTypeSessInfoRsp)
+	return nil
+}
+
+func (s *Server) searchRoot(sessName string) string {
+	return strings.ReplaceAll(s.opts.SearchPath, SessNamePlaceholder, sessName)
+}
+
+func (s *Server) processOpen(r *transport.SrvRequest) error {
+	var m MsgOpen
+	if err := m.Unmarshal(r.Usr); err != nil {
+		return err
+	}
+	if r.Dir != transport.Read || len(r.Data) < OpenRspSize {
+		return fmt.Errorf("rnbd: OPEN needs a %d-byte READ buffer: %w", OpenRspSize, syscall.EINVAL)
+	}
+	ts := r.Session()
+	// A device the session has open already is answered again (a client remapping after a
+	// reconnect the server did not notice).
+	s.mu.Lock()
+	for _, d := range s.sess(ts).devs {
+		if d.name == m.DevName {
+			s.mu.Unlock()
+			return s.openRsp(r.Data, d)
+		}
+	}
+	s.mu.Unlock()
+	root, err := os.Open(s.searchRoot(ts.Name()))
+	if err != nil {
+		return fmt.Errorf("rnbd: search path: %w", err)
+	}
+	defer root.Close()
+	b, err := openBeneath(root, m.DevName, m.AccessMode != AccessRO)
+	if err != nil {
+		return err
+	}
+	d := &sessDev{name: m.DevName, mode: m.AccessMode, key: devKey{b.dev, b.ino}, b: b}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		b.close()
+		return syscall.ESHUTDOWN
+	}
+	ss := s.sess(ts)
+	for _, o := range ss.devs {
+		if o.key == d.key { // the same device under another name
+			s.mu.Unlock()
+			b.close()
+			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", m.DevName, o.name, syscall.EEXIST)
+		}
+	}
+	if err := s.getDevLocked(d); err != nil {
+		s.mu.Unlock()
+		b.close()
+		return err
+	}
+	d.id = s.nextID
+	s.nextID++
+	ss.devs[d.id] = d
+	s.mu.Unlock()
+	s.log.WithField("session", ss.name).Infof("opened %q (%v) as device %d", d.name, d.mode, d.id)
+	return s.openRsp(r.Data, d)
+}
+
+// getDevLocked applies the access-mode rule: any number of ro, one rw, a second rw only
+// as migration.
+func (s *Server) getDevLocked(d *sessDev) error {
+	sd := s.devs[d.key]
+	if sd == nil {
+		sd = &srvDev{name: d.name}
+	}
+	switch d.mode {
+	case AccessRO:
+		sd.readers++
+	case AccessRW:
+		if sd.writers > 0 {
+			return fmt.Errorf("rnbd: %q is open rw by another session: %w", d.name, syscall.EPERM)
+		}
+		sd.writers++
+	case AccessMigration:
+		if sd.writers > 1 {
+			return fmt.Errorf("rnbd: %q is open rw twice already: %w", d.name, syscall.EPERM)
+		}
+		sd.writers++
+	}
+	s.devs[d.key] = sd
+	return nil
+}
+
+func (s *Server) putDevLocked(d *sessDev) {
+	sd := s.devs[d.key]
+	if sd == nil {
+		return
+	}
+	if d.mode == AccessRO {
+		sd.readers--
+	} else {
+		sd.writers--
+	}
+	if sd.readers == 0 && sd.writers == 0 {
+		delete(s.devs, d.key)
+	}
+}
+
+func (s *Server) openRsp(buf []byte, d *sessDev) error {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return syscall.ENODEV
+	}
+	b := d.b
+	maxSect := uint32(s.opts.MaxIOSize / SectorSize)
+	rsp := MsgOpenRsp{
+		DeviceID:          d.id,
+		NSectors:          uint64(b.size / SectorSize),
+		MaxHWSectors:      maxSect,
+		PhysicalBlockSize: uint16(b.pbs),
+		LogicalBlockSize:  uint16(b.lbs),
+		MaxSegments:       128,
+		CachePolicy:       CacheFUA | CacheWriteback,
+	}
+	if d.mode != AccessRO {
+		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = 1<<22, 1<<22
+		rsp.DiscardGranularity = uint32(b.pbs)
+	}
+	rsp.Put(buf)
+	return nil
+}
+
+func (s *Server) processClose(r *transport.SrvRequest) error {
+	var m MsgClose
+	if err := m.Unmarshal(r.Usr); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	ss := s.sessions[r.Session()]
+	var d *sessDev
+	if ss != nil {
+		d = ss.devs[m.DeviceID]
+	}
+	if d == nil {
+		s.mu.Unlock()
+		return fmt.Errorf("rnbd: close of unknown device %d: %w", m.DeviceID, syscall.ENODEV)
+	}
+	delete(ss.devs, m.DeviceID)
+	s.putDevLocked(d)
+	s.mu.Unlock()
+	d.close()
+	s.log.WithField("session", ss.name).Infof("closed %q (device %d)", d.name, d.id)
+	return nil
+}
+
+func (d *sessDev) close() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.closed {
+		d.closed = true
+		_ = d.b.close()
+	}
+}
+
+// processIO checks an IO against the device and runs it on the backing file.
+func (s *Server) processIO(r *transport.SrvRequest) error {
+	var m MsgIO
+	if err := m.Unmarshal(r.Usr); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	var d *sessDev
+	if ss := s.sessions[r.Session()]; ss != nil {
+		d = ss.devs[m.DeviceID]
+	}
+	s.mu.Unlock()
+	if d == nil {
+		return fmt.Errorf("rnbd: IO to unknown device %d: %w", m.DeviceID, syscall.ENODEV)
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return syscall.ENODEV
+	}
+	b := d.b
+	op := m.Op()
+	if op != OpRead && d.mode == AccessRO {
+		return fmt.Errorf("rnbd: %v on %q mapped ro: %w", op, d.name, syscall.EPERM)
+	}
+	// Where the data must be, for each operation.
+	want := transport.Write
+	switch op {
+	case OpRead:
+		want = transport.Read
+		if len(r.Data) != int(m.BiSize) {
+			return fmt.Errorf("rnbd: READ of %d bytes into %d: %w", m.BiSize, len(r.Data), syscall.EINVAL)
+		}
+	case OpWrite:
+		if len(r.Data) != int(m.BiSize) {
+			return fmt.Errorf("rnbd: WRITE of %d bytes with %d: %w", m.BiSize, len(r.Data), syscall.EINVAL)
+		}
+	case OpFlush:
+		if m.BiSize != 0 || len(r.Data) != 0 {
+			return fmt.Errorf("rnbd: FLUSH with %d bytes: %w", m.BiSize, syscall.EINVAL)
+		}
+		s.Stats.Flushes.Inc()
+		return b.flush()
+	case OpSecureErase:
+		return fmt.Errorf("rnbd: SECURE_ERASE: %w", syscall.EOPNOTSUPP)
+	default: // DISCARD, WRITE_ZEROES: a range, no data
+		if len(r.Data) != 0 {
+			return fmt.Errorf("rnbd: %v with data: %w", op, syscall.EINVAL)
+		}
+	}
+	if r.Dir != want {
+		return fmt.Errorf("rnbd: %v as an RTRS %v: %w", op, r.Dir, syscall.EINVAL)
+	}
+	lbs := uint64(b.lbs)
+	off, n := m.Sector*SectorSize, uint64(m.BiSize)
+	if m.Sector > 1<<54 || off%lbs != 0 || n%lbs != 0 || off+n > uint64(b.size) {
+		return fmt.Errorf("rnbd: %v of %d bytes at sector %d on a %d-byte device with %d-byte blocks: %w",
+			op, n, m.Sector, b.size, lbs, syscall.EINVAL)
+	}
+	fua := m.RW&FlagFUA != 0
+	var err error
+	switch op {
+	case OpRead:
+		s.Stats.Reads.Inc()
+		err = b.readAt(r.Data, int64(off))
+	case OpWrite:
+		s.Stats.Writes.Inc()
+		if fua {
+			s.Stats.FUAWrites.Inc()
+		}
+		err = b.writeAt(r.Data, int64(off), fua)
+	case OpDiscard:
+		s.Stats.Discards.Inc()
+		err = b.discard(int64(off), int64(n))
+	case OpWriteZeroes:
+		s.Stats.WriteZeroes.Inc()
+		err = b.writeZeroes(int64(off), int64(n))
+	}
+	if err == nil && fua && op != OpWrite && op != OpRead {
+		err = b.flush()
+	}
+	return err
+}
