@@ -404,13 +404,21 @@ func (d *Device) State() DeviceState { d.mu.Lock(); defer d.mu.Unlock(); return 
 func (d *Device) ID() uint32 { d.mu.Lock(); defer d.mu.Unlock(); return d.id }
 
 // Size is the device's size in bytes.
-func (d *Device) Size() int64 { d.mu.Lock(); defer d.mu.Unlock(); return int64(d.geo.NSectors) * SectorSize }
+func (d *Device) Size() int64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return int64(d.geo.NSectors) * SectorSize
+}
 
 // Geometry is the server's OPEN_RSP for the device.
 func (d *Device) Geometry() MsgOpenRsp { d.mu.Lock(); defer d.mu.Unlock(); return d.geo }
 
 // BlockSize is the logical block size: offsets and lengths of IO must be multiples of it.
-func (d *Device) BlockSize() int { d.mu.Lock(); defer d.mu.Unlock(); return int(d.geo.LogicalBlockSize) }
+func (d *Device) BlockSize() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return int(d.geo.LogicalBlockSize)
+}
 
 // Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
 // waiting fails.
