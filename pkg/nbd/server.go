@@ -1,0 +1,491 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+)
+
+// Device is what an export serves: whole-block IO with a context (rnbd.Device is one).
+type Device interface {
+	Size() int64
+	BlockSize() int
+	ReadAtContext(ctx context.Context, p []byte, off int64) error
+	WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error
+	Flush(ctx context.Context) error
+	Discard(ctx context.Context, off, n int64) error
+	WriteZeroes(ctx context.Context, off, n int64) error
+}
+
+// Export is one named device.
+type Export struct {
+	Name        string
+	Description string
+	Dev         Device
+	ReadOnly    bool
+}
+
+// Options configure a server.
+type Options struct {
+	// Exports lists the exports now; it is called for every lookup, so exports may come and go.
+	Exports func() []Export
+	// MaxInflight bounds the requests served at once per connection (default 128).
+	MaxInflight int
+	// HandshakeTimeout bounds the option phase (default 30 s).
+	HandshakeTimeout time.Duration
+}
+
+// Server serves exports to NBD clients on any number of listeners.
+type Server struct {
+	opts Options
+	log  *log.Entry
+	ctx  context.Context
+	stop context.CancelFunc
+
+	mu    sync.Mutex
+	lns   map[net.Listener]struct{}
+	conns map[net.Conn]struct{}
+	wg    sync.WaitGroup
+}
+
+// NewServer returns a server; Serve starts it on a listener.
+func NewServer(opts Options) *Server {
+	if opts.MaxInflight <= 0 {
+		opts.MaxInflight = 128
+	}
+	if opts.HandshakeTimeout <= 0 {
+		opts.HandshakeTimeout = 30 * time.Second
+	}
+	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"),
+		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}}
+	s.ctx, s.stop = context.WithCancel(context.Background())
+	return s
+}
+
+// Serve accepts connections on ln until Close; it returns nil after Close.
+func (s *Server) Serve(ln net.Listener) error {
+	s.mu.Lock()
+	if s.ctx.Err() != nil {
+		s.mu.Unlock()
+		return ln.Close()
+	}
+	s.lns[ln] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	defer s.wg.Done()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if s.ctx.Err() != nil {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return err
+		}
+		s.mu.Lock()
+		if s.ctx.Err() != nil {
+			s.mu.Unlock()
+			c.Close()
+			return nil
+		}
+		s.conns[c] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(c)
+			s.mu.Lock()
+			delete(s.conns, c)
+			s.mu.Unlock()
+			c.Close()
+		}()
+	}
+}
+
+// Close stops the listeners, ends every connection and waits for their requests.
+func (s *Server) Close() {
+	s.mu.Lock()
+	s.stop()
+	for ln := range s.lns {
+		ln.Close()
+	}
+	for c := range s.conns {
+		c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+func (s *Server) lookup(name string) (Export, bool) {
+	exps := s.opts.Exports()
+	for _, e := range exps {
+		if e.Name == name {
+			return e, true
+		}
+	}
+	if name == "" && len(exps) == 1 {
+		return exps[0], true // the default export, when there is only one
+	}
+	return Export{}, false
+}
+
+type conn struct {
+	s   *Server
+	c   net.Conn
+	r   *bufio.Reader
+	exp Export
+
+	wmu  sync.Mutex // replies
+	werr error
+}
+
+func (s *Server) serveConn(nc net.Conn) {
+	c := &conn{s: s, c: nc, r: bufio.NewReaderSize(nc, 64<<10)}
+	lg := s.log.WithField("client", nc.RemoteAddr().String())
+	_ = nc.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
+	ok, err := c.handshake()
+	if err != nil || !ok {
+		if err != nil && !errors.Is(err, io.EOF) {
+			lg.Debugf("handshake: %v", err)
+		}
+		return
+	}
+	_ = nc.SetDeadline(time.Time{})
+	lg.Debugf("serving %q", c.exp.Name)
+	if err := c.transmit(); err != nil && !errors.Is(err, io.EOF) && s.ctx.Err() == nil {
+		lg.Debugf("connection ends: %v", err)
+	}
+}
+
+// handshake runs the fixed-newstyle negotiation; ok says an export was chosen.
+func (c *conn) handshake() (bool, error) {
+	var hello [18]byte
+	binary.BigEndian.PutUint64(hello[0:], nbdMagic)
+	binary.BigEndian.PutUint64(hello[8:], optMagic)
+	binary.BigEndian.PutUint16(hello[16:], flagFixedNewstyle|flagNoZeroes)
+	if _, err := c.c.Write(hello[:]); err != nil {
+		return false, err
+	}
+	var cf [4]byte
+	if _, err := io.ReadFull(c.r, cf[:]); err != nil {
+		return false, err
+	}
+	clientFlags := binary.BigEndian.Uint32(cf[:])
+	if clientFlags&^(flagFixedNewstyle|flagNoZeroes) != 0 {
+		return false, fmt.Errorf("nbd: client flags %#x", clientFlags)
+	}
+	noZeroes := clientFlags&flagNoZeroes != 0
+	for {
+		var h [16]byte
+		if _, err := io.ReadFull(c.r, h[:]); err != nil {
+			return false, err
+		}
+		if binary.BigEndian.Uint64(h[:]) != optMagic {
+			return false, errors.New("nbd: bad option magic")
+		}
+		opt, n := binary.BigEndian.Uint32(h[8:]), binary.BigEndian.Uint32(h[12:])
+		if n > maxOptLen {
+			return false, fmt.Errorf("nbd: option %d of %d bytes", opt, n)
+		}
+		data := make([]byte, n)
+		if _, err := io.ReadFull(c.r, data); err != nil {
+			return false, err
+		}
+		switch opt {
+		case optExportName:
+			e, ok := c.s.lookup(string(data))
+			if !ok {
+				return false, fmt.Errorf("nbd: no export %q", data)
+			}
+			c.exp = e
+			b := make([]byte, 10, 134)
+			binary.BigEndian.PutUint64(b, uint64(e.Dev.Size()))
+			binary.BigEndian.PutUint16(b[8:], c.tflags())
+			if !noZeroes {
+				b = b[:134]
+			}
+			_, err := c.c.Write(b)
+			return err == nil, err
+		case optAbort:
+			_ = c.optReply(opt, repAck, nil)
+			return false, nil
+		case optList:
+			if n != 0 {
+				if err := c.optReply(opt, repErrInval, nil); err != nil {
+					return false, err
+				}
+				continue
+			}
+			for _, e := range c.s.opts.Exports() {
+				b := binary.BigEndian.AppendUint32(nil, uint32(len(e.Name)))
+				b = append(append(b, e.Name...), e.Description...)
+				if err := c.optReply(opt, repServer, b); err != nil {
+					return false, err
+				}
+			}
+			if err := c.optReply(opt, repAck, nil); err != nil {
+				return false, err
+			}
+		case optInfo, optGo:
+			done, err := c.infoGo(opt, data)
+			if err != nil || done {
+				return done, err
+			}
+		default: // STARTTLS, STRUCTURED_REPLY, meta contexts, extended headers, ...
+			if err := c.optReply(opt, repErrUnsup, nil); err != nil {
+				return false, err
+			}
+		}
+	}
+}
+
+func (c *conn) tflags() uint16 {
+	f := uint16(tflagHasFlags | tflagSendFlush | tflagSendFUA | tflagCanMultiConn)
+	if c.exp.ReadOnly {
+		f |= tflagReadOnly
+	} else {
+		f |= tflagSendTrim | tflagWriteZeroes
+	}
+	return f
+}
+
+// infoGo answers NBD_OPT_INFO and NBD_OPT_GO; done is true when GO chose an export.
+func (c *conn) infoGo(opt uint32, data []byte) (bool, error) {
+	be := binary.BigEndian
+	if len(data) < 6 {
+		return false, c.optReply(opt, repErrInval, nil)
+	}
+	nl := int(be.Uint32(data))
+	if nl > len(data)-6 {
+		return false, c.optReply(opt, repErrInval, nil)
+	}
+	name := string(data[4 : 4+nl])
+	nreq := int(be.Uint16(data[4+nl:]))
+	if len(data) != 6+nl+2*nreq {
+		return false, c.optReply(opt, repErrInval, nil)
+	}
+	e, ok := c.s.lookup(name)
+	if !ok {
+		return false, c.optReply(opt, repErrUnknwn, []byte("no such export"))
+	}
+	reqs := map[uint16]bool{}
+	for i := 0; i < nreq; i++ {
+		reqs[be.Uint16(data[6+nl+2*i:])] = true
+	}
+	prev := c.exp
+	c.exp = e
+	b := be.AppendUint16(nil, infoExport)
+	b = be.AppendUint64(b, uint64(e.Dev.Size()))
+	b = be.AppendUint16(b, c.tflags())
+	if err := c.optReply(opt, repInfo, b); err != nil {
+		return false, err
+	}
+	if reqs[infoName] {
+		if err := c.optReply(opt, repInfo, append(be.AppendUint16(nil, infoName), e.Name...)); err != nil {
+			return false, err
+		}
+	}
+	if reqs[infoDescription] && e.Description != "" {
+		if err := c.optReply(opt, repInfo, append(be.AppendUint16(nil, infoDescription), e.Description...)); err != nil {
+			return false, err
+		}
+	}
+	bs := uint32(e.Dev.BlockSize())
+	b = be.AppendUint16(nil, infoBlockSize)
+	b = be.AppendUint32(b, bs)
+	b = be.AppendUint32(b, max(bs, 4096))
+	b = be.AppendUint32(b, MaxRequest)
+	if err := c.optReply(opt, repInfo, b); err != nil {
+		return false, err
+	}
+	if err := c.optReply(opt, repAck, nil); err != nil {
+		return false, err
+	}
+	if opt == optInfo {
+		c.exp = prev
+		return false, nil
+	}
+	return true, nil
+}
+
+func (c *conn) optReply(opt, typ uint32, data []byte) error {
+	b := make([]byte, 20, 20+len(data))
+	binary.BigEndian.PutUint64(b, optReplyMagic)
+	binary.BigEndian.PutUint32(b[8:], opt)
+	binary.BigEndian.PutUint32(b[12:], typ)
+	binary.BigEndian.PutUint32(b[16:], uint32(len(data)))
+	_, err := c.c.Write(append(b, data...))
+	return err
+}
+
+// transmit reads requests and serves up to MaxInflight of them at once; replies go out as
+// they complete, in any order (clients match them by cookie).
+func (c *conn) transmit() error {
+	sem := make(chan struct{}, c.s.opts.MaxInflight)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	var hdr [requestSize]byte
+	for {
+		if _, err := io.ReadFull(c.r, hdr[:]); err != nil {
+			return err
+		}
+		req, err := DecodeRequest(hdr[:])
+		if err != nil {
+			return err
+		}
+		var payload []byte
+		if req.Type == CmdWrite {
+			if req.Length > MaxRequest {
+				return fmt.Errorf("nbd: write of %d bytes", req.Length)
+			}
+			payload = getBuf(int(req.Length))
+			if _, err := io.ReadFull(c.r, payload); err != nil {
+				putBuf(payload)
+				return err
+			}
+		}
+		if req.Type == CmdDisc {
+			return nil // the deferred Wait lets the requests in flight answer first
+		}
+		select {
+		case sem <- struct{}{}:
+		case <-c.s.ctx.Done():
+			putBuf(payload)
+			return c.s.ctx.Err()
+		}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			c.serve(req, payload)
+		}()
+	}
+}
+
+func (c *conn) serve(req Request, payload []byte) {
+	ctx := c.s.ctx
+	d := c.exp.Dev
+	var data []byte
+	err := c.check(req)
+	if err == nil {
+		fua := req.Flags&CmdFlagFUA != 0
+		off, n := int64(req.Offset), int64(req.Length)
+		switch req.Type {
+		case CmdRead:
+			data = getBuf(int(n))
+			if err = d.ReadAtContext(ctx, data, off); err != nil {
+				putBuf(data)
+				data = nil
+			}
+		case CmdWrite:
+			err = d.WriteAtContext(ctx, payload, off, fua)
+		case CmdFlush:
+			err = d.Flush(ctx)
+		case CmdTrim:
+			if err = d.Discard(ctx, off, n); err == nil && fua {
+				err = d.Flush(ctx)
+			}
+		case CmdWriteZeroes:
+			if err = d.WriteZeroes(ctx, off, n); err == nil && fua {
+				err = d.Flush(ctx)
+			}
+		}
+	}
+	putBuf(payload)
+	c.reply(req.Cookie, err, data)
+	putBuf(data)
+}
+
+// check refuses what the export cannot take: unknown commands, writes to a read-only export,
+// ranges outside the device or not in whole blocks, oversized reads.
+func (c *conn) check(req Request) error {
+	switch req.Type {
+	case CmdRead, CmdWrite, CmdTrim, CmdWriteZeroes:
+	case CmdFlush:
+		return nil
+	default:
+		return fmt.Errorf("nbd: command %d: %w", req.Type, syscall.EINVAL)
+	}
+	if req.Type != CmdRead && c.exp.ReadOnly {
+		return syscall.EPERM
+	}
+	if req.Type == CmdRead && req.Length > MaxRequest {
+		return syscall.EINVAL
+	}
+	bs := uint64(c.exp.Dev.BlockSize())
+	end := req.Offset + uint64(req.Length)
+	if end < req.Offset || end > uint64(c.exp.Dev.Size()) {
+		if req.Type == CmdWrite || req.Type == CmdWriteZeroes {
+			return syscall.ENOSPC
+		}
+		return syscall.EINVAL
+	}
+	if req.Offset%bs != 0 || uint64(req.Length)%bs != 0 {
+		return syscall.EINVAL
+	}
+	return nil
+}
+
+// reply sends a simple reply, with the read data on success.
+func (c *conn) reply(cookie uint64, err error, data []byte) {
+	var h [replySize]byte
+	binary.BigEndian.PutUint32(h[0:], simpleReplyMagic)
+	if err != nil {
+		binary.BigEndian.PutUint32(h[4:], wireError(err))
+		data = nil
+	}
+	binary.BigEndian.PutUint64(h[8:], cookie)
+	bufs := net.Buffers{h[:]}
+	if len(data) > 0 {
+		bufs = append(bufs, data)
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.werr != nil {
+		return
+	}
+	if _, c.werr = bufs.WriteTo(c.c); c.werr != nil {
+		c.c.Close() // the reader sees it and the connection ends
+	}
+}
+
+// Buffers by power-of-two size class, 4 KiB to MaxRequest.
+var bufPools [14]sync.Pool
+
+func class(n int) int {
+	c := 0
+	for s := 4096; s < n; s <<= 1 {
+		c++
+	}
+	return c
+}
+
+func getBuf(n int) []byte {
+	if n == 0 {
+		return nil
+	}
+	c := class(n)
+	if b, ok := bufPools[c].Get().(*[]byte); ok {
+		return (*b)[:n]
+	}
+	return make([]byte, n, 4096<<c)
+}
+
+func putBuf(b []byte) {
+	if cap(b) < 4096 || cap(b)&(cap(b)-1) != 0 || cap(b) > MaxRequest {
+		return
+	}
+	b = b[:cap(b)]
+	bufPools[class(cap(b))].Put(&b)
+}

@@ -1,0 +1,410 @@
+package nbd
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/log"
+)
+
+func TestMain(m *testing.M) {
+	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
+		panic(err)
+	}
+	os.Exit(m.Run())
+}
+
+// memDev is a Device in memory that counts flushes.
+type memDev struct {
+	mu      sync.Mutex
+	b       []byte
+	flushes int
+	fua     int
+}
+
+func (m *memDev) Size() int64    { return int64(len(m.b)) }
+func (m *memDev) BlockSize() int { return 512 }
+func (m *memDev) ReadAtContext(_ context.Context, p []byte, off int64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	copy(p, m.b[off:])
+	return nil
+}
+func (m *memDev) WriteAtContext(_ context.Context, p []byte, off int64, fua bool) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	copy(m.b[off:], p)
+	if fua {
+		m.fua++
+	}
+	return nil
+}
+func (m *memDev) Flush(context.Context) error { m.mu.Lock(); m.flushes++; m.mu.Unlock(); return nil }
+func (m *memDev) Discard(_ context.Context, off, n int64) error {
+	return m.WriteZeroes(context.Background(), off, n)
+}
+func (m *memDev) WriteZeroes(_ context.Context, off, n int64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	clear(m.b[off : off+n])
+	return nil
+}
+
+// client is a minimal NBD client for tests: handshake with GO, then requests.
+type client struct {
+	t     testing.TB
+	c     net.Conn
+	size  uint64
+	flags uint16
+}
+
+func readOptReply(t testing.TB, c net.Conn) (opt, typ uint32, data []byte) {
+	t.Helper()
+	var h [20]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		t.Fatal(err)
+	}
+	if binary.BigEndian.Uint64(h[:]) != optReplyMagic {
+		t.Fatalf("option reply magic %x", h[:8])
+	}
+	data = make([]byte, binary.BigEndian.Uint32(h[16:]))
+	if _, err := io.ReadFull(c, data); err != nil {
+		t.Fatal(err)
+	}
+	return binary.BigEndian.Uint32(h[8:]), binary.BigEndian.Uint32(h[12:]), data
+}
+
+func sendOpt(t testing.TB, c net.Conn, opt uint32, data []byte) {
+	t.Helper()
+	b := binary.BigEndian.AppendUint64(nil, optMagic)
+	b = binary.BigEndian.AppendUint32(b, opt)
+	b = binary.BigEndian.AppendUint32(b, uint32(len(data)))
+	if _, err := c.Write(append(b, data...)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func hello(t testing.TB, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("unix", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	var h [18]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		t.Fatal(err)
+	}
+	if binary.BigEndian.Uint64(h[:]) != nbdMagic || binary.BigEndian.Uint64(h[8:]) != optMagic ||
+		binary.BigEndian.Uint16(h[16:]) != flagFixedNewstyle|flagNoZeroes {
+		t.Fatalf("greeting %x", h)
+	}
+	if _, err := c.Write([]byte{0, 0, 0, flagFixedNewstyle | flagNoZeroes}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func goData(name string, infos ...uint16) []byte {
+	b := binary.BigEndian.AppendUint32(nil, uint32(len(name)))
+	b = append(b, name...)
+	b = binary.BigEndian.AppendUint16(b, uint16(len(infos)))
+	for _, i := range infos {
+		b = binary.BigEndian.AppendUint16(b, i)
+	}
+	return b
+}
+
+func dial(t testing.TB, addr, name string) *client {
+	t.Helper()
+	c := hello(t, addr)
+	sendOpt(t, c, optGo, goData(name, infoBlockSize))
+	cl := &client{t: t, c: c}
+	for {
+		_, typ, data := readOptReply(t, c)
+		if typ == repAck {
+			return cl
+		}
+		if typ != repInfo {
+			t.Fatalf("GO %q: reply %#x %q", name, typ, data)
+		}
+		if binary.BigEndian.Uint16(data) == infoExport {
+			cl.size, cl.flags = binary.BigEndian.Uint64(data[2:]), binary.BigEndian.Uint16(data[10:])
+		}
+	}
+}
+
+func (cl *client) send(r Request, payload []byte) {
+	b := make([]byte, requestSize, requestSize+len(payload))
+	r.Put(b)
+	if _, err := cl.c.Write(append(b, payload...)); err != nil {
+		cl.t.Fatal(err)
+	}
+}
+
+// recv reads one simple reply; n is the read payload to take on success.
+func (cl *client) recv(n int) (cookie uint64, errno uint32, data []byte) {
+	var h [replySize]byte
+	if _, err := io.ReadFull(cl.c, h[:]); err != nil {
+		cl.t.Fatal(err)
+	}
+	if binary.BigEndian.Uint32(h[:]) != simpleReplyMagic {
+		cl.t.Fatalf("reply magic %x", h[:4])
+	}
+	errno, cookie = binary.BigEndian.Uint32(h[4:]), binary.BigEndian.Uint64(h[8:])
+	if errno == 0 && n > 0 {
+		data = make([]byte, n)
+		if _, err := io.ReadFull(cl.c, data); err != nil {
+			cl.t.Fatal(err)
+		}
+	}
+	return cookie, errno, data
+}
+
+func startServer(t testing.TB, exps ...Export) string {
+	t.Helper()
+	sock := t.TempDir() + "/nbd.sock"
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewServer(Options{Exports: func() []Export { return exps }})
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ln) }()
+	t.Cleanup(func() {
+		s.Close()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return sock
+}
+
+func TestHandshakeOptions(t *testing.T) {
+	leakcheck.Check(t)
+	dev := &memDev{b: make([]byte, 1<<20)}
+	sock := startServer(t, Export{Name: "a", Description: "first", Dev: dev}, Export{Name: "b", Dev: dev, ReadOnly: true})
+	c := hello(t, sock)
+	sendOpt(t, c, optList, nil)
+	var names []string
+	for {
+		_, typ, data := readOptReply(t, c)
+		if typ == repAck {
+			break
+		}
+		if typ != repServer {
+			t.Fatalf("LIST reply %#x", typ)
+		}
+		n := binary.BigEndian.Uint32(data)
+		names = append(names, string(data[4:4+n])+"|"+string(data[4+n:]))
+	}
+	if got := names; len(got) != 2 || got[0] != "a|first" || got[1] != "b|" {
+		t.Fatalf("LIST %q", got)
+	}
+	for _, tc := range []struct {
+		opt  uint32
+		data []byte
+		want uint32
+	}{
+		{optInfo, goData("nope"), repErrUnknwn},
+		{optInfo, []byte{0, 0, 0, 9, 'a'}, repErrInval}, // name longer than the option
+		{optInfo, append(goData("a"), 0), repErrInval},  // trailing byte
+		{optList, []byte{1}, repErrInval},               // LIST takes no data
+		{optStructuredRepl, nil, repErrUnsup},           // simple replies only
+		{optStartTLS, nil, repErrUnsup},
+		{99, []byte("x"), repErrUnsup},
+	} {
+		sendOpt(t, c, tc.opt, tc.data)
+		if _, typ, _ := readOptReply(t, c); typ != tc.want {
+			t.Errorf("option %d %x: reply %#x, want %#x", tc.opt, tc.data, typ, tc.want)
+		}
+	}
+	// INFO on b: read-only, no trim; the block sizes.
+	sendOpt(t, c, optInfo, goData("b", infoName, infoBlockSize))
+	seen := map[uint16][]byte{}
+	for {
+		_, typ, data := readOptReply(t, c)
+		if typ == repAck {
+			break
+		}
+		seen[binary.BigEndian.Uint16(data)] = data[2:]
+	}
+	if f := binary.BigEndian.Uint16(seen[infoExport][8:]); f&tflagReadOnly == 0 || f&tflagSendTrim != 0 {
+		t.Errorf("flags of a read-only export %#x", f)
+	}
+	if string(seen[infoName]) != "b" {
+		t.Errorf("name %q", seen[infoName])
+	}
+	if bs := seen[infoBlockSize]; binary.BigEndian.Uint32(bs) != 512 || binary.BigEndian.Uint32(bs[8:]) != MaxRequest {
+		t.Errorf("block sizes %x", bs)
+	}
+	// A huge option ends the connection.
+	sendOpt(t, c, optInfo, make([]byte, maxOptLen+1))
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatal("connection survived a 64 KiB+1 option")
+	}
+	// Old-style NBD_OPT_EXPORT_NAME.
+	c = hello(t, sock)
+	sendOpt(t, c, optExportName, []byte("a"))
+	var h [10]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil || binary.BigEndian.Uint64(h[:]) != 1<<20 {
+		t.Fatalf("EXPORT_NAME reply %x %v", h, err)
+	}
+}
+
+func TestTransmission(t *testing.T) {
+	leakcheck.Check(t)
+	dev := &memDev{b: make([]byte, 1<<20)}
+	sock := startServer(t, Export{Name: "d", Dev: dev}, Export{Name: "ro", Dev: dev, ReadOnly: true})
+	cl := dial(t, sock, "d")
+	if cl.size != 1<<20 || cl.flags&(tflagSendFlush|tflagSendFUA|tflagSendTrim|tflagWriteZeroes|tflagCanMultiConn) == 0 {
+		t.Fatalf("size %d flags %#x", cl.size, cl.flags)
+	}
+	// Pipeline 64 writes, then 64 reads, and match replies by cookie.
+	for i := 0; i < 64; i++ {
+		cl.send(Request{Type: CmdWrite, Cookie: uint64(i), Offset: uint64(i) * 4096, Length: 4096}, bytes.Repeat([]byte{byte(i)}, 4096))
+	}
+	got := map[uint64]bool{}
+	for i := 0; i < 64; i++ {
+		ck, e, _ := cl.recv(0)
+		if e != 0 || got[ck] {
+			t.Fatalf("write reply %d errno %d", ck, e)
+		}
+		got[ck] = true
+	}
+	for i := 0; i < 64; i++ {
+		cl.send(Request{Type: CmdRead, Cookie: 1000 + uint64(i), Offset: uint64(i) * 4096, Length: 4096}, nil)
+		ck, e, data := cl.recv(4096)
+		if e != 0 || ck != 1000+uint64(i) || !bytes.Equal(data, bytes.Repeat([]byte{byte(i)}, 4096)) {
+			t.Fatalf("read %d: errno %d", i, e)
+		}
+	}
+	cl.send(Request{Type: CmdWrite, Flags: CmdFlagFUA, Cookie: 1, Length: 512}, make([]byte, 512))
+	cl.recv(0)
+	cl.send(Request{Type: CmdFlush, Cookie: 2}, nil)
+	cl.recv(0)
+	cl.send(Request{Type: CmdTrim, Cookie: 3, Offset: 4096, Length: 4096}, nil)
+	cl.recv(0)
+	dev.mu.Lock()
+	if dev.fua != 1 || dev.flushes != 1 || dev.b[4096] != 0 || dev.b[8192] != 2 {
+		t.Errorf("fua %d flushes %d trimmed %d next %d", dev.fua, dev.flushes, dev.b[4096], dev.b[8192])
+	}
+	dev.mu.Unlock()
+	for _, tc := range []struct {
+		r    Request
+		want uint32
+	}{
+		{Request{Type: CmdRead, Offset: 1<<20 - 512, Length: 1024}, errInval},
+		{Request{Type: CmdRead, Offset: 1, Length: 512}, errInval},
+		{Request{Type: CmdRead, Offset: 1 << 63, Length: 1 << 31}, errInval},
+		{Request{Type: CmdRead, Length: MaxRequest + 1}, errInval},
+		{Request{Type: CmdWriteZeroes, Offset: 1 << 20, Length: 512}, errNoSpc},
+		{Request{Type: CmdCache, Length: 512}, errInval},
+		{Request{Type: CmdBlockStatus, Length: 512}, errInval},
+		{Request{Type: 77}, errInval},
+	} {
+		tc.r.Cookie = 42
+		cl.send(tc.r, nil)
+		if ck, e, _ := cl.recv(0); ck != 42 || e != tc.want {
+			t.Errorf("%+v: errno %d, want %d", tc.r, e, tc.want)
+		}
+	}
+	ro := dial(t, sock, "ro")
+	ro.send(Request{Type: CmdWrite, Cookie: 5, Length: 512}, make([]byte, 512))
+	if _, e, _ := ro.recv(0); e != errPerm {
+		t.Errorf("write to read-only: %d", e)
+	}
+	// DISC: the server closes after answering what is in flight.
+	cl.send(Request{Type: CmdRead, Cookie: 9, Length: 512}, nil)
+	cl.send(Request{Type: CmdDisc}, nil)
+	if ck, e, _ := cl.recv(512); ck != 9 || e != 0 {
+		t.Fatalf("read before DISC: %d %d", ck, e)
+	}
+	if _, err := cl.c.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("after DISC: %v", err)
+	}
+	// A bad magic ends the connection.
+	bad := dial(t, sock, "d")
+	if _, err := bad.c.Write(make([]byte, requestSize)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bad.c.Read(make([]byte, 1)); err == nil {
+		t.Fatal("connection survived a bad magic")
+	}
+}
+
+func TestWireErrors(t *testing.T) {
+	for err, want := range map[error]uint32{
+		syscall.EROFS: errPerm, syscall.ENOSPC: errNoSpc, syscall.ENODEV: errIO,
+		io.ErrUnexpectedEOF: errIO, syscall.EOPNOTSUPP: errNotSup, syscall.ENOMEM: errNoMem,
+		syscall.EOVERFLOW: errOverflow, syscall.ESHUTDOWN: errShutdown,
+	} {
+		if got := wireError(err); got != want {
+			t.Errorf("%v → %d, want %d", err, got, want)
+		}
+	}
+}
+
+// FuzzRequest decodes arbitrary request headers: no panic, and what decodes re-encodes.
+func FuzzRequest(f *testing.F) {
+	b := make([]byte, requestSize)
+	Request{Type: CmdWrite, Flags: CmdFlagFUA, Cookie: 7, Offset: 4096, Length: 512}.Put(b)
+	f.Add(b)
+	f.Add(make([]byte, 10))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := DecodeRequest(b)
+		if err != nil {
+			return
+		}
+		out := make([]byte, requestSize)
+		r.Put(out)
+		if !bytes.Equal(out, b[:requestSize]) {
+			t.Fatalf("%x → %+v → %x", b[:requestSize], r, out)
+		}
+	})
+}
+
+// FuzzSession feeds an arbitrary client byte stream to a live server connection: whatever
+// it sends, the server answers or hangs up, and never panics or touches memory outside the
+// export.
+func FuzzSession(f *testing.F) {
+	var seed []byte
+	seed = append(seed, 0, 0, 0, 3)
+	seed = binary.BigEndian.AppendUint64(seed, optMagic)
+	seed = binary.BigEndian.AppendUint32(seed, optGo)
+	g := goData("d")
+	seed = binary.BigEndian.AppendUint32(seed, uint32(len(g)))
+	seed = append(seed, g...)
+	req := make([]byte, requestSize)
+	Request{Type: CmdWrite, Cookie: 1, Offset: 512, Length: 512}.Put(req)
+	seed = append(append(seed, req...), make([]byte, 512)...)
+	Request{Type: CmdRead, Cookie: 2, Offset: 0, Length: 4096}.Put(req)
+	f.Add(append(seed, req...))
+	f.Fuzz(func(t *testing.T, in []byte) {
+		dev := &memDev{b: make([]byte, 64<<10)}
+		s := NewServer(Options{Exports: func() []Export { return []Export{{Name: "d", Dev: dev}} }, HandshakeTimeout: time.Second})
+		a, b := net.Pipe()
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			s.serveConn(a)
+			a.Close()
+		}()
+		go func() { _, _ = io.Copy(io.Discard, b) }()
+		_ = b.SetWriteDeadline(time.Now().Add(2 * time.Second))
+		_, _ = b.Write(in)
+		b.Close()
+		<-done
+		s.Close()
+	})
+}
