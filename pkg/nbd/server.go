@@ -147,7 +147,17 @@ type conn struct {
 	r   *bufio.Reader
 	exp Export
 
-	wmu  sync.Mutex // replies
+	inflight sync.WaitGroup // requests read and not yet answered
+	sem      chan struct{}  // one slot per request in flight
+
+	qmu     sync.Mutex // the reply queue
+	pending []pendingReply
+	spare   []pendingReply
+	writing bool
+
+	// The writer's (one at a time, under writing).
+	hdrs []byte
+	bufs net.Buffers
 	werr error
 }
 
@@ -330,12 +340,28 @@ func (c *conn) optReply(opt, typ uint32, data []byte) error {
 	return err
 }
 
+// AsyncDevice is a Device that can also start reads and writes without a goroutine per
+// request; done is called once, from any goroutine, and must not block.
+type AsyncDevice interface {
+	ReadAsync(ctx context.Context, p []byte, off int64, done func(error))
+	WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error))
+}
+
+// pendingReply is a reply waiting for the writer, with the buffers to recycle after it.
+type pendingReply struct {
+	cookie  uint64
+	err     error
+	data    []byte // READ data to send
+	payload []byte // WRITE payload to recycle
+}
+
 // transmit reads requests and serves up to MaxInflight of them at once; replies go out as
-// they complete, in any order (clients match them by cookie).
+// they complete, in any order (clients match them by cookie), gathered by one writer.
 func (c *conn) transmit() error {
-	sem := make(chan struct{}, c.s.opts.MaxInflight)
-	var wg sync.WaitGroup
-	defer wg.Wait()
+	c.sem = make(chan struct{}, c.s.opts.MaxInflight)
+	sem := c.sem
+	defer c.inflight.Wait() // every request answered (or dropped with the connection)
+	async, _ := c.exp.Dev.(AsyncDevice)
 	var hdr [requestSize]byte
 	for {
 		if _, err := io.ReadFull(c.r, hdr[:]); err != nil {
@@ -365,46 +391,56 @@ func (c *conn) transmit() error {
 			putBuf(payload)
 			return c.s.ctx.Err()
 		}
-		wg.Add(1)
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			c.serve(req, payload)
-		}()
+		c.inflight.Add(1)
+		if err := c.check(req); err != nil {
+			c.queue(pendingReply{cookie: req.Cookie, err: err, payload: payload})
+			continue
+		}
+		off, fua := int64(req.Offset), req.Flags&CmdFlagFUA != 0
+		switch {
+		case async != nil && req.Type == CmdRead:
+			data := getBuf(int(req.Length))
+			cookie := req.Cookie
+			async.ReadAsync(c.s.ctx, data, off, func(err error) {
+				c.queue(pendingReply{cookie: cookie, err: err, data: data})
+			})
+		case async != nil && req.Type == CmdWrite:
+			cookie := req.Cookie
+			async.WriteAsync(c.s.ctx, payload, off, fua, func(err error) {
+				c.queue(pendingReply{cookie: cookie, err: err, payload: payload})
+			})
+		default:
+			go c.serve(req, payload)
+		}
 	}
 }
 
+// serve runs one request synchronously and queues its reply.
 func (c *conn) serve(req Request, payload []byte) {
 	ctx := c.s.ctx
 	d := c.exp.Dev
 	var data []byte
-	err := c.check(req)
-	if err == nil {
-		fua := req.Flags&CmdFlagFUA != 0
-		off, n := int64(req.Offset), int64(req.Length)
-		switch req.Type {
-		case CmdRead:
-			data = getBuf(int(n))
-			if err = d.ReadAtContext(ctx, data, off); err != nil {
-				putBuf(data)
-				data = nil
-			}
-		case CmdWrite:
-			err = d.WriteAtContext(ctx, payload, off, fua)
-		case CmdFlush:
+	fua := req.Flags&CmdFlagFUA != 0
+	off, n := int64(req.Offset), int64(req.Length)
+	var err error
+	switch req.Type {
+	case CmdRead:
+		data = getBuf(int(n))
+		err = d.ReadAtContext(ctx, data, off)
+	case CmdWrite:
+		err = d.WriteAtContext(ctx, payload, off, fua)
+	case CmdFlush:
+		err = d.Flush(ctx)
+	case CmdTrim:
+		if err = d.Discard(ctx, off, n); err == nil && fua {
 			err = d.Flush(ctx)
-		case CmdTrim:
-			if err = d.Discard(ctx, off, n); err == nil && fua {
-				err = d.Flush(ctx)
-			}
-		case CmdWriteZeroes:
-			if err = d.WriteZeroes(ctx, off, n); err == nil && fua {
-				err = d.Flush(ctx)
-			}
+		}
+	case CmdWriteZeroes:
+		if err = d.WriteZeroes(ctx, off, n); err == nil && fua {
+			err = d.Flush(ctx)
 		}
 	}
-	putBuf(payload)
-	c.reply(req.Cookie, err, data)
-	putBuf(data)
+	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload})
 }
 
 // check refuses what the export cannot take: unknown commands, writes to a read-only export,
@@ -437,26 +473,64 @@ func (c *conn) check(req Request) error {
 	return nil
 }
 
-// reply sends a simple reply, with the read data on success.
-func (c *conn) reply(cookie uint64, err error, data []byte) {
-	var h [replySize]byte
-	binary.BigEndian.PutUint32(h[0:], simpleReplyMagic)
-	if err != nil {
-		binary.BigEndian.PutUint32(h[4:], wireError(err))
-		data = nil
-	}
-	binary.BigEndian.PutUint64(h[8:], cookie)
-	bufs := net.Buffers{h[:]}
-	if len(data) > 0 {
-		bufs = append(bufs, data)
-	}
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	if c.werr != nil {
+// queue hands a reply over; it never waits for another reply's write. Whoever finds no
+// write in progress becomes the writer and sends what has gathered, batch after batch, so
+// a lone completion goes out from its own goroutine with no hand-off.
+func (c *conn) queue(r pendingReply) {
+	c.qmu.Lock()
+	c.pending = append(c.pending, r)
+	if c.writing {
+		c.qmu.Unlock()
 		return
 	}
-	if _, c.werr = bufs.WriteTo(c.c); c.werr != nil {
-		c.c.Close() // the reader sees it and the connection ends
+	c.writing = true
+	for {
+		batch := c.pending
+		c.pending = c.spare[:0]
+		c.qmu.Unlock()
+		c.write(batch)
+		c.qmu.Lock()
+		c.spare = batch[:0]
+		if len(c.pending) == 0 {
+			c.writing = false
+			c.qmu.Unlock()
+			return
+		}
+	}
+}
+
+// write sends a batch of replies in one writev; after a failed write the connection is
+// closed and the rest are dropped. Either way the requests are done.
+func (c *conn) write(batch []pendingReply) {
+	hdrs, bufs := c.hdrs[:0], c.bufs[:0]
+	for i := range batch {
+		r := &batch[i]
+		var e uint32
+		if r.err != nil {
+			e = wireError(r.err)
+		}
+		hdrs = binary.BigEndian.AppendUint32(hdrs, simpleReplyMagic)
+		hdrs = binary.BigEndian.AppendUint32(hdrs, e)
+		hdrs = binary.BigEndian.AppendUint64(hdrs, r.cookie)
+	}
+	for i := range batch {
+		bufs = append(bufs, hdrs[i*replySize:(i+1)*replySize])
+		if batch[i].err == nil && len(batch[i].data) > 0 {
+			bufs = append(bufs, batch[i].data)
+		}
+	}
+	c.hdrs, c.bufs = hdrs, bufs[:0]
+	if c.werr == nil {
+		if _, c.werr = bufs.WriteTo(c.c); c.werr != nil {
+			c.c.Close() // the reader sees it and the connection ends
+		}
+	}
+	for i := range batch {
+		putBuf(batch[i].data)
+		putBuf(batch[i].payload)
+		batch[i] = pendingReply{}
+		<-c.sem
+		c.inflight.Done()
 	}
 }
 

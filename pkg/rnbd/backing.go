@@ -97,12 +97,26 @@ func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
 	return nil
 }
 
-// readAt fills p from off; a short read means the device shrank under us: EIO.
-func (b *backing) readAt(p []byte, off int64) error {
+// errWouldBlock: a nowait attempt found the data not in the page cache (or the write
+// would wait); the operation must run again, from the start, where blocking is fine.
+var errWouldBlock = errors.New("rnbd: would block")
+
+// readAt fills p from off; a short read means the device shrank under us: EIO. With nowait
+// it takes only what the page cache has (RWF_NOWAIT).
+func (b *backing) readAt(p []byte, off int64, nowait bool) error {
+	var iov [1][]byte
+	flags := 0
+	if nowait {
+		flags = unix.RWF_NOWAIT
+	}
 	for len(p) > 0 {
-		n, err := unix.Pread(b.fd, p, off)
+		iov[0] = p
+		n, err := unix.Preadv2(b.fd, iov[:], off, flags)
 		if err == unix.EINTR {
 			continue
+		}
+		if nowait && (err == unix.EAGAIN || err == unix.EOPNOTSUPP) {
+			return errWouldBlock
 		}
 		if err != nil {
 			return err
@@ -115,16 +129,25 @@ func (b *backing) readAt(p []byte, off int64) error {
 	return nil
 }
 
-// writeAt writes p at off; fua makes each write durable before it returns (RWF_DSYNC).
-func (b *backing) writeAt(p []byte, off int64, fua bool) error {
+// writeAt writes p at off; fua makes each write durable before it returns (RWF_DSYNC);
+// nowait gives up where the write would wait (RWF_NOWAIT).
+func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
+	var iov [1][]byte
 	flags := 0
 	if fua {
-		flags = unix.RWF_DSYNC
+		flags |= unix.RWF_DSYNC
+	}
+	if nowait {
+		flags |= unix.RWF_NOWAIT
 	}
 	for len(p) > 0 {
-		n, err := unix.Pwritev2(b.fd, [][]byte{p}, off, flags)
+		iov[0] = p
+		n, err := unix.Pwritev2(b.fd, iov[:], off, flags)
 		if err == unix.EINTR {
 			continue
+		}
+		if nowait && (err == unix.EAGAIN || err == unix.EOPNOTSUPP) {
+			return errWouldBlock
 		}
 		if err != nil {
 			return err
@@ -165,7 +188,7 @@ func (b *backing) writeZeroes(off, n int64) error {
 	zero := make([]byte, min(n, 1<<20))
 	for n > 0 {
 		k := min(n, int64(len(zero)))
-		if err := b.writeAt(zero[:k], off, false); err != nil {
+		if err := b.writeAt(zero[:k], off, false, false); err != nil {
 			return err
 		}
 		off, n = off+k, n-k

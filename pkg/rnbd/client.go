@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -501,14 +502,7 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 		}
 		// The link event may not have come yet; mark the device down so that we wait for
 		// the remap, and ask for one in case the session is up and only the id is stale.
-		d.mu.Lock()
-		if d.state == StateMapped && d.id == id {
-			d.setStateLocked(StateDisconnected)
-		}
-		d.mu.Unlock()
-		if d.sess.anyConnected() {
-			d.sess.kickRemap()
-		}
+		d.markStale(id)
 	}
 }
 
@@ -636,4 +630,114 @@ func (d *Device) WriteAt(p []byte, off int64) (int, error) {
 		return 0, err
 	}
 	return len(p), nil
+}
+
+// ioHdr is the user header of an asynchronous request: it must live until the completion.
+type ioHdr struct{ b [IOSize]byte }
+
+var hdrPool = sync.Pool{New: func() any { return new(ioHdr) }}
+
+// ReadAsync reads len(p) bytes at off and calls done once, from a transport goroutine or
+// its own; done must not block. An IO that fits one request and finds the device mapped
+// goes out from the caller's goroutine with no hand-off; anything else (splitting, waiting
+// for a reconnect, resending) runs on a goroutine of its own.
+func (d *Device) ReadAsync(ctx context.Context, p []byte, off int64, done func(error)) {
+	d.async(ctx, OpRead, 0, off, p, done)
+}
+
+// WriteAsync is ReadAsync for writes; fua makes the write durable before done.
+func (d *Device) WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error)) {
+	if d.mode == AccessRO {
+		done(fmt.Errorf("rnbd: %q is mapped ro: %w", d.path, syscall.EPERM))
+		return
+	}
+	flags := uint32(0)
+	if fua {
+		flags = FlagFUA | FlagSync
+	}
+	d.async(ctx, OpWrite, flags, off, p, done)
+}
+
+func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
+	if err := d.check(off, int64(len(p))); err != nil {
+		done(err)
+		return
+	}
+	max := d.maxIO()
+	if len(p) <= max {
+		d.asyncOne(ctx, op, flags, off, p, done)
+		return
+	}
+	// Split at the max IO size; the last piece to complete reports the first error.
+	var left atomic.Int32
+	var first atomic.Pointer[error]
+	left.Store(int32((len(p) + max - 1) / max))
+	piece := func(err error) {
+		if err != nil {
+			first.CompareAndSwap(nil, &err)
+		}
+		if left.Add(-1) == 0 {
+			if e := first.Load(); e != nil {
+				done(*e)
+			} else {
+				done(nil)
+			}
+		}
+	}
+	for o := 0; o < len(p); o += max {
+		d.asyncOne(ctx, op, flags, off+int64(o), p[o:min(o+max, len(p))], piece)
+	}
+}
+
+// asyncOne sends one request; when the device is not mapped, or the session or the id went
+// away under the request, it continues on a goroutine with the waiting, resending submit.
+func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
+	slow := func() {
+		go func() { done(d.submit(ctx, op, flags, off, len(p), p)) }()
+	}
+	d.mu.Lock()
+	st, id := d.state, d.id
+	d.mu.Unlock()
+	if st != StateMapped {
+		slow()
+		return
+	}
+	h := hdrPool.Get().(*ioHdr)
+	MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(len(p))}.Put(h.b[:])
+	dir := transport.Write
+	if op == OpRead {
+		dir = transport.Read
+	}
+	fail := func(err error) {
+		if retryable(err) && ctx.Err() == nil {
+			d.markStale(id)
+			slow()
+			return
+		}
+		done(err)
+	}
+	if err := d.sess.rtrs.Request(ctx, dir, h.b[:], p, func(err error) {
+		hdrPool.Put(h)
+		if err != nil {
+			fail(err)
+			return
+		}
+		done(nil)
+	}); err != nil {
+		hdrPool.Put(h)
+		fail(err)
+	}
+}
+
+// markStale records that IO with id found no session or an unknown id: the device waits
+// for a remap, which is asked for if the session has a path.
+func (d *Device) markStale(id uint32) {
+	d.mu.Lock()
+	if d.state == StateMapped && d.id == id {
+		d.setStateLocked(StateDisconnected)
+	}
+	d.mu.Unlock()
+	if d.sess.anyConnected() {
+		d.sess.kickRemap()
+	}
 }

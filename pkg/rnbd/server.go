@@ -149,10 +149,28 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	}
 	s.wg.Add(1)
 	s.mu.Unlock()
+	// Reads and writes the page cache can take at once are served here, in the transport's
+	// receive burst (their responses then leave in one batch); the rest block and go to a
+	// goroutine of their own.
+	if typ, _ := PeekType(r.Usr); typ == MsgTypeIO {
+		if err := s.processIO(r, true); err != errWouldBlock {
+			if err != nil {
+				s.failed(r, err)
+			}
+			s.wg.Done()
+			r.Respond(errnoOf(err))
+			return
+		}
+	}
 	go func() {
 		defer s.wg.Done()
 		r.Respond(s.process(r))
 	}()
+}
+
+func (s *Server) failed(r *transport.SrvRequest, err error) {
+	s.Stats.Errors.Inc()
+	s.log.WithField("session", r.Session().Name()).Debugf("%v", err)
 }
 
 // LinkEvent implements transport.Handler: a session whose last path went closes its devices
@@ -189,7 +207,7 @@ func (s *Server) process(r *transport.SrvRequest) int {
 	var err error
 	switch typ {
 	case MsgTypeIO:
-		err = s.processIO(r)
+		err = s.processIO(r, false)
 	case MsgTypeSessInfo:
 		err = s.processSessInfo(r)
 	case MsgTypeOpen:
@@ -200,8 +218,7 @@ func (s *Server) process(r *transport.SrvRequest) int {
 		err = fmt.Errorf("rnbd: message type %d: %w", typ, syscall.EINVAL)
 	}
 	if err != nil {
-		s.Stats.Errors.Inc()
-		s.log.WithField("session", r.Session().Name()).Debugf("%v", err)
+		s.failed(r, err)
 	}
 	return errnoOf(err)
 }
@@ -399,8 +416,9 @@ func (d *sessDev) close() {
 	}
 }
 
-// processIO checks an IO against the device and runs it on the backing file.
-func (s *Server) processIO(r *transport.SrvRequest) error {
+// processIO checks an IO against the device and runs it on the backing file. With nowait
+// only a READ or a WRITE without FUA is tried, without waiting: errWouldBlock otherwise.
+func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	var m MsgIO
 	if err := m.Unmarshal(r.Usr); err != nil {
 		return err
@@ -440,6 +458,9 @@ func (s *Server) processIO(r *transport.SrvRequest) error {
 		if m.BiSize != 0 || len(r.Data) != 0 {
 			return fmt.Errorf("rnbd: FLUSH with %d bytes: %w", m.BiSize, syscall.EINVAL)
 		}
+		if nowait {
+			return errWouldBlock
+		}
 		s.Stats.Flushes.Inc()
 		return b.flush()
 	case OpSecureErase:
@@ -459,17 +480,22 @@ func (s *Server) processIO(r *transport.SrvRequest) error {
 			op, n, m.Sector, b.size, lbs, syscall.EINVAL)
 	}
 	fua := m.RW&FlagFUA != 0
+	if nowait && (fua || (op != OpRead && op != OpWrite)) {
+		return errWouldBlock
+	}
 	var err error
 	switch op {
 	case OpRead:
-		s.Stats.Reads.Inc()
-		err = b.readAt(r.Data, int64(off))
-	case OpWrite:
-		s.Stats.Writes.Inc()
-		if fua {
-			s.Stats.FUAWrites.Inc()
+		if err = b.readAt(r.Data, int64(off), nowait); err != errWouldBlock {
+			s.Stats.Reads.Inc()
 		}
-		err = b.writeAt(r.Data, int64(off), fua)
+	case OpWrite:
+		if err = b.writeAt(r.Data, int64(off), fua, nowait); err != errWouldBlock {
+			s.Stats.Writes.Inc()
+			if fua {
+				s.Stats.FUAWrites.Inc()
+			}
+		}
 	case OpDiscard:
 		s.Stats.Discards.Inc()
 		err = b.discard(int64(off), int64(n))

@@ -265,6 +265,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 		}
 	})
 	ss.paths[m.SessUUID] = p
+	ss.live++
 	return p, 0
 }
 
@@ -278,6 +279,7 @@ type SrvSess struct {
 	name        string
 	paths       map[uuid.UUID]*SrvPath
 	established int
+	live        int // paths not closing: a session without any does not hold its name
 }
 
 // Name is the client's session name (empty until a path has sent INFO_REQ).
@@ -296,6 +298,14 @@ func (ss *SrvSess) Paths() []*SrvPath {
 		}
 	}
 	return out
+}
+
+// holdsName says whether the session still claims its name: a client that closed its session
+// and opens a new one of the same name must not be refused while the old one winds down.
+func (ss *SrvSess) holdsName() bool {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.live > 0
 }
 
 func (ss *SrvSess) pathList() []*SrvPath {
@@ -776,7 +786,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	srv, ss := p.sess.srv, p.sess
 	srv.mu.Lock()
 	for _, o := range srv.sessions {
-		if o != ss && o.Name() == m.PathName {
+		if o != ss && o.Name() == m.PathName && o.holdsName() {
 			srv.mu.Unlock()
 			p.lg().Warnf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM)
 			go p.Close()
@@ -844,6 +854,9 @@ func (p *SrvPath) Close() {
 		p.state = srvClosing
 		cons := append([]*con(nil), p.cons...)
 		p.mu.Unlock()
+		p.sess.mu.Lock()
+		p.sess.live--
+		p.sess.mu.Unlock()
 		p.zombie.Stop()
 		p.hb.halt()
 		for _, c := range cons {
