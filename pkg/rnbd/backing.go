@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -21,6 +22,11 @@ type backing struct {
 	lbs, pbs int
 	dev, ino uint64 // identity, so two names of one file are one device
 	writable bool
+	// memfs: a tmpfs or ramfs file, whose IO never waits for a device, so a nowait
+	// attempt just runs it. Otherwise noNowaitR/W record that the file system refused
+	// RWF_NOWAIT once, so that later attempts go straight to blocking.
+	memfs                bool
+	noNowaitR, noNowaitW atomic.Bool
 }
 
 // openBeneath opens name under the search path root without leaving it: leading slashes
@@ -65,6 +71,10 @@ func (b *backing) probe() error {
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		b.size, b.lbs, b.pbs = st.Size, SectorSize, 4096
+		var fs unix.Statfs_t
+		if unix.Fstatfs(b.fd, &fs) == nil {
+			b.memfs = fs.Type == unix.TMPFS_MAGIC || fs.Type == unix.RAMFS_MAGIC
+		}
 	case unix.S_IFBLK:
 		b.bdev = true
 		var sz uint64
@@ -102,11 +112,15 @@ func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
 var errWouldBlock = errors.New("rnbd: would block")
 
 // readAt fills p from off; a short read means the device shrank under us: EIO. With nowait
-// it takes only what the page cache has (RWF_NOWAIT).
+// it takes only what the page cache has (RWF_NOWAIT); a partial read then is errWouldBlock
+// too, and the blocking retry reads it all again.
 func (b *backing) readAt(p []byte, off int64, nowait bool) error {
 	var iov [1][]byte
 	flags := 0
-	if nowait {
+	if nowait && !b.memfs {
+		if b.noNowaitR.Load() {
+			return errWouldBlock
+		}
 		flags = unix.RWF_NOWAIT
 	}
 	for len(p) > 0 {
@@ -115,7 +129,10 @@ func (b *backing) readAt(p []byte, off int64, nowait bool) error {
 		if err == unix.EINTR {
 			continue
 		}
-		if nowait && (err == unix.EAGAIN || err == unix.EOPNOTSUPP) {
+		if flags&unix.RWF_NOWAIT != 0 && (err == unix.EAGAIN || err == unix.EOPNOTSUPP) {
+			if err == unix.EOPNOTSUPP {
+				b.noNowaitR.Store(true)
+			}
 			return errWouldBlock
 		}
 		if err != nil {
@@ -137,7 +154,10 @@ func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
 	if fua {
 		flags |= unix.RWF_DSYNC
 	}
-	if nowait {
+	if nowait && !b.memfs {
+		if b.noNowaitW.Load() {
+			return errWouldBlock
+		}
 		flags |= unix.RWF_NOWAIT
 	}
 	for len(p) > 0 {
@@ -146,7 +166,10 @@ func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
 		if err == unix.EINTR {
 			continue
 		}
-		if nowait && (err == unix.EAGAIN || err == unix.EOPNOTSUPP) {
+		if flags&unix.RWF_NOWAIT != 0 && (err == unix.EAGAIN || err == unix.EOPNOTSUPP) {
+			if err == unix.EOPNOTSUPP {
+				b.noNowaitW.Store(true)
+			}
 			return errWouldBlock
 		}
 		if err != nil {
