@@ -23,3 +23,5 @@ out=docs/benchmarks-soft-rdma.generated.md
 echo "wrote $out"
 bin/rtrs-bench suite -duration "$dur" >docs/benchmarks-rtrs.generated.md
 echo "wrote docs/benchmarks-rtrs.generated.md"
+bin/rtrs-bench blksuite -duration 4s -size 512M -reps 3 >docs/benchmarks-rnbd.generated.md
+echo "wrote docs/benchmarks-rnbd.generated.md"
