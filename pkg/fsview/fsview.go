@@ -1,0 +1,94 @@
+// Package fsview shows the daemons' state as sysfs-like trees over FUSE: one attribute model
+// (the kernel's show/store pairs, declared per directory type) and one go-fuse node type for
+// files, one for directories and one for block-device files.
+package fsview
+
+import (
+	"context"
+	"errors"
+	"io"
+	"os"
+	"syscall"
+	"time"
+)
+
+// Attr is one file of a directory (the kernel's DEVICE_ATTR).
+type Attr struct {
+	Name string
+	// Mode is the permission: 0444 read-only, 0644 read and write (control and reset files).
+	Mode uint32
+	// Show renders the content; it runs once per open. Action files show their usage.
+	Show func() string
+	// Store performs a write; nil makes the file read-only (write opens are refused). It gets
+	// the written text with one trailing newline removed; a returned error goes back to the
+	// writer as its errno. A store may block for as long as the daemon's own timeouts allow:
+	// FUSE interrupts do not cut it short, so an action never runs twice.
+	Store func(val string) error
+}
+
+// Block is a block device shown as a regular file of its size.
+type Block interface {
+	Size() int64
+	BlockSize() int
+	ReadAtContext(ctx context.Context, p []byte, off int64) error
+	WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error
+	Flush(ctx context.Context) error
+}
+
+// Entry is one name in a directory: a file, a subdirectory or a block device.
+type Entry struct {
+	Name  string
+	Attr  *Attr
+	Dir   Dir
+	Block Block
+}
+
+// Dir is a directory type: it lists its entries on every lookup and listing, so the tree
+// always shows the state of the moment (a removed path is gone at once).
+type Dir interface {
+	Entries() []Entry
+}
+
+// DirFunc adapts a function to Dir.
+type DirFunc func() []Entry
+
+// Entries calls f.
+func (f DirFunc) Entries() []Entry { return f() }
+
+// Errno is the one mapping from the daemons' errors to what a writer or reader sees.
+func Errno(err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	var en syscall.Errno
+	if errors.As(err, &en) {
+		return en
+	}
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		return syscall.ETIMEDOUT
+	case errors.Is(err, context.Canceled):
+		return syscall.EINTR
+	case errors.Is(err, os.ErrNotExist):
+		return syscall.ENOENT
+	case errors.Is(err, io.EOF):
+		return syscall.EIO
+	}
+	return syscall.EIO
+}
+
+// ValidName says whether a user- or peer-supplied name can be a path component.
+func ValidName(name string) bool {
+	if name == "" || name == "." || name == ".." || len(name) > 255 {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		if name[i] == '/' || name[i] == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// mountTime is the time every file shows (sysfs files show their creation time).
+var mountTime = time.Now()

@@ -1,0 +1,282 @@
+package fsview
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+)
+
+// requireFUSE skips unless this process can mount (root and /dev/fuse).
+func requireFUSE(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("FUSE mounts need root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("no /dev/fuse")
+	}
+}
+
+// mount serves root in a temp dir for the test.
+func mount(t *testing.T, root Dir) string {
+	t.Helper()
+	requireFUSE(t)
+	dir := t.TempDir()
+	srv, err := Mount(dir, root, MountOptions{Name: "fsview-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := srv.Unmount(); err != nil {
+			t.Error(err)
+		}
+		srv.Wait()
+	})
+	return dir
+}
+
+func sh(t *testing.T, script string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "bash", "-c", script).CombinedOutput()
+	return string(out), err
+}
+
+// testTree: a value file, a read-only file, an action that removes its own directory, and
+// a store that blocks for a while.
+type testTree struct {
+	mu      sync.Mutex
+	value   int
+	removed bool
+	stores  int
+}
+
+func (tt *testTree) Entries() []Entry {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	out := []Entry{
+		{Name: "value", Attr: &Attr{Name: "value", Mode: 0o644,
+			Show: func() string { tt.mu.Lock(); defer tt.mu.Unlock(); return fmt.Sprintf("%d\n", tt.value) },
+			Store: func(v string) error {
+				var n int
+				if _, err := fmt.Sscanf(v, "%d", &n); err != nil || fmt.Sprint(n) != v {
+					return syscall.EINVAL
+				}
+				tt.mu.Lock()
+				tt.value = n
+				tt.stores++
+				tt.mu.Unlock()
+				return nil
+			}}},
+		{Name: "ro", Attr: &Attr{Name: "ro", Mode: 0o444, Show: func() string { return "fixed\n" }}},
+		{Name: "slow", Attr: &Attr{Name: "slow", Mode: 0o644, Show: func() string { return "Usage: echo 1 > slow\n" },
+			Store: func(v string) error {
+				time.Sleep(300 * time.Millisecond)
+				tt.mu.Lock()
+				tt.stores++
+				tt.mu.Unlock()
+				return nil
+			}}},
+	}
+	if !tt.removed {
+		out = append(out, Entry{Name: "sub", Dir: DirFunc(func() []Entry {
+			return []Entry{{Name: "remove", Attr: &Attr{Name: "remove", Mode: 0o644,
+				Show: func() string { return "Usage: echo 1 > remove\n" },
+				Store: func(v string) error {
+					if v != "1" {
+						return syscall.EINVAL
+					}
+					tt.mu.Lock()
+					tt.removed = true
+					tt.mu.Unlock()
+					return nil
+				}}}}
+		})})
+	}
+	return out
+}
+
+func TestAttrRules(t *testing.T) {
+	leakcheck.Check(t)
+	tt := &testTree{}
+	dir := mount(t, tt)
+	v := filepath.Join(dir, "value")
+	for _, tc := range []struct{ script, want string }{
+		{"cat " + v, "0\n"},
+		{"echo 42 > " + v + " && cat " + v, "42\n"},
+		{"printf 7 > " + v + " && cat " + v, "7\n"}, // no newline
+		{"printf '8\\n' >> " + v + " && cat " + v, "8\n"}, // append: the offset is ignored
+		{"cat " + filepath.Join(dir, "ro"), "fixed\n"},
+		{"stat -c '%s %a %F' " + v, "4096 644 regular file\n"},
+		{"stat -c '%s %a' " + filepath.Join(dir, "ro"), "4096 444\n"},
+		{"ls " + dir, "ro\nslow\nsub\nvalue\n"},
+	} {
+		if got, err := sh(t, tc.script); err != nil || got != tc.want {
+			t.Errorf("%s: %q %v, want %q", tc.script, got, err, tc.want)
+		}
+	}
+	// Bad input: the errno reaches echo, the value stays.
+	out, err := sh(t, "echo 12x > "+v)
+	if err == nil || !strings.Contains(out, "Invalid argument") {
+		t.Errorf("bad write: %q %v", out, err)
+	}
+	if got, _ := sh(t, "cat "+v); got != "8\n" {
+		t.Errorf("value after a bad write %q", got)
+	}
+	// Only one trailing newline is stripped.
+	if err := os.WriteFile(v, []byte("9\n\n"), 0); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("two newlines: %v", err)
+	}
+	// Read-only files refuse write opens.
+	if _, err := os.OpenFile(filepath.Join(dir, "ro"), os.O_WRONLY, 0); !errors.Is(err, syscall.EACCES) {
+		t.Errorf("write open of a read-only file: %v", err)
+	}
+	// Each open renders anew; an open file keeps its snapshot.
+	f, err := os.Open(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sh(t, "echo 5 > "+v); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 16)
+	n, _ := f.Read(b)
+	f.Close()
+	if string(b[:n]) != "8\n" {
+		t.Errorf("snapshot %q", b[:n])
+	}
+	// An action removes its own directory: it is gone at once.
+	if out, err := sh(t, "echo 1 > "+filepath.Join(dir, "sub", "remove")); err != nil {
+		t.Fatalf("remove: %q %v", out, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "sub")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("removed dir still there: %v", err)
+	}
+	if got, _ := sh(t, "ls "+dir); got != "ro\nslow\nvalue\n" {
+		t.Errorf("listing after remove %q", got)
+	}
+}
+
+// TestBlockingStoreInterrupted: a signal to the writer does not run the action twice or cut
+// it short.
+func TestBlockingStoreInterrupted(t *testing.T) {
+	leakcheck.Check(t)
+	tt := &testTree{}
+	dir := mount(t, tt)
+	cmd := exec.Command("sh", "-c", "echo 1 > "+filepath.Join(dir, "slow"))
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	_ = cmd.Process.Signal(syscall.SIGINT)
+	_ = cmd.Wait()
+	time.Sleep(400 * time.Millisecond)
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	if tt.stores != 1 {
+		t.Fatalf("the store ran %d times", tt.stores)
+	}
+}
+
+type memBlock struct {
+	mu      sync.Mutex
+	b       []byte
+	flushes int
+}
+
+func (m *memBlock) Size() int64    { return int64(len(m.b)) }
+func (m *memBlock) BlockSize() int { return 512 }
+func (m *memBlock) ReadAtContext(_ context.Context, p []byte, off int64) error {
+	if off%512 != 0 || len(p)%512 != 0 {
+		return syscall.EINVAL
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	copy(p, m.b[off:])
+	return nil
+}
+func (m *memBlock) WriteAtContext(_ context.Context, p []byte, off int64, _ bool) error {
+	if off%512 != 0 || len(p)%512 != 0 {
+		return syscall.EINVAL
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	copy(m.b[off:], p)
+	return nil
+}
+func (m *memBlock) Flush(context.Context) error { m.mu.Lock(); m.flushes++; m.mu.Unlock(); return nil }
+
+func TestBlockFile(t *testing.T) {
+	leakcheck.Check(t)
+	mb := &memBlock{b: make([]byte, 1<<20)}
+	dir := mount(t, DirFunc(func() []Entry { return []Entry{{Name: "dev", Block: mb}} }))
+	dev := filepath.Join(dir, "dev")
+	src := filepath.Join(t.TempDir(), "src")
+	data := make([]byte, 256<<10)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	if err := os.WriteFile(src, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := sh(t, fmt.Sprintf("dd if=%s of=%s bs=64k seek=1 conv=notrunc,fsync status=none", src, dev)); err != nil {
+		t.Fatalf("dd: %s %v", out, err)
+	}
+	mb.mu.Lock()
+	ok, fl := string(mb.b[64<<10:64<<10+len(data)]) == string(data), mb.flushes
+	mb.mu.Unlock()
+	if !ok || fl == 0 {
+		t.Fatalf("dd wrote wrong data or did not flush (%d)", fl)
+	}
+	// Unaligned write and read through the page-less path.
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt([]byte("hello"), 1000); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 7)
+	if _, err := f.ReadAt(b, 999); err != nil || string(b[1:6]) != "hello" {
+		t.Fatalf("unaligned read %q %v", b, err)
+	}
+	if st, err := f.Stat(); err != nil || st.Size() != 1<<20 {
+		t.Fatalf("size %v %v", st, err)
+	}
+	if _, err := f.WriteAt(make([]byte, 512), 1<<20); !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("write past the end: %v", err)
+	}
+}
+
+func TestErrno(t *testing.T) {
+	for err, want := range map[error]syscall.Errno{
+		fmt.Errorf("x: %w", syscall.EEXIST): syscall.EEXIST,
+		context.DeadlineExceeded:             syscall.ETIMEDOUT,
+		errors.New("plain"):                  syscall.EIO,
+		os.ErrNotExist:                       syscall.ENOENT,
+	} {
+		if got := Errno(err); got != want {
+			t.Errorf("%v → %v, want %v", err, got, want)
+		}
+	}
+	for _, n := range []string{"", ".", "..", "a/b", "a\x00", strings.Repeat("x", 256)} {
+		if ValidName(n) {
+			t.Errorf("%q valid", n)
+		}
+	}
+	if !ValidName("ip:10.0.0.1@ip:10.0.0.2") {
+		t.Error("path name refused")
+	}
+}

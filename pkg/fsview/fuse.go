@@ -1,0 +1,332 @@
+package fsview
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+)
+
+// MountOptions name a mount.
+type MountOptions struct {
+	// Name shows as the file system type ("fuse.<Name>") and source.
+	Name string
+	// Debug logs every FUSE request.
+	Debug bool
+}
+
+// Mount serves root at dir until the returned server is unmounted. A stale mount left at
+// dir by a crashed daemon is cleared first.
+func Mount(dir string, root Dir, o MountOptions) (*fuse.Server, error) {
+	_ = Cleanup(dir)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	zero := time.Duration(0)
+	opts := &fs.Options{
+		MountOptions: fuse.MountOptions{
+			AllowOther:   true, // readable by all; the modes keep control files root's
+			DirectMount:  true,
+			FsName:       o.Name,
+			Name:         o.Name,
+			Debug:        o.Debug,
+			Logger:       log.StdLogger(log.G(context.Background()).WithField("component", "fuse"), "debug"),
+			MaxReadAhead: 0,
+		},
+		// Nothing is cached: every lookup and every stat asks the tree, so state changes
+		// (a path removed, a device mapped) show at once.
+		EntryTimeout:    &zero,
+		AttrTimeout:     &zero,
+		NegativeTimeout: &zero,
+		NullPermissions: true,
+	}
+	return fs.Mount(dir, &dirNode{dir: root}, opts)
+}
+
+// Cleanup detaches whatever is mounted at dir (a stale mount of a crashed daemon answers
+// every access with ENOTCONN). Nothing mounted is not an error.
+func Cleanup(dir string) error {
+	err := syscall.Unmount(dir, syscall.MNT_DETACH)
+	if err == nil || errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.ENOENT) {
+		return nil
+	}
+	return err
+}
+
+func setTimes(a *fuse.Attr) {
+	a.SetTimes(&mountTime, &mountTime, &mountTime)
+}
+
+// dirNode adapts a Dir.
+type dirNode struct {
+	fs.Inode
+	mu  sync.Mutex
+	dir Dir
+}
+
+func (n *dirNode) set(d Dir) { n.mu.Lock(); n.dir = d; n.mu.Unlock() }
+func (n *dirNode) get() Dir  { n.mu.Lock(); defer n.mu.Unlock(); return n.dir }
+
+var (
+	_ fs.NodeLookuper  = (*dirNode)(nil)
+	_ fs.NodeReaddirer = (*dirNode)(nil)
+	_ fs.NodeGetattrer = (*dirNode)(nil)
+)
+
+func (n *dirNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	out.Mode = syscall.S_IFDIR | 0o755
+	out.Nlink = 2
+	setTimes(&out.Attr)
+	return 0
+}
+
+func (n *dirNode) Readdir(ctx context.Context) (fs.DirStream, syscall.Errno) {
+	var list []fuse.DirEntry
+	for _, e := range n.get().Entries() {
+		mode := uint32(syscall.S_IFREG)
+		if e.Dir != nil {
+			mode = syscall.S_IFDIR
+		}
+		list = append(list, fuse.DirEntry{Name: e.Name, Mode: mode})
+	}
+	return fs.NewListDirStream(list), 0
+}
+
+func (n *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	for _, e := range n.get().Entries() {
+		if e.Name != name {
+			continue
+		}
+		old := n.GetChild(name)
+		var ch *fs.Inode
+		switch {
+		case e.Dir != nil:
+			// A name keeps its inode while it exists; what it shows is asked anew each time.
+			if d, ok := nodeOf[*dirNode](old); ok {
+				d.set(e.Dir)
+				ch = old
+			} else {
+				ch = n.NewInode(ctx, &dirNode{dir: e.Dir}, fs.StableAttr{Mode: syscall.S_IFDIR})
+			}
+			out.Mode, out.Nlink = syscall.S_IFDIR|0o755, 2
+			setTimes(&out.Attr)
+		case e.Attr != nil:
+			if a, ok := nodeOf[*attrNode](old); ok {
+				a.set(e.Attr)
+				ch = old
+			} else {
+				ch = n.NewInode(ctx, &attrNode{attr: e.Attr}, fs.StableAttr{Mode: syscall.S_IFREG})
+			}
+			ch.Operations().(*attrNode).fill(&out.Attr)
+		case e.Block != nil:
+			if b, ok := nodeOf[*blockNode](old); ok {
+				b.set(e.Block)
+				ch = old
+			} else {
+				ch = n.NewInode(ctx, &blockNode{b: e.Block}, fs.StableAttr{Mode: syscall.S_IFREG})
+			}
+			ch.Operations().(*blockNode).fill(&out.Attr)
+		default:
+			return nil, syscall.EIO
+		}
+		return ch, 0
+	}
+	return nil, syscall.ENOENT
+}
+
+func nodeOf[T fs.InodeEmbedder](in *fs.Inode) (T, bool) {
+	var zero T
+	if in == nil {
+		return zero, false
+	}
+	t, ok := in.Operations().(T)
+	return t, ok
+}
+
+// attrNode adapts an Attr.
+type attrNode struct {
+	fs.Inode
+	mu   sync.Mutex
+	attr *Attr
+}
+
+var (
+	_ fs.NodeOpener    = (*attrNode)(nil)
+	_ fs.NodeReader    = (*attrNode)(nil)
+	_ fs.NodeWriter    = (*attrNode)(nil)
+	_ fs.NodeGetattrer = (*attrNode)(nil)
+	_ fs.NodeSetattrer = (*attrNode)(nil)
+)
+
+func (n *attrNode) set(a *Attr) { n.mu.Lock(); n.attr = a; n.mu.Unlock() }
+func (n *attrNode) get() *Attr  { n.mu.Lock(); defer n.mu.Unlock(); return n.attr }
+
+func (n *attrNode) fill(a *fuse.Attr) {
+	a.Mode = syscall.S_IFREG | n.get().Mode
+	a.Size = 4096 // as sysfs: the content is rendered at open
+	a.Nlink = 1
+	setTimes(a)
+}
+
+func (n *attrNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	n.fill(&out.Attr)
+	return 0
+}
+
+// Setattr accepts the truncate that `echo x > file` sends before its write.
+func (n *attrNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	n.fill(&out.Attr)
+	return 0
+}
+
+// attrHandle is one open: the content rendered at open.
+type attrHandle struct{ data []byte }
+
+func (n *attrNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
+	a := n.get()
+	acc := flags & syscall.O_ACCMODE
+	if acc != syscall.O_RDONLY && a.Store == nil {
+		return nil, 0, syscall.EACCES
+	}
+	h := &attrHandle{}
+	if acc != syscall.O_WRONLY && a.Show != nil {
+		h.data = []byte(a.Show())
+	}
+	return h, fuse.FOPEN_DIRECT_IO, 0
+}
+
+func (n *attrNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	h, _ := f.(*attrHandle)
+	if h == nil || off >= int64(len(h.data)) {
+		return fuse.ReadResultData(nil), 0
+	}
+	end := min(int64(len(h.data)), off+int64(len(dest)))
+	return fuse.ReadResultData(h.data[off:end]), 0
+}
+
+// Write runs the store with the whole write (the offset is ignored, as sysfs does for a
+// first write) minus one trailing newline.
+func (n *attrNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+	a := n.get()
+	if a.Store == nil {
+		return 0, syscall.EACCES
+	}
+	val := strings.TrimSuffix(string(data), "\n")
+	if err := a.Store(val); err != nil {
+		return 0, Errno(err)
+	}
+	return uint32(len(data)), 0
+}
+
+// blockNode adapts a Block: reads and writes go to the device; anything not in whole blocks
+// is read, merged and written back.
+type blockNode struct {
+	fs.Inode
+	mu  sync.Mutex // serializes partial-block writes
+	bmu sync.Mutex
+	b   Block
+}
+
+func (n *blockNode) set(b Block) { n.bmu.Lock(); n.b = b; n.bmu.Unlock() }
+func (n *blockNode) dev() Block  { n.bmu.Lock(); defer n.bmu.Unlock(); return n.b }
+
+var (
+	_ fs.NodeOpener    = (*blockNode)(nil)
+	_ fs.NodeReader    = (*blockNode)(nil)
+	_ fs.NodeWriter    = (*blockNode)(nil)
+	_ fs.NodeFsyncer   = (*blockNode)(nil)
+	_ fs.NodeGetattrer = (*blockNode)(nil)
+	_ fs.NodeSetattrer = (*blockNode)(nil)
+)
+
+func (n *blockNode) fill(a *fuse.Attr) {
+	a.Mode = syscall.S_IFREG | 0o600
+	a.Size = uint64(n.dev().Size())
+	a.Blksize = uint32(n.dev().BlockSize())
+	a.Blocks = a.Size / 512
+	a.Nlink = 1
+	setTimes(a)
+}
+
+func (n *blockNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	n.fill(&out.Attr)
+	return 0
+}
+
+// Setattr ignores size changes, as a block device ignores O_TRUNC.
+func (n *blockNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	n.fill(&out.Attr)
+	return 0
+}
+
+func (n *blockNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
+	return nil, fuse.FOPEN_DIRECT_IO, 0
+}
+
+// ioCtx: device IO is bounded by the device's own reconnect timeout, not by FUSE interrupts.
+func ioCtx() context.Context { return context.Background() }
+
+func (n *blockNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	size := n.dev().Size()
+	if off >= size {
+		return fuse.ReadResultData(nil), 0
+	}
+	dest = dest[:min(int64(len(dest)), size-off)]
+	bs := int64(n.dev().BlockSize())
+	start, end := off-off%bs, off+int64(len(dest))
+	if end%bs != 0 {
+		end += bs - end%bs
+	}
+	if start == off && end == off+int64(len(dest)) {
+		if err := n.dev().ReadAtContext(ioCtx(), dest, off); err != nil {
+			return nil, Errno(err)
+		}
+		return fuse.ReadResultData(dest), 0
+	}
+	buf := make([]byte, end-start)
+	if err := n.dev().ReadAtContext(ioCtx(), buf, start); err != nil {
+		return nil, Errno(err)
+	}
+	return fuse.ReadResultData(buf[off-start : off-start+int64(len(dest))]), 0
+}
+
+func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+	if off+int64(len(data)) > n.dev().Size() {
+		return 0, syscall.ENOSPC
+	}
+	bs := int64(n.dev().BlockSize())
+	if off%bs == 0 && int64(len(data))%bs == 0 {
+		if err := n.dev().WriteAtContext(ioCtx(), data, off, false); err != nil {
+			return 0, Errno(err)
+		}
+		return uint32(len(data)), 0
+	}
+	// Partial blocks: read the covering blocks, merge, write them back.
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	start, end := off-off%bs, off+int64(len(data))
+	if end%bs != 0 {
+		end += bs - end%bs
+	}
+	buf := make([]byte, end-start)
+	if err := n.dev().ReadAtContext(ioCtx(), buf, start); err != nil {
+		return 0, Errno(err)
+	}
+	copy(buf[off-start:], data)
+	if err := n.dev().WriteAtContext(ioCtx(), buf, start, false); err != nil {
+		return 0, Errno(err)
+	}
+	return uint32(len(data)), 0
+}
+
+func (n *blockNode) Fsync(ctx context.Context, f fs.FileHandle, flags uint32) syscall.Errno {
+	return Errno(n.dev().Flush(ioCtx()))
+}
