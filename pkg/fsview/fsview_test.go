@@ -115,7 +115,7 @@ func TestAttrRules(t *testing.T) {
 	for _, tc := range []struct{ script, want string }{
 		{"cat " + v, "0\n"},
 		{"echo 42 > " + v + " && cat " + v, "42\n"},
-		{"printf 7 > " + v + " && cat " + v, "7\n"}, // no newline
+		{"printf 7 > " + v + " && cat " + v, "7\n"},       // no newline
 		{"printf '8\\n' >> " + v + " && cat " + v, "8\n"}, // append: the offset is ignored
 		{"cat " + filepath.Join(dir, "ro"), "fixed\n"},
 		{"stat -c '%s %a %F' " + v, "4096 644 regular file\n"},
@@ -263,9 +263,9 @@ func TestBlockFile(t *testing.T) {
 func TestErrno(t *testing.T) {
 	for err, want := range map[error]syscall.Errno{
 		fmt.Errorf("x: %w", syscall.EEXIST): syscall.EEXIST,
-		context.DeadlineExceeded:             syscall.ETIMEDOUT,
-		errors.New("plain"):                  syscall.EIO,
-		os.ErrNotExist:                       syscall.ENOENT,
+		context.DeadlineExceeded:            syscall.ETIMEDOUT,
+		errors.New("plain"):                 syscall.EIO,
+		os.ErrNotExist:                      syscall.ENOENT,
 	} {
 		if got := Errno(err); got != want {
 			t.Errorf("%v → %v, want %v", err, got, want)
