@@ -56,6 +56,7 @@ type cltSess struct {
 
 	mu       sync.Mutex
 	devs     []*Device
+	pinned   bool // opened on its own (OpenSession): stays without devices
 	remap    bool // a remap goroutine is running
 	again    bool // and must run once more
 	closing  bool
@@ -104,8 +105,64 @@ func (c *Client) Map(ctx context.Context, o MapOptions) (*Device, error) {
 	return d, nil
 }
 
+// OpenSession opens a session without mapping anything (the daemon's ctl/open_session); it
+// stays until CloseSession, devices or not. mod, if not nil, adjusts the session's options
+// (policy, reconnect attempts). An existing session of that name is EEXIST.
+func (c *Client) OpenSession(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions)) error {
+	c.mu.Lock()
+	exists := c.sessions[o.SessName] != nil
+	c.mu.Unlock()
+	if exists {
+		return fmt.Errorf("rnbd: session %q exists: %w", o.SessName, syscall.EEXIST)
+	}
+	s, err := c.sessionWith(ctx, o, mod)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.pinned = true
+	s.mu.Unlock()
+	return nil
+}
+
+// CloseSession closes a session that has no device mapped (EBUSY otherwise).
+func (c *Client) CloseSession(name string) error {
+	c.mu.Lock()
+	s := c.sessions[name]
+	c.mu.Unlock()
+	if s == nil {
+		return fmt.Errorf("rnbd: no session %q: %w", name, syscall.ENOENT)
+	}
+	s.mu.Lock()
+	if len(s.devs) > 0 {
+		n := len(s.devs)
+		s.mu.Unlock()
+		return fmt.Errorf("rnbd: session %q has %d devices mapped: %w", name, n, syscall.EBUSY)
+	}
+	s.pinned = false
+	s.mu.Unlock()
+	c.putSessIfIdle(s)
+	return nil
+}
+
+// SessionNames lists the sessions, sorted.
+func (c *Client) SessionNames() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]string, 0, len(c.sessions))
+	for n := range c.sessions {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
 // session finds or opens the RTRS session and exchanges SESS_INFO on a new one.
 func (c *Client) session(ctx context.Context, o MapOptions) (*cltSess, error) {
+	return c.sessionWith(ctx, o, nil)
+}
+
+func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions)) (*cltSess, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -119,6 +176,9 @@ func (c *Client) session(ctx context.Context, o MapOptions) (*cltSess, error) {
 	}
 	s := &cltSess{c: c, name: o.SessName}
 	so := c.opts.Session
+	if mod != nil {
+		mod(&so)
+	}
 	so.SessName, so.Paths, so.Port = o.SessName, o.Paths, o.Port
 	so.OnLinkEvent = s.linkEvent
 	rs, err := transport.Open(ctx, so)
@@ -260,7 +320,7 @@ func (s *cltSess) remove(d *Device) {
 func (c *Client) putSessIfIdle(s *cltSess) {
 	c.mu.Lock()
 	s.mu.Lock()
-	idle := len(s.devs) == 0 && !s.closing
+	idle := len(s.devs) == 0 && !s.closing && !s.pinned
 	if idle {
 		s.closing = true
 		if c.sessions[s.name] == s {
@@ -311,6 +371,9 @@ func (c *Client) Close(ctx context.Context) {
 	c.mu.Unlock()
 	for _, d := range c.Devices() {
 		_ = d.Unmap(ctx)
+	}
+	for _, n := range c.SessionNames() {
+		_ = c.CloseSession(n)
 	}
 }
 

@@ -303,6 +303,10 @@ func (p *Path) Name() string {
 	return PathName(p.src, p.dst)
 }
 
+// Listed says whether the path has connected once: the kernel creates a path's sysfs
+// directory then, under the name it keeps from then on.
+func (p *Path) Listed() bool { p.mu.Lock(); defer p.mu.Unlock(); return p.name != "" }
+
 // State is the path's state.
 func (p *Path) State() PathState {
 	p.mu.Lock()
