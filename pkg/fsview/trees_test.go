@@ -131,8 +131,8 @@ func TestClientServerTrees(t *testing.T) {
 		"state": "connected\n", "hca_name": "soft_lo\n", "hca_port": "1\n", "src_addr": "ip:127.0.0.1\n",
 		"dst_addr": "ip:127.0.0.1\n", "reconnect": "Usage: echo 1 > reconnect\n",
 		"disconnect": "Usage: echo 1 > disconnect\n", "remove_path": "Usage: echo 1 > remove_path\n",
-		"stats/reset_all": "echo 1 to reset all statistics\n",
-		"stats/rdma": "1 72 0 0 0 0\n", // SESS_INFO: a 36-byte READ with a 36-byte header
+		"stats/reset_all":  "echo 1 to reset all statistics\n",
+		"stats/rdma":       "1 72 0 0 0 0\n", // SESS_INFO: a 36-byte READ with a 36-byte header
 		"stats/reconnects": "0 0\n",
 	}
 	for f, w := range golden {
