@@ -133,6 +133,9 @@ func Open(ctx context.Context, opts ClientOptions) (*Session, error) {
 // Name is the session name.
 func (s *Session) Name() string { return s.opts.SessName }
 
+// Port is the server port every path connects to.
+func (s *Session) Port() uint16 { return s.opts.Port }
+
 // QueueDepth is the server's queue depth: the number of permits.
 func (s *Session) QueueDepth() int { return s.queueDepth }
 

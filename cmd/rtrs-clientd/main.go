@@ -1,0 +1,176 @@
+// Command rtrs-clientd is the RTRS client daemon: it opens RTRS sessions to rtrs-serverd,
+// maps remote devices over them (RNBD), and shows them in three places: the rtrs-client tree
+// (/sys/class/rtrs-client's files) and the device view over FUSE, and an NBD socket.
+//
+//	rtrs-clientd [-config /etc/rtrs/rtrs-clientd.conf] [-mount /run/rtrs/rtrs-client]
+//	             [-dev-mount /run/rtrs/dev] [-nbd-socket /run/rtrs/nbd.sock] [-nbd-tcp ADDR]
+//	             [-io-timeout 30s] [-reconnect-delay 30s] [-log-level info] [-log-json]
+//	rtrs-clientd -cleanup      (detach stale mounts left by a crash, then exit)
+//
+// The config file holds settings ("key = value", the flags' names) and declarations in the
+// control files' syntax ("open_session sessname=… path=…", "map_device sessname=… device_path=…");
+// sessions and devices opened or mapped at runtime are written back into it.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/pkg/fsview"
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/nbd"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rnbd"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+func main() {
+	if err := run(context.Background(), os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "rtrs-clientd:", err)
+		os.Exit(1)
+	}
+}
+
+type clientd struct {
+	cfgPath string
+	c       *rnbd.Client
+	tree    *fsview.ClientTree
+	lg      *log.Entry
+
+	mu           sync.Mutex // the config file
+	applied      bool       // declarations tried once: write-back may start
+	pendingDecls []string   // declarations still waiting for their server
+}
+
+func run(parent context.Context, args []string) error {
+	var d *clientd
+	ctx, stop := daemon.Signals(parent, func() {
+		if d != nil {
+			d.reload()
+		}
+	})
+	defer stop()
+	fs := flag.NewFlagSet("rtrs-clientd", flag.ContinueOnError)
+	cfgPath := fs.String("config", "/etc/rtrs/rtrs-clientd.conf", "config file: settings and declarations (flags override settings)")
+	mount := fs.String("mount", "/run/rtrs/rtrs-client", "where the rtrs-client tree is mounted")
+	devMount := fs.String("dev-mount", "/run/rtrs/dev", "where the device view is mounted")
+	nbdSock := fs.String("nbd-socket", "/run/rtrs/nbd.sock", "unix socket serving the mapped devices over NBD (empty: none)")
+	nbdTCP := fs.String("nbd-tcp", "", "TCP address serving them too (empty: none)")
+	ioTimeout := fs.Duration("io-timeout", rnbd.DefaultReconnectTimeout, "how long IO waits for a session that lost every path before it fails with EIO")
+	recDelay := fs.Duration("reconnect-delay", 0, "delay between reconnect attempts (0: the kernel's)")
+	hbInterval := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
+	conPerPath := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
+	level := fs.String("log-level", "info", "log level")
+	json := fs.Bool("log-json", false, "log JSON lines")
+	cleanup := fs.Bool("cleanup", false, "detach stale mounts and exit")
+	cfg, err := daemon.Flags(fs, args, "config", true)
+	if err != nil {
+		return err
+	}
+	if err := daemon.SetupLog(*level, *json); err != nil {
+		return err
+	}
+	if *cleanup {
+		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
+	}
+	lg := log.G(ctx).WithField("component", "rtrs-clientd")
+	c := rnbd.NewClient(rnbd.ClientOptions{
+		Session: transport.ClientOptions{Provider: soft.New(soft.Options{}), ConPerPath: *conPerPath,
+			MaxReconnectAttempts: -1, Policy: transport.MinInflight,
+			Timings: transport.Timings{ReconnectDelay: *recDelay, HeartbeatInterval: *hbInterval}},
+		ReconnectTimeout: *ioTimeout,
+	})
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		c.Close(cctx)
+	}()
+	d = &clientd{cfgPath: *cfgPath, c: c, lg: lg}
+	d.tree = &fsview.ClientTree{C: c, OnChange: d.writeBack}
+	cs, err := fsview.Mount(*mount, d.tree, fsview.MountOptions{Name: "rtrs-client"})
+	if err != nil {
+		return fmt.Errorf("mount %s: %w", *mount, err)
+	}
+	defer unmount(lg, cs, *mount)
+	ds, err := fsview.Mount(*devMount, &fsview.DevTree{C: d.tree, OnChange: d.writeBack}, fsview.MountOptions{Name: "rtrs-dev"})
+	if err != nil {
+		return fmt.Errorf("mount %s: %w", *devMount, err)
+	}
+	defer unmount(lg, ds, *devMount)
+	ns := nbd.NewServer(nbd.Options{Exports: d.exports})
+	defer ns.Close()
+	for _, l := range []struct{ network, addr string }{{"unix", *nbdSock}, {"tcp", *nbdTCP}} {
+		if l.addr == "" {
+			continue
+		}
+		if l.network == "unix" {
+			_ = os.Remove(l.addr)
+		}
+		ln, err := net.Listen(l.network, l.addr)
+		if err != nil {
+			return fmt.Errorf("NBD on %s: %w", l.addr, err)
+		}
+		go func() { _ = ns.Serve(ln) }()
+	}
+	lg.Infof("trees at %s and %s, NBD at %s", *mount, *devMount, *nbdSock)
+	daemon.Notify("READY=1\nSTATUS=" + d.status())
+	// Declarations are applied after READY: a server that is down must not hold up boot.
+	go d.apply(ctx, cfg.Decls)
+	t := time.NewTicker(5 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			daemon.Notify("STATUS=" + d.status())
+		}
+	}
+}
+
+func unmount(lg *log.Entry, s interface{ Unmount() error }, dir string) {
+	if err := s.Unmount(); err != nil {
+		lg.WithError(err).Warnf("unmount %s", dir)
+		_ = fsview.Cleanup(dir)
+	}
+}
+
+// exports lists every mapped device as an NBD export "<session>/<device file name>".
+func (d *clientd) exports() []nbd.Export {
+	var out []nbd.Export
+	for _, dev := range d.c.Devices() {
+		if dev.State() == rnbd.StateUnmapped {
+			continue
+		}
+		out = append(out, nbd.Export{Name: dev.Session() + "/" + fsview.DeviceFileName(dev.Path()),
+			Description: fmt.Sprintf("rnbd %s:%s (%v)", dev.Session(), dev.Path(), dev.AccessMode()),
+			Dev:         dev, ReadOnly: dev.AccessMode() == rnbd.AccessRO})
+	}
+	return out
+}
+
+// status is the unit's STATUS= line.
+func (d *clientd) status() string {
+	sess, up, all := 0, 0, 0
+	for _, n := range d.c.SessionNames() {
+		s := d.c.Session(n)
+		if s == nil {
+			continue
+		}
+		sess++
+		for _, p := range s.Paths() {
+			all++
+			if p.State() == transport.StateConnected {
+				up++
+			}
+		}
+	}
+	return fmt.Sprintf("%d sessions, %d/%d paths connected, %d devices mapped", sess, up, all, len(d.c.Devices()))
+}

@@ -1,0 +1,113 @@
+// Command rtrs-serverd is the RTRS server daemon: it listens for RTRS client sessions, serves
+// RNBD block IO from the files and block devices under its export search path, and mounts the
+// rtrs-server tree (/sys/class/rtrs-server's files) over FUSE.
+//
+//	rtrs-serverd [-config /etc/rtrs/rtrs-serverd.conf] [-listen [::]:1234] [-dev-search-path /srv/rtrs]
+//	             [-queue-depth 512] [-chunk-size 128K] [-always-invalidate=true]
+//	             [-mount /run/rtrs/rtrs-server] [-log-level info] [-log-json]
+//	rtrs-serverd -cleanup      (detach a stale mount left by a crash, then exit)
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/internal/size"
+	"github.com/rtrs-go/rtrs/pkg/fsview"
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rnbd"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+func main() {
+	if err := run(context.Background(), os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "rtrs-serverd:", err)
+		os.Exit(1)
+	}
+}
+
+func run(parent context.Context, args []string) error {
+	ctx, stop := daemon.Signals(parent, nil)
+	defer stop()
+	fs := flag.NewFlagSet("rtrs-serverd", flag.ContinueOnError)
+	fs.String("config", "/etc/rtrs/rtrs-serverd.conf", "config file (key = value lines; flags override)")
+	listen := fs.String("listen", "[::]:1234", "address and port to listen on (RNBD's port_nr)")
+	search := fs.String("dev-search-path", "/srv/rtrs", "directory the exports are opened under (dev_search_path; %SESSNAME% allowed)")
+	qd := fs.Int("queue-depth", transport.DefaultQueueDepth, "sess_queue_depth: chunks per session")
+	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
+	inv := fs.Bool("always-invalidate", true, "always_invalidate")
+	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
+	level := fs.String("log-level", "info", "log level")
+	json := fs.Bool("log-json", false, "log JSON lines")
+	cleanup := fs.Bool("cleanup", false, "detach a stale mount at -mount and exit")
+	if _, err := daemon.Flags(fs, args, "config", true); err != nil {
+		return err
+	}
+	if err := daemon.SetupLog(*level, *json); err != nil {
+		return err
+	}
+	if *cleanup {
+		return fsview.Cleanup(*mount)
+	}
+	lg := log.G(ctx).WithField("component", "rtrs-serverd")
+	addr, err := netip.ParseAddrPort(*listen)
+	if err != nil {
+		return fmt.Errorf("-listen %q: %w", *listen, err)
+	}
+	cs, err := size.Parse(*chunk)
+	if err != nil {
+		return fmt.Errorf("-chunk-size: %w", err)
+	}
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize})
+	if err != nil {
+		return err
+	}
+	defer rs.Close()
+	o := transport.DefaultServerOptions()
+	o.Provider, o.Handler, o.Addr = soft.New(soft.Options{}), rs, addr
+	o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = *qd, cs, *inv
+	srv, err := transport.NewServer(o)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	fsrv, err := fsview.Mount(*mount, &fsview.ServerTree{S: srv}, fsview.MountOptions{Name: "rtrs-server"})
+	if err != nil {
+		return fmt.Errorf("mount %s: %w", *mount, err)
+	}
+	defer func() {
+		if err := fsrv.Unmount(); err != nil {
+			lg.WithError(err).Warn("unmount")
+			_ = fsview.Cleanup(*mount)
+		}
+	}()
+	lg.Infof("listening on %v, exports under %s, tree at %s", srv.Addr(), *search, *mount)
+	daemon.Notify("READY=1\nSTATUS=" + status(srv))
+	t := time.NewTicker(5 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			daemon.Notify("STOPPING=1")
+			return nil
+		case <-t.C:
+			daemon.Notify("STATUS=" + status(srv))
+		}
+	}
+}
+
+// status is the one-line STATUS= of the unit.
+func status(srv *transport.Server) string {
+	sess, paths := 0, 0
+	for _, s := range srv.Sessions() {
+		sess++
+		paths += len(s.Paths())
+	}
+	return fmt.Sprintf("%d sessions, %d paths connected", sess, paths)
+}
