@@ -42,6 +42,7 @@ func run(parent context.Context, args []string) error {
 	qd := fs.Int("queue-depth", transport.DefaultQueueDepth, "sess_queue_depth: chunks per session")
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
+	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
@@ -72,6 +73,7 @@ func run(parent context.Context, args []string) error {
 	o := transport.DefaultServerOptions()
 	o.Provider, o.Handler, o.Addr = soft.New(soft.Options{}), rs, addr
 	o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = *qd, cs, *inv
+	o.Timings.HeartbeatInterval = *hb
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err

@@ -1,0 +1,422 @@
+// Package e2e runs the real daemons: rtrs-serverd in one network namespace, rtrs-clientd in
+// another, joined by two veth pairs (two real paths), driven through their FUSE trees with
+// the shell, with faults made real (links down, daemons killed).
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var binDir string
+
+func TestMain(m *testing.M) {
+	os.Exit(func() int {
+		if os.Geteuid() != 0 {
+			fmt.Println("e2e: not root, skipped")
+			return 0
+		}
+		d, err := os.MkdirTemp("", "rtrs-e2e-bin-")
+		if err != nil {
+			panic(err)
+		}
+		defer os.RemoveAll(d)
+		out, err := exec.Command("go", "build", "-race", "-o", d+"/", "../cmd/rtrs-serverd", "../cmd/rtrs-clientd").CombinedOutput()
+		if err != nil {
+			fmt.Printf("e2e: build: %v\n%s", err, out)
+			return 1
+		}
+		binDir = d
+		return m.Run()
+	}())
+}
+
+func requireTools(t *testing.T, tools ...string) {
+	t.Helper()
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("no /dev/fuse")
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			if os.Getenv("RTRS_REQUIRE_TOOLS") != "" {
+				t.Fatalf("%s not installed", tool)
+			}
+			t.Skipf("%s not installed", tool)
+		}
+	}
+}
+
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+func bash(t *testing.T, script string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "bash", "-c", script).CombinedOutput()
+	return string(out), err
+}
+
+func mustBash(t *testing.T, script string) string {
+	t.Helper()
+	out, err := bash(t, script)
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", script, err, out)
+	}
+	return out
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); !cond(); {
+		if time.Now().After(end) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func exists(p string) bool { _, err := os.Stat(p); return err == nil }
+
+func cat(p string) string { b, _ := os.ReadFile(p); return string(b) }
+
+// netEnv: namespaces S (server) and C (client) joined by two veth pairs:
+// 10.77.1.1 (C) – 10.77.1.2 (S) and 10.77.2.1 (C) – 10.77.2.2 (S).
+type netEnv struct {
+	srv, cli string
+	link     [2]string // the client-side veth of each path
+}
+
+func setupNet(t *testing.T) *netEnv {
+	t.Helper()
+	id := strconv.Itoa(os.Getpid() % 100000)
+	e := &netEnv{srv: "rtrs-s" + id, cli: "rtrs-c" + id}
+	t.Cleanup(func() {
+		_ = exec.Command("ip", "netns", "del", e.srv).Run()
+		_ = exec.Command("ip", "netns", "del", e.cli).Run()
+	})
+	run(t, "ip", "netns", "add", e.srv)
+	run(t, "ip", "netns", "add", e.cli)
+	for i := 1; i <= 2; i++ {
+		c, s := fmt.Sprintf("rc%d-%s", i, id), fmt.Sprintf("rs%d-%s", i, id)
+		e.link[i-1] = c
+		run(t, "ip", "link", "add", c, "type", "veth", "peer", "name", s)
+		run(t, "ip", "link", "set", c, "netns", e.cli)
+		run(t, "ip", "link", "set", s, "netns", e.srv)
+		run(t, "ip", "-n", e.cli, "addr", "add", fmt.Sprintf("10.77.%d.1/24", i), "dev", c)
+		run(t, "ip", "-n", e.srv, "addr", "add", fmt.Sprintf("10.77.%d.2/24", i), "dev", s)
+		run(t, "ip", "-n", e.cli, "link", "set", c, "up")
+		run(t, "ip", "-n", e.srv, "link", "set", s, "up")
+	}
+	run(t, "ip", "-n", e.cli, "link", "set", "lo", "up")
+	run(t, "ip", "-n", e.srv, "link", "set", "lo", "up")
+	return e
+}
+
+// daemon is one running daemon in a network namespace (only the network one: its FUSE
+// mounts stay visible to the test).
+type daemon struct {
+	t    *testing.T
+	name string
+	args []string
+	ns   string
+	log  string
+	cmd  *exec.Cmd
+}
+
+func startDaemon(t *testing.T, ns, name string, args ...string) *daemon {
+	t.Helper()
+	d := &daemon{t: t, name: name, args: args, ns: ns, log: filepath.Join(t.TempDir(), name+".log")}
+	d.start()
+	t.Cleanup(d.stop)
+	return d
+}
+
+func (d *daemon) start() {
+	f, err := os.OpenFile(d.log, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	defer f.Close()
+	args := append([]string{"--net=/run/netns/" + d.ns, filepath.Join(binDir, d.name)}, d.args...)
+	d.cmd = exec.Command("nsenter", args...)
+	d.cmd.Stdout, d.cmd.Stderr = f, f
+	if err := d.cmd.Start(); err != nil {
+		d.t.Fatal(err)
+	}
+}
+
+// kill9 kills the daemon as a crash would.
+func (d *daemon) kill9() {
+	_ = d.cmd.Process.Signal(syscall.SIGKILL)
+	_ = d.cmd.Wait()
+	d.cmd = nil
+}
+
+func (d *daemon) stop() {
+	if d.cmd == nil {
+		return
+	}
+	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = d.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		_ = d.cmd.Process.Kill()
+		<-done
+		d.t.Errorf("%s did not stop on SIGTERM; log:\n%s", d.name, cat(d.log))
+	}
+	if d.cmd.ProcessState != nil && !d.cmd.ProcessState.Success() {
+		d.t.Errorf("%s exited with %v; log:\n%s", d.name, d.cmd.ProcessState, cat(d.log))
+	}
+	d.cmd = nil
+}
+
+type cluster struct {
+	net              *netEnv
+	srvd, clid       *daemon
+	srvMnt, cliMnt   string
+	devMnt, exports  string
+	cliConf          string
+	p1, p2, p1s, p2s string // client and server path directory names
+}
+
+const (
+	fastCli = "-heartbeat-interval=200ms"
+	fastRec = "-reconnect-delay=300ms"
+)
+
+func startCluster(t *testing.T) *cluster {
+	t.Helper()
+	requireTools(t, "nsenter", "ip")
+	c := &cluster{net: setupNet(t)}
+	dir := t.TempDir()
+	c.srvMnt, c.cliMnt, c.devMnt = filepath.Join(dir, "srv"), filepath.Join(dir, "cli"), filepath.Join(dir, "dev")
+	c.exports = filepath.Join(dir, "exports")
+	if err := os.MkdirAll(c.exports, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(c.exports, "disk"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(filepath.Join(c.exports, "disk"), 256<<20); err != nil {
+		t.Fatal(err)
+	}
+	c.cliConf = filepath.Join(dir, "rtrs-clientd.conf")
+	if err := os.WriteFile(c.cliConf, []byte("# e2e\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c.srvd = startDaemon(t, c.net.srv, "rtrs-serverd", "-config=/dev/null", "-listen=[::]:1234",
+		"-dev-search-path="+c.exports, "-mount="+c.srvMnt, "-heartbeat-interval=200ms")
+	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", "-config="+c.cliConf, "-mount="+c.cliMnt,
+		"-dev-mount="+c.devMnt, "-nbd-socket=", fastCli, fastRec, "-con-per-path=3")
+	waitFor(t, 20*time.Second, "both trees mounted", func() bool {
+		return exists(c.srvMnt) && exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device")
+	})
+	c.p1, c.p2 = "ip:10.77.1.1@ip:10.77.1.2", "ip:10.77.2.1@ip:10.77.2.2"
+	c.p1s, c.p2s = c.p1, c.p2
+	return c
+}
+
+func (c *cluster) openSession(t *testing.T, extra string) {
+	t.Helper()
+	mustBash(t, fmt.Sprintf("echo 'sessname=e2e path=%s path=%s %s' > %s/ctl/open_session", c.p1, c.p2, extra, c.cliMnt))
+}
+
+func (c *cluster) mapDisk(t *testing.T) string {
+	t.Helper()
+	mustBash(t, "echo 'sessname=e2e device_path=disk' > "+c.devMnt+"/ctl/map_device")
+	return c.devMnt + "/e2e/disk"
+}
+
+func (c *cluster) pathFile(p, f string) string {
+	return filepath.Join(c.cliMnt, "e2e", "paths", p, f)
+}
+
+// rdmaOps is read-count + write-count of a path's stats/rdma.
+func rdmaOps(t *testing.T, file string) uint64 {
+	f := strings.Fields(cat(file))
+	if len(f) < 6 {
+		t.Fatalf("%s: %q", file, f)
+	}
+	r, _ := strconv.ParseUint(f[0], 10, 64)
+	w, _ := strconv.ParseUint(f[2], 10, 64)
+	return r + w
+}
+
+func field(t *testing.T, file string, i int) uint64 {
+	f := strings.Fields(cat(file))
+	if len(f) <= i {
+		t.Fatalf("%s: %q", file, f)
+	}
+	v, _ := strconv.ParseUint(f[i], 10, 64)
+	return v
+}
+
+func TestPathOperations(t *testing.T) {
+	c := startCluster(t)
+	c.openSession(t, "")
+	sess := c.cliMnt + "/e2e"
+	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n"+c.p2+"\n" {
+		t.Fatalf("client paths %q", got)
+	}
+	waitFor(t, 5*time.Second, "server paths", func() bool {
+		out, _ := bash(t, "ls "+c.srvMnt+"/e2e/paths")
+		return out == c.p1s+"\n"+c.p2s+"\n"
+	})
+	// remove_path, then add_path back.
+	mustBash(t, "echo 1 > "+c.pathFile(c.p2, "remove_path"))
+	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n" {
+		t.Fatalf("after remove_path %q", got)
+	}
+	waitFor(t, 5*time.Second, "server path 2 gone", func() bool { return !exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	mustBash(t, "echo "+c.p2+" > "+sess+"/add_path")
+	waitFor(t, 5*time.Second, "server path 2 back", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	// disconnect and reconnect.
+	mustBash(t, "echo 1 > "+c.pathFile(c.p2, "disconnect"))
+	if got := cat(c.pathFile(c.p2, "state")); got != "disconnected\n" {
+		t.Fatalf("state %q", got)
+	}
+	waitFor(t, 5*time.Second, "server path 2 closed", func() bool { return !exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	mustBash(t, "echo 1 > "+c.pathFile(c.p2, "reconnect"))
+	if got := cat(c.pathFile(c.p2, "state")); got != "connected\n" {
+		t.Fatalf("state after reconnect %q", got)
+	}
+	// Server-side disconnect: the client comes back by itself and counts it.
+	waitFor(t, 5*time.Second, "server path 2", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s + "/disconnect") })
+	mustBash(t, "echo 1 > "+c.srvMnt+"/e2e/paths/"+c.p2s+"/disconnect")
+	waitFor(t, 15*time.Second, "client reconnect", func() bool { return field(t, c.pathFile(c.p2, "stats/reconnects"), 0) >= 1 })
+	waitFor(t, 5*time.Second, "connected", func() bool { return cat(c.pathFile(c.p2, "state")) == "connected\n" })
+	// The config file got the session written back.
+	if conf := cat(c.cliConf); !strings.Contains(conf, "open_session sessname=e2e") || !strings.Contains(conf, "path="+c.p2) {
+		t.Fatalf("config not written back:\n%s", conf)
+	}
+}
+
+// fioVerify writes and verifies the device through the device file, 4 jobs on disjoint
+// regions; it returns fio's output.
+func fioVerify(t *testing.T, dev string, size string) (string, error) {
+	return bash(t, fmt.Sprintf("fio --name=v --filename=%s --rw=randwrite --bs=16k --size=%s --numjobs=4 "+
+		"--offset_increment=%s --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 --group_reporting", dev, size, size))
+}
+
+func TestFailoverLinkDown(t *testing.T) {
+	requireTools(t, "fio")
+	c := startCluster(t)
+	c.openSession(t, "mpath_policy=round-robin")
+	dev := c.mapDisk(t)
+	done := make(chan error, 1)
+	var out string
+	go func() {
+		var err error
+		out, err = fioVerify(t, dev, "48m")
+		done <- err
+	}()
+	waitFor(t, 30*time.Second, "IO on path 2", func() bool { return rdmaOps(t, c.pathFile(c.p2, "stats/rdma")) > 300 })
+	run(t, "ip", "-n", c.net.cli, "link", "set", c.net.link[1], "down")
+	waitFor(t, 10*time.Second, "path 2 down", func() bool { return cat(c.pathFile(c.p2, "state")) == "disconnected\n" })
+	time.Sleep(time.Second)
+	run(t, "ip", "-n", c.net.cli, "link", "set", c.net.link[1], "up")
+	if err := <-done; err != nil {
+		t.Fatalf("fio: %v\n%s", err, out)
+	}
+	if fo := field(t, c.pathFile(c.p1, "stats/rdma"), 5); fo == 0 {
+		t.Errorf("failovered on path 1 is 0; path 2 rdma %q", cat(c.pathFile(c.p2, "stats/rdma")))
+	}
+	waitFor(t, 20*time.Second, "path 2 back", func() bool { return cat(c.pathFile(c.p2, "state")) == "connected\n" })
+	if ok := field(t, c.pathFile(c.p2, "stats/reconnects"), 0); ok == 0 {
+		t.Errorf("reconnects %q", cat(c.pathFile(c.p2, "stats/reconnects")))
+	}
+}
+
+func TestDaemonsKilled(t *testing.T) {
+	requireTools(t, "fio")
+	c := startCluster(t)
+	c.openSession(t, "")
+	dev := c.mapDisk(t)
+	mustBash(t, fmt.Sprintf("printf 'rtrs-e2e%%.0s' $(seq 131072) | dd of=%s bs=1M count=1 conv=notrunc,fsync iflag=fullblock status=none", dev))
+
+	// The server crashes and comes back: the client reconnects, remaps, IO goes on.
+	c.srvd.kill9()
+	c.srvd.start()
+	waitFor(t, 30*time.Second, "both paths back", func() bool {
+		return cat(c.pathFile(c.p1, "state")) == "connected\n" && cat(c.pathFile(c.p2, "state")) == "connected\n"
+	})
+	got := mustBash(t, "dd if="+dev+" bs=1M count=1 status=none | sha256sum")
+	want := mustBash(t, fmt.Sprintf("printf 'rtrs-e2e%%.0s' $(seq 131072) | sha256sum"))
+	if got != want {
+		t.Fatalf("data after the server restart: %q, want %q", got, want)
+	}
+	if out, err := fioVerify(t, dev, "8m"); err != nil {
+		t.Fatalf("fio after the server restart: %v\n%s", err, out)
+	}
+	want = mustBash(t, "dd if="+dev+" bs=1M count=32 status=none | sha256sum") // what fio left
+
+	// The client crashes: its mounts go stale; the restart clears them and restores the
+	// session and the device from the config it wrote back.
+	c.clid.kill9()
+	if _, err := os.Stat(c.cliMnt + "/ctl"); err == nil {
+		t.Log("client mount answered after kill -9")
+	}
+	c.clid.start()
+	waitFor(t, 30*time.Second, "device restored", func() bool { return exists(dev) })
+	got = mustBash(t, "dd if="+dev+" bs=1M count=32 status=none | sha256sum")
+	if got != want {
+		t.Fatalf("data after the client restart: %q", got)
+	}
+	if got := mustBash(t, "ls "+c.cliMnt+"/e2e/paths"); got != c.p1+"\n"+c.p2+"\n" {
+		t.Fatalf("paths after the client restart %q", got)
+	}
+}
+
+// TestPolicyUnderLoad: round-robin spreads requests evenly; min-inflight moves them off a
+// path whose link is rate-limited.
+func TestPolicyUnderLoad(t *testing.T) {
+	requireTools(t, "fio", "tc")
+	c := startCluster(t)
+	c.openSession(t, "mpath_policy=round-robin")
+	dev := c.mapDisk(t)
+	load := func() {
+		if out, err := bash(t, "fio --name=l --filename="+dev+" --rw=randwrite --bs=16k --size=64m --numjobs=4 --offset_increment=64m --ioengine=psync --runtime=3 --time_based"); err != nil {
+			t.Fatalf("fio: %v\n%s", err, out)
+		}
+	}
+	reset := func() {
+		for _, p := range []string{c.p1, c.p2} {
+			mustBash(t, "echo 1 > "+c.pathFile(p, "stats/reset_all"))
+		}
+	}
+	reset()
+	load()
+	a, b := rdmaOps(t, c.pathFile(c.p1, "stats/rdma")), rdmaOps(t, c.pathFile(c.p2, "stats/rdma"))
+	if a == 0 || b == 0 || float64(a)/float64(b) > 1.2 || float64(b)/float64(a) > 1.2 {
+		t.Errorf("round-robin: %d and %d requests", a, b)
+	}
+	// Path 2 at 20 Mbit/s; min-inflight must send most requests to path 1.
+	run(t, "tc", "-n", c.net.cli, "qdisc", "add", "dev", c.net.link[1], "root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms")
+	mustBash(t, "echo min-inflight > "+c.cliMnt+"/e2e/mpath_policy")
+	reset()
+	load()
+	a, b = rdmaOps(t, c.pathFile(c.p1, "stats/rdma")), rdmaOps(t, c.pathFile(c.p2, "stats/rdma"))
+	if a < 3*b {
+		t.Errorf("min-inflight with path 2 throttled: path 1 %d, path 2 %d requests", a, b)
+	}
+	t.Logf("min-inflight: path 1 %d, path 2 %d requests", a, b)
+}
