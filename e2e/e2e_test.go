@@ -69,7 +69,7 @@ func bash(t *testing.T, script string) (string, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, "bash", "-c", script).CombinedOutput()
+	out, err := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-c", script).CombinedOutput()
 	return string(out), err
 }
 

@@ -128,7 +128,7 @@ func (d *clientd) declarations() []string {
 		out = append(out, line)
 	}
 	for _, dev := range d.c.Devices() {
-		if dev.State() == rnbd.StateUnmapped {
+		if dev.State() == rnbd.StateUnmapped || !dev.Opened() {
 			continue
 		}
 		out = append(out, fmt.Sprintf("map_device sessname=%s device_path=%s access_mode=%v", dev.Session(), dev.Path(), dev.AccessMode()))

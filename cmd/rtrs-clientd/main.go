@@ -146,7 +146,7 @@ func unmount(lg *log.Entry, s interface{ Unmount() error }, dir string) {
 func (d *clientd) exports() []nbd.Export {
 	var out []nbd.Export
 	for _, dev := range d.c.Devices() {
-		if dev.State() == rnbd.StateUnmapped {
+		if dev.State() == rnbd.StateUnmapped || !dev.Opened() {
 			continue
 		}
 		out = append(out, nbd.Export{Name: dev.Session() + "/" + fsview.DeviceFileName(dev.Path()),

@@ -37,7 +37,7 @@ func (t *DevTree) Entries() []Entry {
 	bySess := map[string][]Entry{}
 	var order []string
 	for _, d := range t.C.C.Devices() {
-		if d.State() == rnbd.StateUnmapped {
+		if d.State() == rnbd.StateUnmapped || !d.Opened() {
 			continue
 		}
 		name := DeviceFileName(d.Path())

@@ -452,6 +452,10 @@ func (d *Device) setDown() {
 	}
 }
 
+// Opened says whether the first OPEN has been answered (the device has its size); a
+// device is listed from the start of Map, so that a second Map of it is EEXIST.
+func (d *Device) Opened() bool { d.mu.Lock(); defer d.mu.Unlock(); return d.geo.LogicalBlockSize != 0 }
+
 // Session is the device's session name; Path its path on the server.
 func (d *Device) Session() string { return d.sess.name }
 

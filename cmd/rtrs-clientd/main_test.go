@@ -1,0 +1,87 @@
+package main
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/pkg/fsview"
+)
+
+// TestDeployConfig: the example config's settings are flags of this daemon and its
+// declarations parse.
+func TestDeployConfig(t *testing.T) {
+	conf := "../../deploy/config/rtrs-clientd.conf"
+	dir := t.TempDir()
+	if err := run(context.Background(), []string{"-config", conf, "-cleanup", "-mount", dir + "/a", "-dev-mount", dir + "/b"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := daemon.ReadConfig(conf, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cfg.Decls) != 2 {
+		t.Fatalf("declarations %q", cfg.Decls)
+	}
+	for _, d := range cfg.Decls {
+		verb, rest, _ := strings.Cut(d, " ")
+		var err error
+		switch verb {
+		case "open_session":
+			_, _, _, err = fsview.ParseOpenSession(rest)
+		case "map_device":
+			_, err = fsview.ParseMapDevice(rest)
+		default:
+			t.Fatalf("declaration %q", d)
+		}
+		if err != nil {
+			t.Errorf("%q: %v", d, err)
+		}
+	}
+}
+
+func TestBadConfig(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.conf")
+	if err := os.WriteFile(p, []byte("no-such-setting = 1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run(context.Background(), []string{"-config", p, "-cleanup"}); err == nil || !strings.Contains(err.Error(), "unknown setting") {
+		t.Fatalf("unknown setting: %v", err)
+	}
+	if err := os.WriteFile(p, []byte("io-timeout = soon\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run(context.Background(), []string{"-config", p, "-cleanup"}); err == nil {
+		t.Fatal("bad duration accepted")
+	}
+	if err := run(context.Background(), []string{"-config", filepath.Join(t.TempDir(), "missing"), "-cleanup"}); err == nil {
+		t.Fatal("a config file named on the command line must exist")
+	}
+}
+
+// TestUnits: no unit setting may give the daemons a private mount namespace.
+func TestUnits(t *testing.T) {
+	for _, u := range []string{"rtrs-clientd.service", "rtrs-serverd.service"} {
+		b, err := os.ReadFile("../../deploy/systemd/" + u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := string(b)
+		for _, need := range []string{"Type=notify", "LimitMEMLOCK=infinity", "-cleanup", "Restart=on-failure"} {
+			if !strings.Contains(s, need) {
+				t.Errorf("%s lacks %s", u, need)
+			}
+		}
+		for _, line := range strings.Split(s, "\n") {
+			for _, bad := range []string{"PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateDevices", "ReadOnlyPaths",
+				"ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem", "PrivateMounts", "MountFlags", "BindPaths"} {
+				if strings.HasPrefix(strings.TrimSpace(line), bad+"=") {
+					t.Errorf("%s: %s makes a private mount namespace", u, line)
+				}
+			}
+		}
+	}
+}
