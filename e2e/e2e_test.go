@@ -6,6 +6,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -135,6 +136,7 @@ type daemon struct {
 	t    *testing.T
 	name string
 	args []string
+	env  []string
 	ns   string
 	log  string
 	cmd  *exec.Cmd
@@ -157,6 +159,7 @@ func (d *daemon) start() {
 	args := append([]string{"--net=/run/netns/" + d.ns, filepath.Join(binDir, d.name)}, d.args...)
 	d.cmd = exec.Command("nsenter", args...)
 	d.cmd.Stdout, d.cmd.Stderr = f, f
+	d.cmd.Env = append(os.Environ(), d.env...)
 	if err := d.cmd.Start(); err != nil {
 		d.t.Fatal(err)
 	}
@@ -419,4 +422,87 @@ func TestPolicyUnderLoad(t *testing.T) {
 		t.Errorf("min-inflight with path 2 throttled: path 1 %d, path 2 %d requests", a, b)
 	}
 	t.Logf("min-inflight: path 1 %d, path 2 %d requests", a, b)
+}
+
+// TestNotifyAndSignals: READY=1 and STATUS= reach systemd's socket; SIGHUP re-reads the
+// config (RELOADING=1 … READY=1) and applies a new declaration; SIGUSR1 dumps the stacks;
+// SIGTERM says STOPPING=1, unmounts and exits 0.
+func TestNotifyAndSignals(t *testing.T) {
+	requireTools(t, "nsenter", "ip")
+	n := setupNet(t)
+	dir := t.TempDir()
+	exports := filepath.Join(dir, "exports")
+	if err := os.MkdirAll(exports, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	srvd := startDaemon(t, n.srv, "rtrs-serverd", "-config=/dev/null", "-dev-search-path="+exports, "-mount="+dir+"/srv")
+	_ = srvd
+	sock := filepath.Join(dir, "notify.sock")
+	ln, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	msgs := make(chan string, 64)
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			k, _, err := ln.ReadFromUnix(buf)
+			if err != nil {
+				close(msgs)
+				return
+			}
+			msgs <- string(buf[:k])
+		}
+	}()
+	expect := func(what string) string {
+		t.Helper()
+		timeout := time.After(20 * time.Second)
+		for {
+			select {
+			case m, ok := <-msgs:
+				if !ok {
+					t.Fatalf("notify socket closed waiting for %s", what)
+				}
+				if strings.Contains(m, what) {
+					return m
+				}
+			case <-timeout:
+				t.Fatalf("no %s", what)
+			}
+		}
+	}
+	conf := filepath.Join(dir, "c.conf")
+	if err := os.WriteFile(conf, []byte("log-level = info\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cli := &daemon{t: t, name: "rtrs-clientd", ns: n.cli, log: filepath.Join(dir, "cli.log"), env: []string{"NOTIFY_SOCKET=" + sock},
+		args: []string{"-config=" + conf, "-mount=" + dir + "/cli", "-dev-mount=" + dir + "/dev", "-nbd-socket="}}
+	cli.start()
+	t.Cleanup(cli.stop)
+	if m := expect("READY=1"); !strings.Contains(m, "STATUS=0 sessions, 0/0 paths connected, 0 devices mapped") {
+		t.Errorf("ready message %q", m)
+	}
+	f, err := os.OpenFile(conf, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintln(f, "open_session sessname=hup path=ip:10.77.1.1@ip:10.77.1.2")
+	f.Close()
+	_ = cli.cmd.Process.Signal(syscall.SIGHUP)
+	expect("RELOADING=1")
+	expect("READY=1")
+	waitFor(t, 10*time.Second, "session from the reloaded config", func() bool { return exists(dir + "/cli/hup/paths/ip:10.77.1.1@ip:10.77.1.2") })
+	expect("STATUS=1 sessions, 1/1 paths connected")
+	_ = cli.cmd.Process.Signal(syscall.SIGUSR1)
+	waitFor(t, 10*time.Second, "goroutine dump", func() bool { return strings.Contains(cat(cli.log), "goroutine dump (SIGUSR1)") })
+	_ = cli.cmd.Process.Signal(syscall.SIGTERM)
+	expect("STOPPING=1")
+	if err := cli.cmd.Wait(); err != nil {
+		t.Fatalf("exit: %v\n%s", err, cat(cli.log))
+	}
+	cli.cmd = nil
+	if out := run(t, "cat", "/proc/self/mounts"); strings.Contains(out, dir+"/cli") {
+		t.Fatal("client tree still mounted after SIGTERM")
+	}
 }

@@ -20,6 +20,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
@@ -50,9 +51,9 @@ type clientd struct {
 }
 
 func run(parent context.Context, args []string) error {
-	var d *clientd
+	var cur atomic.Pointer[clientd] // set once the daemon is up; SIGHUP before that is a no-op
 	ctx, stop := daemon.Signals(parent, func() {
-		if d != nil {
+		if d := cur.Load(); d != nil {
 			d.reload()
 		}
 	})
@@ -92,7 +93,7 @@ func run(parent context.Context, args []string) error {
 		defer cancel()
 		c.Close(cctx)
 	}()
-	d = &clientd{cfgPath: *cfgPath, c: c, lg: lg}
+	d := &clientd{cfgPath: *cfgPath, c: c, lg: lg}
 	d.tree = &fsview.ClientTree{C: c, OnChange: d.writeBack}
 	cs, err := fsview.Mount(*mount, d.tree, fsview.MountOptions{Name: "rtrs-client"})
 	if err != nil {
@@ -119,6 +120,7 @@ func run(parent context.Context, args []string) error {
 		}
 		go func() { _ = ns.Serve(ln) }()
 	}
+	cur.Store(d)
 	lg.Infof("trees at %s and %s, NBD at %s", *mount, *devMount, *nbdSock)
 	daemon.Notify("READY=1\nSTATUS=" + d.status())
 	// Declarations are applied after READY: a server that is down must not hold up boot.

@@ -280,3 +280,30 @@ func TestErrno(t *testing.T) {
 		t.Error("path name refused")
 	}
 }
+
+// TestPermissions: other users read the tree but cannot write a control file.
+func TestPermissions(t *testing.T) {
+	leakcheck.Check(t)
+	tt := &testTree{}
+	dir := mount(t, tt)
+	if _, err := exec.LookPath("setpriv"); err != nil {
+		t.Skip("no setpriv")
+	}
+	if err := os.Chmod(filepath.Dir(dir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	as := func(script string) (string, error) {
+		return sh(t, "setpriv --reuid=65534 --regid=65534 --clear-groups bash -c '"+script+"'")
+	}
+	if out, err := as("cat " + dir + "/value"); err != nil || out != "0\n" {
+		t.Fatalf("read as nobody: %q %v", out, err)
+	}
+	if out, err := as("echo 3 > " + dir + "/value"); err == nil || !strings.Contains(out, "Permission denied") {
+		t.Fatalf("write as nobody: %q %v", out, err)
+	}
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	if tt.value != 0 {
+		t.Fatalf("value %d after a refused write", tt.value)
+	}
+}

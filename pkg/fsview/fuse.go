@@ -33,7 +33,9 @@ func Mount(dir string, root Dir, o MountOptions) (*fuse.Server, error) {
 	zero := time.Duration(0)
 	opts := &fs.Options{
 		MountOptions: fuse.MountOptions{
-			AllowOther:   true, // readable by all; the modes keep control files root's
+			AllowOther: true, // readable by all; the modes keep control files root's
+			// The kernel checks the modes (without it, anyone could write a 0644 file).
+			Options:      []string{"default_permissions"},
 			DirectMount:  true,
 			FsName:       o.Name,
 			Name:         o.Name,

@@ -155,6 +155,7 @@ func TestClientServerTrees(t *testing.T) {
 			t.Errorf("policy %q → %q, want %q", in, got, w)
 		}
 	}
+	mustSh(t, "echo mi > "+sd+"/mpath_policy")
 	for _, bad := range []string{"3", "-1", "mix", "min"} {
 		shErr(t, "printf -- '"+bad+"' > "+sd+"/mpath_policy", "Invalid argument")
 	}
