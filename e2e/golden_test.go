@@ -150,7 +150,8 @@ func TestTreesGolden(t *testing.T) {
 				if err == nil || !strings.Contains(out, want) {
 					t.Errorf("%s < %q: %q %v, want %q", f, bad, out, err, want)
 				}
-				if after := cat(full); after != before {
+				// wc_completion moves with every heartbeat: no "unchanged" to check there.
+				if after := cat(full); after != before && filepath.Base(f) != "wc_completion" {
 					t.Errorf("%s changed after bad input %q: %q → %q", f, bad, before, after)
 				}
 			}

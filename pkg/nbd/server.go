@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -150,10 +151,11 @@ type conn struct {
 	inflight sync.WaitGroup // requests read and not yet answered
 	sem      chan struct{}  // one slot per request in flight
 
-	qmu     sync.Mutex // the reply queue
-	pending []pendingReply
-	spare   []pendingReply
-	writing bool
+	qmu      sync.Mutex // the reply queue
+	pending  []pendingReply
+	gathered atomic.Bool // replies queued by gather wait for the hook
+	spare    []pendingReply
+	writing  bool
 
 	// The writer's (one at a time, under writing).
 	hdrs []byte
@@ -347,6 +349,14 @@ type AsyncDevice interface {
 	WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error))
 }
 
+// BatchingDevice is an AsyncDevice that runs a hook after every batch of done callbacks
+// (and after any callback it made outside a batch): replies gathered in the callbacks go
+// out in one write from the hook.
+type BatchingDevice interface {
+	AsyncDevice
+	AfterCompletions(fn func()) (remove func())
+}
+
 // pendingReply is a reply waiting for the writer, with the buffers to recycle after it.
 type pendingReply struct {
 	cookie  uint64
@@ -362,6 +372,11 @@ func (c *conn) transmit() error {
 	sem := c.sem
 	defer c.inflight.Wait() // every request answered (or dropped with the connection)
 	async, _ := c.exp.Dev.(AsyncDevice)
+	queueAsync := c.queue
+	if b, ok := c.exp.Dev.(BatchingDevice); ok {
+		queueAsync = c.gather
+		defer b.AfterCompletions(c.flushGathered)()
+	}
 	var hdr [requestSize]byte
 	for {
 		if _, err := io.ReadFull(c.r, hdr[:]); err != nil {
@@ -402,12 +417,12 @@ func (c *conn) transmit() error {
 			data := getBuf(int(req.Length))
 			cookie := req.Cookie
 			async.ReadAsync(c.s.ctx, data, off, func(err error) {
-				c.queue(pendingReply{cookie: cookie, err: err, data: data})
+				queueAsync(pendingReply{cookie: cookie, err: err, data: data})
 			})
 		case async != nil && req.Type == CmdWrite:
 			cookie := req.Cookie
 			async.WriteAsync(c.s.ctx, payload, off, fua, func(err error) {
-				c.queue(pendingReply{cookie: cookie, err: err, payload: payload})
+				queueAsync(pendingReply{cookie: cookie, err: err, payload: payload})
 			})
 		default:
 			go c.serve(req, payload)
@@ -480,6 +495,42 @@ func (c *conn) queue(r pendingReply) {
 	c.qmu.Lock()
 	c.pending = append(c.pending, r)
 	if c.writing {
+		c.qmu.Unlock()
+		return
+	}
+	c.writing = true
+	for {
+		batch := c.pending
+		c.pending = c.spare[:0]
+		c.qmu.Unlock()
+		c.write(batch)
+		c.qmu.Lock()
+		c.spare = batch[:0]
+		if len(c.pending) == 0 {
+			c.writing = false
+			c.qmu.Unlock()
+			return
+		}
+	}
+}
+
+// gather queues a reply without writing it: the device's after-completions hook sends
+// everything gathered in one write.
+func (c *conn) gather(r pendingReply) {
+	c.qmu.Lock()
+	c.pending = append(c.pending, r)
+	c.qmu.Unlock()
+	c.gathered.Store(true)
+}
+
+// flushGathered is the after-completions hook: it sends what gather queued, unless a write
+// is in progress (whose writer then takes it).
+func (c *conn) flushGathered() {
+	if !c.gathered.Swap(false) {
+		return
+	}
+	c.qmu.Lock()
+	if c.writing || len(c.pending) == 0 {
 		c.qmu.Unlock()
 		return
 	}

@@ -30,8 +30,10 @@ type ClientOptions struct {
 
 // Client maps remote devices (the rnbd-client module): sessions by name, devices per session.
 type Client struct {
-	opts ClientOptions
-	log  *log.Entry
+	opts  ClientOptions
+	log   *log.Entry
+	hooks atomic.Pointer[[]*func()] // AfterCompletions hooks, copied on change
+	hmu   sync.Mutex
 
 	mu       sync.Mutex
 	sessions map[string]*cltSess
@@ -104,6 +106,44 @@ func (c *Client) Map(ctx context.Context, o MapOptions) (*Device, error) {
 	}
 	return d, nil
 }
+
+// AfterCompletions registers fn to run after every batch of IO completions of the client's
+// sessions, and after every ReadAsync/WriteAsync callback that ran elsewhere: a caller that
+// gathers what its callbacks produce (replies to send) sends it from fn. fn must not block.
+// The returned function unregisters it.
+func (c *Client) AfterCompletions(fn func()) (remove func()) {
+	p := &fn
+	c.hmu.Lock()
+	defer c.hmu.Unlock()
+	var cur []*func()
+	if h := c.hooks.Load(); h != nil {
+		cur = *h
+	}
+	next := append(append([]*func(){}, cur...), p)
+	c.hooks.Store(&next)
+	return func() {
+		c.hmu.Lock()
+		defer c.hmu.Unlock()
+		var keep []*func()
+		for _, q := range *c.hooks.Load() {
+			if q != p {
+				keep = append(keep, q)
+			}
+		}
+		c.hooks.Store(&keep)
+	}
+}
+
+func (c *Client) runHooks() {
+	if h := c.hooks.Load(); h != nil {
+		for _, f := range *h {
+			(*f)()
+		}
+	}
+}
+
+// AfterCompletions registers fn with the device's client (see Client.AfterCompletions).
+func (d *Device) AfterCompletions(fn func()) (remove func()) { return d.sess.c.AfterCompletions(fn) }
 
 // OpenSession opens a session without mapping anything (the daemon's ctl/open_session); it
 // stays until CloseSession, devices or not. mod, if not nil, adjusts the session's options
@@ -181,6 +221,13 @@ func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transp
 	}
 	so.SessName, so.Paths, so.Port = o.SessName, o.Paths, o.Port
 	so.OnLinkEvent = s.linkEvent
+	prev := so.AfterCompletions
+	so.AfterCompletions = func() {
+		if prev != nil {
+			prev()
+		}
+		c.runHooks()
+	}
 	rs, err := transport.Open(ctx, so)
 	if err != nil {
 		return nil, err
@@ -705,7 +752,7 @@ type ioHdr struct{ b [IOSize]byte }
 var hdrPool = sync.Pool{New: func() any { return new(ioHdr) }}
 
 // ReadAsync reads len(p) bytes at off and calls done once, from a transport goroutine or
-// its own; done must not block. An IO that fits one request and finds the device mapped
+// its own, followed by the AfterCompletions hooks; done must not block. An IO that fits one request and finds the device mapped
 // goes out from the caller's goroutine with no hand-off; anything else (splitting, waiting
 // for a reconnect, resending) runs on a goroutine of its own.
 func (d *Device) ReadAsync(ctx context.Context, p []byte, off int64, done func(error)) {
@@ -716,6 +763,7 @@ func (d *Device) ReadAsync(ctx context.Context, p []byte, off int64, done func(e
 func (d *Device) WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error)) {
 	if d.mode == AccessRO {
 		done(fmt.Errorf("rnbd: %q is mapped ro: %w", d.path, syscall.EPERM))
+		d.sess.c.runHooks()
 		return
 	}
 	flags := uint32(0)
@@ -728,6 +776,7 @@ func (d *Device) WriteAsync(ctx context.Context, p []byte, off int64, fua bool, 
 func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
 	if err := d.check(off, int64(len(p))); err != nil {
 		done(err)
+		d.sess.c.runHooks()
 		return
 	}
 	max := d.maxIO()
@@ -759,8 +808,12 @@ func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []
 // asyncOne sends one request; when the device is not mapped, or the session or the id went
 // away under the request, it continues on a goroutine with the waiting, resending submit.
 func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
+	// Outside the transport's completion goroutine, the hooks run after done themselves.
 	slow := func() {
-		go func() { done(d.submit(ctx, op, flags, off, len(p), p)) }()
+		go func() {
+			done(d.submit(ctx, op, flags, off, len(p), p))
+			d.sess.c.runHooks()
+		}()
 	}
 	d.mu.Lock()
 	st, id := d.state, d.id
@@ -793,6 +846,7 @@ func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p
 	}); err != nil {
 		hdrPool.Put(h)
 		fail(err)
+		d.sess.c.runHooks()
 	}
 }
 

@@ -62,6 +62,10 @@ type ClientOptions struct {
 	// OnLinkEvent gets LinkDisconnected when no path is left and LinkReconnected when the
 	// first comes back. It runs on a transport goroutine and must not block.
 	OnLinkEvent func(LinkEvent)
+	// AfterCompletions, if set, runs on a connection's completion goroutine after each batch
+	// of completions it handled (request callbacks included), so that a user can gather what
+	// those callbacks produced and send it once. It must not block.
+	AfterCompletions func()
 }
 
 // Session is a client session: a name, paths to one server session, and one pool of permits.

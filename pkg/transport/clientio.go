@@ -261,6 +261,9 @@ func (p *Path) onCompletions(c *con, wc []rdma.WC) {
 		}
 		p.recv(c, w)
 	}))
+	if f := p.sess.opts.AfterCompletions; f != nil {
+		f()
+	}
 }
 
 // recv handles a receive completion on c and re-posts the receive.
