@@ -349,6 +349,13 @@ type AsyncDevice interface {
 	WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error))
 }
 
+// PluggingDevice can gather the requests started between Plug and Unplug and send them
+// together; the server plugs while more requests are already buffered from the client.
+type PluggingDevice interface {
+	Plug()
+	Unplug()
+}
+
 // BatchingDevice is an AsyncDevice that runs a hook after every batch of done callbacks
 // (and after any callback it made outside a batch): replies gathered in the callbacks go
 // out in one write from the hook.
@@ -377,8 +384,22 @@ func (c *conn) transmit() error {
 		queueAsync = c.gather
 		defer b.AfterCompletions(c.flushGathered)()
 	}
+	// While the next request is already buffered, the device is plugged: requests read in
+	// one go leave in one go. Unplugged before anything that waits.
+	plugger, _ := c.exp.Dev.(PluggingDevice)
+	plugged := false
+	unplug := func() {
+		if plugged {
+			plugger.Unplug()
+			plugged = false
+		}
+	}
+	defer unplug()
 	var hdr [requestSize]byte
 	for {
+		if c.r.Buffered() < requestSize {
+			unplug() // the next read may wait
+		}
 		if _, err := io.ReadFull(c.r, hdr[:]); err != nil {
 			return err
 		}
@@ -402,9 +423,18 @@ func (c *conn) transmit() error {
 		}
 		select {
 		case sem <- struct{}{}:
-		case <-c.s.ctx.Done():
-			putBuf(payload)
-			return c.s.ctx.Err()
+		default:
+			unplug() // slots come back with replies, which need what a plug holds
+			select {
+			case sem <- struct{}{}:
+			case <-c.s.ctx.Done():
+				putBuf(payload)
+				return c.s.ctx.Err()
+			}
+		}
+		if plugger != nil && !plugged && c.r.Buffered() >= requestSize {
+			plugger.Plug()
+			plugged = true
 		}
 		c.inflight.Add(1)
 		if err := c.check(req); err != nil {

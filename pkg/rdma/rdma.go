@@ -377,6 +377,15 @@ type QP interface {
 	ToError()
 }
 
+// Plugger is implemented by queue pairs that can hold back the frames of posted work
+// requests and send them together, as a driver rings one doorbell for a list of work
+// requests. Plugs nest; the last Unplug sends what was held. Work requests are executed and
+// completed as usual, only their transmission waits.
+type Plugger interface {
+	Plug()
+	Unplug()
+}
+
 // ConnParam is what connect and accept carry (rdma_conn_param).
 type ConnParam struct {
 	PrivateData []byte

@@ -142,6 +142,13 @@ func (c *Client) runHooks() {
 	}
 }
 
+// Plug gathers the device's next requests and sends them together at Unplug
+// (transport.Session.Plug); the caller must not wait for their completions in between.
+func (d *Device) Plug() { d.sess.rtrs.Plug() }
+
+// Unplug sends what Plug gathered.
+func (d *Device) Unplug() { d.sess.rtrs.Unplug() }
+
 // AfterCompletions registers fn with the device's client (see Client.AfterCompletions).
 func (d *Device) AfterCompletions(fn func()) (remove func()) { return d.sess.c.AfterCompletions(fn) }
 

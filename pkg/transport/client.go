@@ -87,6 +87,8 @@ type Session struct {
 	permits *permits
 	reqs    []cltReq
 
+	plug plug
+
 	policy       atomic.Int32
 	rr           atomic.Uint32
 	maxReconnect atomic.Int32

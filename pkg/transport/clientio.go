@@ -74,9 +74,14 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 	}
 	var permit int
 	if wait {
-		var err error
-		if permit, err = s.permits.get(ctx); err != nil {
-			return err
+		var ok bool
+		if permit, ok = s.permits.tryGet(); !ok {
+			// Permits come back with completions, which need what a plug holds.
+			s.flushPlugs()
+			var err error
+			if permit, err = s.permits.get(ctx); err != nil {
+				return err
+			}
 		}
 	} else {
 		var ok bool
@@ -230,6 +235,7 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 		p.Stats.Inflight.Add(1)
 	}
 	r.owner.Store(c)
+	s.plugCon(c)
 	if _, err := c.qp.PostSend(wrs[:k]); err != nil {
 		if r.owner.CompareAndSwap(c, nil) {
 			if countMI {

@@ -77,6 +77,8 @@ type qp struct {
 	// batching is set while the reader runs completion handlers at the end of a burst: sends
 	// they post on this QP wait for the reader's flush, so a burst's answers leave together.
 	batching atomic.Bool
+	// plugs counts Plug calls not yet unplugged: posts leave their frames queued.
+	plugs atomic.Int32
 
 	// Responder state, owned by the reader goroutine (lastSeq is read by the writer).
 	lastSeq  atomic.Uint64 // highest request executed
@@ -84,7 +86,10 @@ type qp struct {
 	rdSegs   [][]byte
 }
 
-var _ rdma.QP = (*qp)(nil)
+var (
+	_ rdma.QP      = (*qp)(nil)
+	_ rdma.Plugger = (*qp)(nil)
+)
 
 func newQP(dev *device, p *pd, attr rdma.QPInitAttr) (*qp, error) {
 	scq, ok1 := attr.SendCQ.(*cq)
@@ -306,10 +311,22 @@ func (q *qp) finishPost(queued bool) {
 	q.drainLocked()
 	w := q.w
 	q.mu.Unlock()
-	// Enqueued before the flag is read: if the reader is still batching, its flush after
-	// clearing the flag takes these frames along.
-	if queued && !q.batching.Load() {
+	// Enqueued before the flags are read: if the reader is still batching, its flush after
+	// clearing the flag takes these frames along, and so does the last Unplug.
+	if queued && !q.batching.Load() && q.plugs.Load() == 0 {
 		w.flush()
+	}
+}
+
+// Plug holds back the frames of later posts (rdma.Plugger).
+func (q *qp) Plug() { q.plugs.Add(1) }
+
+// Unplug ends a Plug; the last one sends what was held.
+func (q *qp) Unplug() {
+	if q.plugs.Add(-1) == 0 {
+		if w := q.writer(); w != nil {
+			w.flush()
+		}
 	}
 }
 
@@ -814,4 +831,11 @@ func (q *qp) fatal(seq uint64, st rdma.WCStatus, err error) error {
 		q.shutdown(nil)
 	}
 	return err
+}
+
+// writer is the connection's writer (nil before the connection is established).
+func (q *qp) writer() *writer {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.w
 }
