@@ -19,6 +19,11 @@ command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 command -v nbdkit >/dev/null || need+=(nbdkit)
 command -v fio >/dev/null || need+=(fio)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
+# What the end-to-end tests drive: namespaces, users, loop devices, file systems.
+command -v nsenter >/dev/null || need+=(util-linux)
+command -v losetup >/dev/null || need+=(mount)
+command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+command -v tc >/dev/null || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
 	if [ "$(id -u)" != 0 ]; then
 		echo "missing ${need[*]}; run as root or install them" >&2
