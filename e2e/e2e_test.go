@@ -6,6 +6,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"net"
 	"os"
 	"os/exec"
@@ -81,16 +82,6 @@ func mustBash(t *testing.T, script string) string {
 		t.Fatalf("%s: %v\n%s", script, err, out)
 	}
 	return out
-}
-
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 func exists(p string) bool { _, err := os.Stat(p); return err == nil }
@@ -230,7 +221,7 @@ func startCluster(t *testing.T) *cluster {
 		"-dev-search-path="+c.exports, "-mount="+c.srvMnt, "-heartbeat-interval=200ms")
 	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", "-config="+c.cliConf, "-mount="+c.cliMnt,
 		"-dev-mount="+c.devMnt, "-nbd-socket=", fastCli, fastRec, "-con-per-path=3")
-	waitFor(t, 20*time.Second, "both trees mounted", func() bool {
+	testutil.WaitFor(t, 20*time.Second, "both trees mounted", func() bool {
 		return exists(c.srvMnt) && exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device")
 	})
 	c.p1, c.p2 = "ip:10.77.1.1@ip:10.77.1.2", "ip:10.77.2.1@ip:10.77.2.2"
@@ -280,7 +271,7 @@ func TestPathOperations(t *testing.T) {
 	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n"+c.p2+"\n" {
 		t.Fatalf("client paths %q", got)
 	}
-	waitFor(t, 5*time.Second, "server paths", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "server paths", func() bool {
 		out, _ := bash(t, "ls "+c.srvMnt+"/e2e/paths")
 		return out == c.p1s+"\n"+c.p2s+"\n"
 	})
@@ -289,24 +280,24 @@ func TestPathOperations(t *testing.T) {
 	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n" {
 		t.Fatalf("after remove_path %q", got)
 	}
-	waitFor(t, 5*time.Second, "server path 2 gone", func() bool { return !exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	testutil.WaitFor(t, 5*time.Second, "server path 2 gone", func() bool { return !exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
 	mustBash(t, "echo "+c.p2+" > "+sess+"/add_path")
-	waitFor(t, 5*time.Second, "server path 2 back", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	testutil.WaitFor(t, 5*time.Second, "server path 2 back", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
 	// disconnect and reconnect.
 	mustBash(t, "echo 1 > "+c.pathFile(c.p2, "disconnect"))
 	if got := cat(c.pathFile(c.p2, "state")); got != "disconnected\n" {
 		t.Fatalf("state %q", got)
 	}
-	waitFor(t, 5*time.Second, "server path 2 closed", func() bool { return !exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	testutil.WaitFor(t, 5*time.Second, "server path 2 closed", func() bool { return !exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
 	mustBash(t, "echo 1 > "+c.pathFile(c.p2, "reconnect"))
 	if got := cat(c.pathFile(c.p2, "state")); got != "connected\n" {
 		t.Fatalf("state after reconnect %q", got)
 	}
 	// Server-side disconnect: the client comes back by itself and counts it.
-	waitFor(t, 5*time.Second, "server path 2", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s + "/disconnect") })
+	testutil.WaitFor(t, 5*time.Second, "server path 2", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s + "/disconnect") })
 	mustBash(t, "echo 1 > "+c.srvMnt+"/e2e/paths/"+c.p2s+"/disconnect")
-	waitFor(t, 15*time.Second, "client reconnect", func() bool { return field(t, c.pathFile(c.p2, "stats/reconnects"), 0) >= 1 })
-	waitFor(t, 5*time.Second, "connected", func() bool { return cat(c.pathFile(c.p2, "state")) == "connected\n" })
+	testutil.WaitFor(t, 15*time.Second, "client reconnect", func() bool { return field(t, c.pathFile(c.p2, "stats/reconnects"), 0) >= 1 })
+	testutil.WaitFor(t, 5*time.Second, "connected", func() bool { return cat(c.pathFile(c.p2, "state")) == "connected\n" })
 	// The config file got the session written back.
 	if conf := cat(c.cliConf); !strings.Contains(conf, "open_session sessname=e2e") || !strings.Contains(conf, "path="+c.p2) {
 		t.Fatalf("config not written back:\n%s", conf)
@@ -332,9 +323,9 @@ func TestFailoverLinkDown(t *testing.T) {
 		out, err = fioVerify(t, dev, "48m")
 		done <- err
 	}()
-	waitFor(t, 30*time.Second, "IO on path 2", func() bool { return rdmaOps(t, c.pathFile(c.p2, "stats/rdma")) > 300 })
+	testutil.WaitFor(t, 30*time.Second, "IO on path 2", func() bool { return rdmaOps(t, c.pathFile(c.p2, "stats/rdma")) > 300 })
 	run(t, "ip", "-n", c.net.cli, "link", "set", c.net.link[1], "down")
-	waitFor(t, 10*time.Second, "path 2 down", func() bool { return cat(c.pathFile(c.p2, "state")) == "disconnected\n" })
+	testutil.WaitFor(t, 10*time.Second, "path 2 down", func() bool { return cat(c.pathFile(c.p2, "state")) == "disconnected\n" })
 	time.Sleep(time.Second)
 	run(t, "ip", "-n", c.net.cli, "link", "set", c.net.link[1], "up")
 	if err := <-done; err != nil {
@@ -343,7 +334,7 @@ func TestFailoverLinkDown(t *testing.T) {
 	if fo := field(t, c.pathFile(c.p1, "stats/rdma"), 5); fo == 0 {
 		t.Errorf("failovered on path 1 is 0; path 2 rdma %q", cat(c.pathFile(c.p2, "stats/rdma")))
 	}
-	waitFor(t, 20*time.Second, "path 2 back", func() bool { return cat(c.pathFile(c.p2, "state")) == "connected\n" })
+	testutil.WaitFor(t, 20*time.Second, "path 2 back", func() bool { return cat(c.pathFile(c.p2, "state")) == "connected\n" })
 	if ok := field(t, c.pathFile(c.p2, "stats/reconnects"), 0); ok == 0 {
 		t.Errorf("reconnects %q", cat(c.pathFile(c.p2, "stats/reconnects")))
 	}
@@ -359,7 +350,7 @@ func TestDaemonsKilled(t *testing.T) {
 	// The server crashes and comes back: the client reconnects, remaps, IO goes on.
 	c.srvd.kill9()
 	c.srvd.start()
-	waitFor(t, 30*time.Second, "both paths back", func() bool {
+	testutil.WaitFor(t, 30*time.Second, "both paths back", func() bool {
 		return cat(c.pathFile(c.p1, "state")) == "connected\n" && cat(c.pathFile(c.p2, "state")) == "connected\n"
 	})
 	got := mustBash(t, "dd if="+dev+" bs=1M count=1 status=none | sha256sum")
@@ -379,7 +370,7 @@ func TestDaemonsKilled(t *testing.T) {
 		t.Log("client mount answered after kill -9")
 	}
 	c.clid.start()
-	waitFor(t, 30*time.Second, "device restored", func() bool { return exists(dev) })
+	testutil.WaitFor(t, 30*time.Second, "device restored", func() bool { return exists(dev) })
 	got = mustBash(t, "dd if="+dev+" bs=1M count=32 status=none | sha256sum")
 	if got != want {
 		t.Fatalf("data after the client restart: %q", got)
@@ -492,10 +483,10 @@ func TestNotifyAndSignals(t *testing.T) {
 	_ = cli.cmd.Process.Signal(syscall.SIGHUP)
 	expect("RELOADING=1")
 	expect("READY=1")
-	waitFor(t, 10*time.Second, "session from the reloaded config", func() bool { return exists(dir + "/cli/hup/paths/ip:10.77.1.1@ip:10.77.1.2") })
+	testutil.WaitFor(t, 10*time.Second, "session from the reloaded config", func() bool { return exists(dir + "/cli/hup/paths/ip:10.77.1.1@ip:10.77.1.2") })
 	expect("STATUS=1 sessions, 1/1 paths connected")
 	_ = cli.cmd.Process.Signal(syscall.SIGUSR1)
-	waitFor(t, 10*time.Second, "goroutine dump", func() bool { return strings.Contains(cat(cli.log), "goroutine dump (SIGUSR1)") })
+	testutil.WaitFor(t, 10*time.Second, "goroutine dump", func() bool { return strings.Contains(cat(cli.log), "goroutine dump (SIGUSR1)") })
 	_ = cli.cmd.Process.Signal(syscall.SIGTERM)
 	expect("STOPPING=1")
 	if err := cli.cmd.Wait(); err != nil {

@@ -3,6 +3,7 @@ package e2e
 import (
 	"flag"
 	"fmt"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -54,7 +55,7 @@ func TestTreesGolden(t *testing.T) {
 	c := startCluster(t)
 	c.openSession(t, "")
 	c.mapDisk(t)
-	waitFor(t, 5*time.Second, "server paths", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
+	testutil.WaitFor(t, 5*time.Second, "server paths", func() bool { return exists(c.srvMnt + "/e2e/paths/" + c.p2s) })
 	for _, p := range []string{c.p1, c.p2} {
 		mustBash(t, "echo 1 > "+c.pathFile(p, "stats/reset_all"))
 	}

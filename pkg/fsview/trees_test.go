@@ -3,6 +3,7 @@ package fsview
 import (
 	"bytes"
 	"fmt"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -81,16 +82,6 @@ func shErr(t *testing.T, script, want string) {
 	out, err := sh(t, script)
 	if err == nil || !strings.Contains(out, want) {
 		t.Errorf("%s: %q %v, want %q", script, out, err, want)
-	}
-}
-
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -206,9 +197,9 @@ func TestClientServerTrees(t *testing.T) {
 		t.Errorf("state after reconnect %q", got)
 	}
 	// Server-side disconnect: the file goes with the write; the client reconnects by itself.
-	waitFor(t, 5*time.Second, "server path 2", func() bool { _, err := os.Stat(spd + "/disconnect"); return err == nil })
+	testutil.WaitFor(t, 5*time.Second, "server path 2", func() bool { _, err := os.Stat(spd + "/disconnect"); return err == nil })
 	mustSh(t, "echo 1 > "+spd+"/disconnect")
-	waitFor(t, 10*time.Second, "the client's reconnect", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "the client's reconnect", func() bool {
 		out, _ := sh(t, "cat "+sd+"/paths/"+p2+"/stats/reconnects")
 		return strings.HasPrefix(out, "1 ")
 	})
@@ -223,7 +214,7 @@ func TestClientServerTrees(t *testing.T) {
 	if got := mustSh(t, "ls "+sd+"/paths"); got != p1+"\n" {
 		t.Errorf("paths after remove_path: %q", got)
 	}
-	waitFor(t, 5*time.Second, "server path 2 gone", func() bool { _, err := os.Stat(spd); return os.IsNotExist(err) })
+	testutil.WaitFor(t, 5*time.Second, "server path 2 gone", func() bool { _, err := os.Stat(spd); return os.IsNotExist(err) })
 
 	// ls -l: regular files of 4096 bytes, modes as the kernel's.
 	ll := mustSh(t, "ls -l "+pd)

@@ -528,20 +528,7 @@ func (c *conn) queue(r pendingReply) {
 		c.qmu.Unlock()
 		return
 	}
-	c.writing = true
-	for {
-		batch := c.pending
-		c.pending = c.spare[:0]
-		c.qmu.Unlock()
-		c.write(batch)
-		c.qmu.Lock()
-		c.spare = batch[:0]
-		if len(c.pending) == 0 {
-			c.writing = false
-			c.qmu.Unlock()
-			return
-		}
-	}
+	c.writeAllLocked()
 }
 
 // gather queues a reply without writing it: the device's after-completions hook sends
@@ -564,6 +551,12 @@ func (c *conn) flushGathered() {
 		c.qmu.Unlock()
 		return
 	}
+	c.writeAllLocked()
+}
+
+// writeAllLocked makes the caller the writer until nothing is pending; c.qmu is held on
+// entry and released on return.
+func (c *conn) writeAllLocked() {
 	c.writing = true
 	for {
 		batch := c.pending

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -159,16 +160,6 @@ func mustMap(t testing.TB, e *testEnv, c *Client, sess, dev string, mode AccessM
 	return d
 }
 
-func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // randomIO runs n random block-aligned reads and writes (512 B to 600 KiB, so some split at
 // the max IO size) with depth goroutines, checking every read against the model. Writers
 // take disjoint ranges per goroutine so the model stays exact.
@@ -263,7 +254,7 @@ func TestFailoverNoIOError(t *testing.T) {
 		defer close(done)
 		randomIO(t, d, model, 1600, 16, 2)
 	}()
-	waitFor(t, 10*time.Second, "IO in flight on path 2", func() bool { return p2.Inflight() >= 2 })
+	testutil.WaitFor(t, 10*time.Second, "IO in flight on path 2", func() bool { return p2.Inflight() >= 2 })
 	for _, ss := range e.server().sessionsOf() {
 		for _, p := range ss.Paths() {
 			if p.SrcAddr().String() == "ip:127.0.0.2" {
@@ -272,7 +263,7 @@ func TestFailoverNoIOError(t *testing.T) {
 		}
 	}
 	<-done
-	waitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == transport.StateConnected })
+	testutil.WaitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == transport.StateConnected })
 	if fo := sess.Paths()[0].Stats.Failovered.Value(); fo == 0 {
 		t.Log("no request was in flight on path 2 when it went (failovered 0)")
 	}
@@ -306,7 +297,7 @@ func TestSessionDownShort(t *testing.T) {
 			p.Disconnect()
 		}
 	}
-	waitFor(t, 5*time.Second, "device disconnected", func() bool { return d.State() == StateDisconnected })
+	testutil.WaitFor(t, 5*time.Second, "device disconnected", func() bool { return d.State() == StateDisconnected })
 	buf := bytes.Repeat([]byte{0x5a}, 64<<10)
 	if _, err := d.WriteAt(buf, 4096); err != nil {
 		t.Fatalf("write while the session was away: %v", err)
@@ -345,7 +336,7 @@ func TestSessionDownLong(t *testing.T) {
 		t.Fatalf("write: %v", err)
 	}
 	e.start(t, port)
-	waitFor(t, 10*time.Second, "remap", func() bool { return d.State() == StateMapped })
+	testutil.WaitFor(t, 10*time.Second, "remap", func() bool { return d.State() == StateMapped })
 	if d.ID() == oldID {
 		t.Logf("same id %d after the server restarted", oldID)
 	}

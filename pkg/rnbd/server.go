@@ -2,7 +2,6 @@ package rnbd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -223,17 +222,9 @@ func (s *Server) process(r *transport.SrvRequest) int {
 	return errnoOf(err)
 }
 
-// errnoOf is the negative errno an error stands for (EIO when it names none).
-func errnoOf(err error) int {
-	if err == nil {
-		return 0
-	}
-	var en syscall.Errno
-	if errors.As(err, &en) {
-		return -int(en)
-	}
-	return -int(syscall.EIO)
-}
+// errnoOf is the negative errno an error stands for (EIO when it names none), as the
+// response carries it.
+func errnoOf(err error) int { return transport.Errno(err) }
 
 func (s *Server) sess(ts *transport.SrvSess) *srvSess {
 	ss := s.sessions[ts]

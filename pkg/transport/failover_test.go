@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"errors"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"syscall"
 	"testing"
 	"time"
@@ -10,17 +11,6 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
-
-// waitFor polls cond for up to d.
-func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
 
 // srvPath finds the server path whose client address is src.
 func (e *env) srvPath(t testing.TB, src string) *SrvPath {
@@ -52,7 +42,7 @@ func TestFailoverMidIO(t *testing.T) {
 		randomIO(t, s, model, 4000, 48, 7)
 	}()
 	// Kill path 2 mid-IO from the client's side: its connections go to error at once.
-	waitFor(t, 10*time.Second, "IO in flight on path 2", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "IO in flight on path 2", func() bool {
 		return p2.Stats.WriteCnt.Value()+p2.Stats.ReadCnt.Value() > 200 && p2.Inflight() >= 4
 	})
 	p2.mu.Lock()
@@ -64,7 +54,7 @@ func TestFailoverMidIO(t *testing.T) {
 	if p1.Stats.Failovered.Value() == 0 {
 		t.Fatal("path 1 took no failed-over request")
 	}
-	waitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == StateConnected })
+	testutil.WaitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == StateConnected })
 	if p2.Stats.ReconnectOK.Value() != 1 {
 		t.Fatalf("reconnects ok %d", p2.Stats.ReconnectOK.Value())
 	}
@@ -129,7 +119,7 @@ func TestNoReconnect(t *testing.T) {
 	})
 	p := s.Paths()[1]
 	e.srvPath(t, "ip:127.0.0.2").Disconnect()
-	waitFor(t, 5*time.Second, "path closed", func() bool { return p.State() == StateClosed })
+	testutil.WaitFor(t, 5*time.Second, "path closed", func() bool { return p.State() == StateClosed })
 	time.Sleep(200 * time.Millisecond)
 	if p.State() != StateClosed || p.Stats.ReconnectOK.Value() != 0 {
 		t.Fatalf("path %v after a failure with no reconnect allowed", p.State())
@@ -157,7 +147,7 @@ func TestHeartbeatLoss(t *testing.T) {
 	e := newEnv(t, false, 16)
 	s := e.open(t, "hb", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
 	p := s.Paths()[0]
-	waitFor(t, 5*time.Second, "a heartbeat round trip", func() bool { return p.CurLatency() > 0 })
+	testutil.WaitFor(t, 5*time.Second, "a heartbeat round trip", func() bool { return p.CurLatency() > 0 })
 	sp := e.srvPath(t, "ip:127.0.0.1")
 	block := make(chan struct{})
 	sp.mu.Lock()
@@ -167,10 +157,10 @@ func TestHeartbeatLoss(t *testing.T) {
 	// server never looks at connection 0's completions again, as a hung peer would.
 	go cq.SetHandler(func() { <-block })
 	start := time.Now()
-	waitFor(t, 5*time.Second, "heartbeat loss", func() bool { return p.State() != StateConnected })
+	testutil.WaitFor(t, 5*time.Second, "heartbeat loss", func() bool { return p.State() != StateConnected })
 	t.Logf("loss detected after %v (interval 50ms, 3 misses)", time.Since(start))
 	close(block)
-	waitFor(t, 10*time.Second, "reconnect", func() bool { return p.State() == StateConnected })
+	testutil.WaitFor(t, 10*time.Second, "reconnect", func() bool { return p.State() == StateConnected })
 	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 512)); err != nil {
 		t.Fatal(err)
 	}
@@ -213,14 +203,14 @@ func TestStaleRkeyRefused(t *testing.T) {
 		SGList: []rdma.SGE{rdma.SGEOf(res.iu, 7*MaxHdrSize, 64)}, RemoteAddr: addr, RKey: old}}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
+	testutil.WaitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
 	e.disk.mu.Lock()
 	after := string(chunk[:64])
 	e.disk.mu.Unlock()
 	if after != before {
 		t.Fatal("a stale key wrote into the chunk")
 	}
-	waitFor(t, 10*time.Second, "reconnect", func() bool { return p.State() == StateConnected })
+	testutil.WaitFor(t, 10*time.Second, "reconnect", func() bool { return p.State() == StateConnected })
 	if err := s.Do(context.Background(), Read, offHdr(0), make([]byte, 4096)); err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +227,7 @@ func TestQueueDepthChange(t *testing.T) {
 	if err := e.srv.Close(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
+	testutil.WaitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
 	o := DefaultServerOptions()
 	o.Provider, o.Handler, o.Timings, o.Addr, o.QueueDepth = e.prov, e.disk, fastTimings(), addr, 32
 	srv2, err := NewServer(o)
@@ -245,7 +235,7 @@ func TestQueueDepthChange(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv2.Close()
-	waitFor(t, 10*time.Second, "path closed", func() bool { return p.State() == StateClosed })
+	testutil.WaitFor(t, 10*time.Second, "path closed", func() bool { return p.State() == StateClosed })
 	time.Sleep(300 * time.Millisecond)
 	if p.State() != StateClosed || p.Stats.ReconnectOK.Value() != 0 || p.Stats.ReconnectFail.Value() == 0 {
 		t.Fatalf("path %v, reconnects %s", p.State(), p.Stats.Reconnects())

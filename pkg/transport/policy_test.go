@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"errors"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"net/netip"
 	"sync/atomic"
 	"syscall"
@@ -96,7 +97,7 @@ func TestPolicies(t *testing.T) {
 		if err := s.Request(ctx, Read, offHdr(0), make([]byte, 512), func(error) {}); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 5*time.Second, "the request held", func() bool { return len(hd.held) == 1 })
+		testutil.WaitFor(t, 5*time.Second, "the request held", func() bool { return len(hd.held) == 1 })
 		drain()
 		for i := 0; i < 20; i++ {
 			if err := s.Do(ctx, Write, offHdr(0), make([]byte, 512)); err != nil {
@@ -109,7 +110,7 @@ func TestPolicies(t *testing.T) {
 			}
 		}
 		release()
-		waitFor(t, 5*time.Second, "held requests answered", func() bool { return s.Paths()[0].Inflight() == 0 })
+		testutil.WaitFor(t, 5*time.Second, "held requests answered", func() bool { return s.Paths()[0].Inflight() == 0 })
 	})
 
 	t.Run("min-latency prefers the faster path", func(t *testing.T) {
@@ -121,7 +122,7 @@ func TestPolicies(t *testing.T) {
 		var wc [16]rdma.WC
 		c.cq.SetHandler(func() { time.Sleep(5 * time.Millisecond); sp.onCompletions(c, wc[:]) })
 		p0, p1 := s.Paths()[0], s.Paths()[1]
-		waitFor(t, 5*time.Second, "latencies", func() bool {
+		testutil.WaitFor(t, 5*time.Second, "latencies", func() bool {
 			return p1.CurLatency() > 4*time.Millisecond && p0.CurLatency() > 0 && p0.CurLatency() < 2*time.Millisecond
 		})
 		if err := s.SetPolicy(MinLatency); err != nil {
@@ -263,14 +264,14 @@ func TestPathOperations(t *testing.T) {
 	if p2.State() != StateClosed {
 		t.Fatalf("after disconnect: %v", p2.State())
 	}
-	waitFor(t, 5*time.Second, "server side gone", func() bool { return srvPaths() == 1 })
+	testutil.WaitFor(t, 5*time.Second, "server side gone", func() bool { return srvPaths() == 1 })
 	if err := s.Do(ctx, Write, offHdr(0), make([]byte, 4096)); err != nil {
 		t.Fatalf("IO with one path disconnected: %v", err)
 	}
 	if err := p2.Reconnect(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "server side back", func() bool { return srvPaths() == 2 })
+	testutil.WaitFor(t, 5*time.Second, "server side back", func() bool { return srvPaths() == 2 })
 	p2.Remove()
 	if len(s.Paths()) != 1 || p2.State() != StateDead {
 		t.Fatalf("after remove: %d paths, %v", len(s.Paths()), p2.State())
@@ -313,7 +314,7 @@ func TestZombiePath(t *testing.T) {
 		t.Fatalf("closed after %v, before the timeout", el)
 	}
 	// The path's close finishes on the server after the client saw the disconnect.
-	waitFor(t, 5*time.Second, "the zombie's session to go", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "the zombie's session to go", func() bool {
 		e.srv.mu.Lock()
 		defer e.srv.mu.Unlock()
 		return len(e.srv.sessions) == 0
