@@ -188,7 +188,7 @@ type cluster struct {
 	srvd, clid       *daemon
 	srvMnt, cliMnt   string
 	devMnt, exports  string
-	cliConf          string
+	cliConf, nbdSock string
 	p1, p2, p1s, p2s string // client and server path directory names
 }
 
@@ -220,7 +220,8 @@ func startCluster(t *testing.T) *cluster {
 	c.srvd = startDaemon(t, c.net.srv, "rtrs-serverd", "-config=/dev/null", "-listen=[::]:1234",
 		"-dev-search-path="+c.exports, "-mount="+c.srvMnt, "-heartbeat-interval=200ms")
 	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", "-config="+c.cliConf, "-mount="+c.cliMnt,
-		"-dev-mount="+c.devMnt, "-nbd-socket=", fastCli, fastRec, "-con-per-path=3")
+		"-dev-mount="+c.devMnt, "-nbd-socket="+filepath.Join(dir, "nbd.sock"), fastCli, fastRec, "-con-per-path=3")
+	c.nbdSock = filepath.Join(dir, "nbd.sock")
 	testutil.WaitFor(t, 20*time.Second, "both trees mounted", func() bool {
 		return exists(c.srvMnt) && exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device")
 	})
@@ -519,4 +520,22 @@ func TestLoopDevice(t *testing.T) {
 		t.Errorf("file read back through ext4 on the loop device differs")
 	}
 	run(t, "umount", mnt)
+}
+
+// TestNBDSocket: a device mapped through the tree is served on the daemon's NBD socket.
+func TestNBDSocket(t *testing.T) {
+	requireTools(t, "nbdinfo", "nbdcopy")
+	c := startCluster(t)
+	c.openSession(t, "")
+	dev := c.mapDisk(t)
+	out := run(t, "nbdinfo", "--list", "nbd+unix:///?socket="+c.nbdSock)
+	if !strings.Contains(out, "e2e/disk") || !strings.Contains(out, "268435456") {
+		t.Fatalf("nbdinfo --list:\n%s", out)
+	}
+	src := filepath.Join(t.TempDir(), "src")
+	mustBash(t, "head -c 8M /dev/urandom > "+src)
+	run(t, "nbdcopy", src, "nbd+unix:///e2e/disk?socket="+c.nbdSock)
+	if got, want := mustBash(t, "head -c 8M "+dev+" | sha256sum"), mustBash(t, "sha256sum < "+src); got != want {
+		t.Fatalf("device file after nbdcopy: %q, want %q", got, want)
+	}
 }
