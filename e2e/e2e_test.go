@@ -539,3 +539,48 @@ func TestNBDSocket(t *testing.T) {
 		t.Fatalf("device file after nbdcopy: %q, want %q", got, want)
 	}
 }
+
+// TestServerReload: SIGHUP makes rtrs-serverd take a new export search path from its config.
+func TestServerReload(t *testing.T) {
+	requireTools(t, "nsenter", "ip")
+	n := setupNet(t)
+	dir := t.TempDir()
+	a, b := filepath.Join(dir, "a"), filepath.Join(dir, "b")
+	for _, d := range []string{a, b} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(b, "only-in-b"), make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(dir, "s.conf")
+	if err := os.WriteFile(conf, []byte("dev-search-path = "+a+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir+"/c.conf", nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	srv := startDaemon(t, n.srv, "rtrs-serverd", "-config="+conf, "-mount="+dir+"/srv")
+	cli := startDaemon(t, n.cli, "rtrs-clientd", "-config="+dir+"/c.conf", "-mount="+dir+"/cli",
+		"-dev-mount="+dir+"/dev", "-nbd-socket=")
+	_ = cli
+	testutil.WaitFor(t, 20*time.Second, "mounts", func() bool { return exists(dir+"/srv") && exists(dir+"/dev/ctl/map_device") })
+	mapIt := "echo 'sessname=r device_path=only-in-b path=ip:10.77.1.1@ip:10.77.1.2' > " + dir + "/dev/ctl/map_device"
+	if out, err := bash(t, mapIt); err == nil || !strings.Contains(out, "No such file or directory") {
+		t.Fatalf("map before the reload: %q %v", out, err)
+	}
+	if err := os.WriteFile(conf, []byte("dev-search-path = "+b+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_ = srv.cmd.Process.Signal(syscall.SIGHUP)
+	for end := time.Now().Add(10 * time.Second); !strings.Contains(cat(srv.log), "reload: exports under "+b); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("no reload; log:\n%s", cat(srv.log))
+		}
+	}
+	mustBash(t, mapIt)
+	if !exists(dir + "/dev/r/only-in-b") {
+		t.Fatal("device not mapped after the reload")
+	}
+}

@@ -148,6 +148,10 @@ func (d *clientd) writeBack() {
 	if !applied {
 		return // the declarations of the file are not all tried yet
 	}
+	// Only a regular file (or none yet) is rewritten: never /dev/null or a pipe.
+	if st, err := os.Stat(d.cfgPath); err == nil && !st.Mode().IsRegular() {
+		return
+	}
 	decls := d.declarations()
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
@@ -33,7 +34,12 @@ func main() {
 }
 
 func run(parent context.Context, args []string) error {
-	ctx, stop := daemon.Signals(parent, nil)
+	var reload atomic.Pointer[func()] // set once the server runs; SIGHUP before that is a no-op
+	ctx, stop := daemon.Signals(parent, func() {
+		if f := reload.Load(); f != nil {
+			(*f)()
+		}
+	})
 	defer stop()
 	fs := flag.NewFlagSet("rtrs-serverd", flag.ContinueOnError)
 	fs.String("config", "/etc/rtrs/rtrs-serverd.conf", "config file (key = value lines; flags override)")
@@ -47,9 +53,11 @@ func run(parent context.Context, args []string) error {
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach a stale mount at -mount and exit")
-	if _, err := daemon.Flags(fs, args, "config", true); err != nil {
+	cfg, err := daemon.Flags(fs, args, "config", true)
+	if err != nil {
 		return err
 	}
+	onCmdLine := cfg.CommandLine
 	if err := daemon.SetupLog(*level, *json); err != nil {
 		return err
 	}
@@ -89,6 +97,28 @@ func run(parent context.Context, args []string) error {
 			_ = fsview.Cleanup(*mount)
 		}
 	}()
+	// SIGHUP: the export search path and the log level follow the config file (unless the
+	// command line set them); the rest needs a restart.
+	hup := func() {
+		cfg, err := daemon.ReadConfig(fs.Lookup("config").Value.String(), true)
+		if err != nil {
+			lg.WithError(err).Warn("reload")
+			return
+		}
+		if v, ok := cfg.Settings["dev-search-path"]; ok && !onCmdLine["dev-search-path"] {
+			if err := rs.SetSearchPath(v); err != nil {
+				lg.WithError(err).Warn("reload")
+			} else {
+				lg.Infof("reload: exports under %s", v)
+			}
+		}
+		if v, ok := cfg.Settings["log-level"]; ok && !onCmdLine["log-level"] {
+			if err := daemon.SetupLog(v, *json); err != nil {
+				lg.WithError(err).Warn("reload")
+			}
+		}
+	}
+	reload.Store(&hup)
 	lg.Infof("listening on %v, exports under %s, tree at %s", srv.Addr(), *search, *mount)
 	daemon.Notify("READY=1\nSTATUS=" + status(srv))
 	t := time.NewTicker(5 * time.Second)

@@ -27,6 +27,9 @@ type Config struct {
 	Settings map[string]string
 	// Decls are the declaration lines in file order.
 	Decls []string
+	// CommandLine names the flags given on the command line (set by Flags): a reload must
+	// not let the file override them.
+	CommandLine map[string]bool
 }
 
 // ReadConfig reads path; a missing file is an empty config when optional is true.
@@ -154,6 +157,7 @@ func Flags(fs *flag.FlagSet, args []string, configFlag string, optional bool) (*
 	if err != nil {
 		return nil, err
 	}
+	cfg.CommandLine = set
 	for k, v := range cfg.Settings {
 		if fs.Lookup(k) == nil || k == configFlag {
 			return nil, fmt.Errorf("%s: unknown setting %q", path, k)

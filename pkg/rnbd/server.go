@@ -251,7 +251,21 @@ func (s *Server) processSessInfo(r *transport.SrvRequest) error {
 }
 
 func (s *Server) searchRoot(sessName string) string {
-	return strings.ReplaceAll(s.opts.SearchPath, SessNamePlaceholder, sessName)
+	s.mu.Lock()
+	sp := s.opts.SearchPath
+	s.mu.Unlock()
+	return strings.ReplaceAll(sp, SessNamePlaceholder, sessName)
+}
+
+// SetSearchPath changes where later OPENs look (a reloaded config); devices open stay open.
+func (s *Server) SetSearchPath(p string) error {
+	if p == "" {
+		return fmt.Errorf("rnbd: empty search path: %w", syscall.EINVAL)
+	}
+	s.mu.Lock()
+	s.opts.SearchPath = p
+	s.mu.Unlock()
+	return nil
 }
 
 func (s *Server) processOpen(r *transport.SrvRequest) error {
