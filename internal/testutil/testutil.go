@@ -2,8 +2,13 @@
 package testutil
 
 import (
+	"encoding/hex"
+	"os"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
 // WaitFor polls cond every 10 ms for up to d and fails the test, naming what, if it never
@@ -16,4 +21,23 @@ func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// Unhex decodes hex with any white space in it (golden bytes laid out by field).
+func Unhex(t testing.TB, s string) []byte {
+	t.Helper()
+	b, err := hex.DecodeString(strings.Join(strings.Fields(s), ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// Main runs a package's tests with warnings and errors logged, the rest (expected path
+// up/down messages) not.
+func Main(m *testing.M) {
+	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
+		panic(err)
+	}
+	os.Exit(m.Run())
 }

@@ -6,22 +6,17 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
-	"os"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/testutil"
+
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
-	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
-func TestMain(m *testing.M) {
-	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
-		panic(err)
-	}
-	os.Exit(m.Run())
-}
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 // memDev is a Device in memory that counts flushes.
 type memDev struct {

@@ -2,21 +2,13 @@ package rnbd
 
 import (
 	"bytes"
-	"encoding/hex"
 	"errors"
 	"strings"
 	"syscall"
 	"testing"
-)
 
-func unhex(t testing.TB, s string) []byte {
-	t.Helper()
-	b, err := hex.DecodeString(strings.Join(strings.Fields(s), ""))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
+	"github.com/rtrs-go/rtrs/internal/testutil"
+)
 
 // Golden bytes written from the offset tables of rnbd-proto.h (spec section 7), little-endian.
 func TestGoldenIO(t *testing.T) {
@@ -25,7 +17,7 @@ func TestGoldenIO(t *testing.T) {
 		b[i] = 0xee // the tail padding must come out zeroed
 	}
 	MsgIO{DeviceID: 0x11223344, Sector: 0x0102030405060708, RW: uint32(OpWrite) | FlagFUA | FlagSync, BiSize: 0x1000, Prio: 3}.Put(b)
-	want := unhex(t, `0400 0000  44332211  0807060504030201  01030000  00100000  0300 000000000000`)
+	want := testutil.Unhex(t, `0400 0000  44332211  0807060504030201  01030000  00100000  0300 000000000000`)
 	if !bytes.Equal(b, want) {
 		t.Fatalf("rnbd_msg_io\n got %x\nwant %x", b, want)
 	}
@@ -38,12 +30,12 @@ func TestGoldenIO(t *testing.T) {
 func TestGoldenControl(t *testing.T) {
 	b := make([]byte, SessInfoSize)
 	MsgSessInfo{Ver: 2}.Put(b, MsgTypeSessInfo)
-	if want := append(unhex(t, "0000 0000 02"), make([]byte, 31)...); !bytes.Equal(b, want) {
+	if want := append(testutil.Unhex(t, "0000 0000 02"), make([]byte, 31)...); !bytes.Equal(b, want) {
 		t.Fatalf("sess_info %x", b)
 	}
 	b = make([]byte, CloseSize)
 	MsgClose{DeviceID: 7}.Put(b)
-	if want := unhex(t, "0500 0000 07000000"); !bytes.Equal(b, want) {
+	if want := testutil.Unhex(t, "0500 0000 07000000"); !bytes.Equal(b, want) {
 		t.Fatalf("close %x", b)
 	}
 	b = make([]byte, OpenSize)
@@ -51,7 +43,7 @@ func TestGoldenControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := make([]byte, OpenSize)
-	copy(want, unhex(t, "0200 0000 02 00"))
+	copy(want, testutil.Unhex(t, "0200 0000 02 00"))
 	copy(want[6:], "/dev/ram0")
 	if !bytes.Equal(b, want) {
 		t.Fatalf("open %x", b)
@@ -60,7 +52,7 @@ func TestGoldenControl(t *testing.T) {
 	MsgOpenRsp{DeviceID: 9, NSectors: 0x10000, MaxHWSectors: 248, MaxWriteZeroesSectors: 1, MaxDiscardSectors: 2,
 		DiscardGranularity: 4096, DiscardAlignment: 5, PhysicalBlockSize: 4096, LogicalBlockSize: 512,
 		MaxSegments: 128, SecureDiscard: 1, CachePolicy: CacheFUA | CacheWriteback}.Put(b)
-	want = unhex(t, `0300 0000 09000000 0000010000000000 f8000000 01000000 02000000 00100000 05000000
+	want = testutil.Unhex(t, `0300 0000 09000000 0000010000000000 f8000000 01000000 02000000 00100000 05000000
 		0010 0002 8000 0100 00 03 00000000000000000000`)
 	if !bytes.Equal(b, want) {
 		t.Fatalf("open_rsp\n got %x\nwant %x", b, want)

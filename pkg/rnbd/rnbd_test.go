@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"github.com/rtrs-go/rtrs/internal/testutil"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -15,18 +14,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/testutil"
+
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
-	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
-func TestMain(m *testing.M) {
-	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
-		panic(err)
-	}
-	os.Exit(m.Run())
-}
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 func fastTimings() transport.Timings {
 	return transport.Timings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMissed: 3, ConnectTimeout: 5 * time.Second,

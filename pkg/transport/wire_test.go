@@ -2,22 +2,14 @@ package transport
 
 import (
 	"bytes"
-	"encoding/hex"
 	"errors"
 	"strings"
 	"testing"
 
+	"github.com/rtrs-go/rtrs/internal/testutil"
+
 	"github.com/google/uuid"
 )
-
-func unhex(t testing.TB, s string) []byte {
-	t.Helper()
-	b, err := hex.DecodeString(strings.Join(strings.Fields(s), ""))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
 
 var (
 	uuidA = uuid.UUID{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
@@ -26,7 +18,7 @@ var (
 
 // Golden bytes written from the offset tables of spec section 1, field by field.
 func TestConnReqGolden(t *testing.T) {
-	want := unhex(t, `
+	want := testutil.Unhex(t, `
 		00 00          bd1b  0002   0100  0300    0200
 		000102030405060708090a0b0c0d0e0f
 		101112131415161718191a1b1c1d1e1f
@@ -58,7 +50,7 @@ func TestConnReqGolden(t *testing.T) {
 }
 
 func TestConnRspGolden(t *testing.T) {
-	want := unhex(t, `bd1b 0002 efff 0002 00f00100 00100000 02000000`+strings.Repeat("00", 36))
+	want := testutil.Unhex(t, `bd1b 0002 efff 0002 00f00100 00100000 02000000`+strings.Repeat("00", 36))
 	m := MsgConnRsp{Errno: -17, QueueDepth: 512, MaxIOSize: 126976, MaxHdrSize: 4096, Flags: MsgNewRkeyF}
 	if got := m.Marshal(); !bytes.Equal(got, want) {
 		t.Fatalf("conn_rsp\n%x\nwant\n%x", got, want)
@@ -75,7 +67,7 @@ func TestInfoGolden(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := append(unhex(t, "0000 73657373"), make([]byte, 272-6)...)
+	want := append(testutil.Unhex(t, "0000 73657373"), make([]byte, 272-6)...)
 	if !bytes.Equal(b, want) {
 		t.Fatalf("info_req %x", b)
 	}
@@ -95,7 +87,7 @@ func TestInfoGolden(t *testing.T) {
 	}
 
 	rsp := MsgInfoRsp{Desc: []SgDesc{{Addr: 0x1122334455667788, Key: 0xaabbccdd, Len: 0x20000}, {Addr: 1, Key: 2, Len: 3}}}
-	want = unhex(t, `0100 0200 00000000
+	want = testutil.Unhex(t, `0100 0200 00000000
 		8877665544332211 ddccbbaa 00000200
 		0100000000000000 02000000 03000000`)
 	if got := rsp.Marshal(); !bytes.Equal(got, want) {
@@ -105,7 +97,7 @@ func TestInfoGolden(t *testing.T) {
 	if err := d.Unmarshal(want, 2); err != nil || len(d.Desc) != 2 || d.Desc[0] != rsp.Desc[0] {
 		t.Fatal(d, err)
 	}
-	for _, bad := range [][]byte{want[:30], unhex(t, "0100 0000 00000000")} {
+	for _, bad := range [][]byte{want[:30], testutil.Unhex(t, "0100 0000 00000000")} {
 		if err := d.Unmarshal(bad, 2); !errors.Is(err, ErrMsg) {
 			t.Fatalf("accepted %x", bad)
 		}
@@ -119,7 +111,7 @@ func TestIOHeadersGolden(t *testing.T) {
 	rd := MsgRdmaRead{UsrLen: 32, Flags: MsgNeedInvalF, Desc: []SgDesc{{Addr: 0x10, Key: 0x20, Len: 0x1000}}}
 	b := make([]byte, ReadHdrSize(1))
 	rd.Put(b)
-	want := unhex(t, "0300 2000 0100 0100 1000000000000000 20000000 00100000")
+	want := testutil.Unhex(t, "0300 2000 0100 0100 1000000000000000 20000000 00100000")
 	if !bytes.Equal(b, want) || len(b) != 24 {
 		t.Fatalf("read header %x", b)
 	}
@@ -127,19 +119,19 @@ func TestIOHeadersGolden(t *testing.T) {
 	if err := d.Unmarshal(b); err != nil || d.UsrLen != 32 || d.Flags != 1 || d.Desc[0] != rd.Desc[0] {
 		t.Fatal(d, err)
 	}
-	two := unhex(t, "0300 2000 0100 0200")
+	two := testutil.Unhex(t, "0300 2000 0100 0200")
 	if err := d.Unmarshal(append(two, make([]byte, 32)...)); !errors.Is(err, ErrMsg) {
 		t.Fatal("sg_cnt 2 accepted")
 	}
 	w := make([]byte, 4)
 	PutMsgRdmaWrite(w, 32)
-	if !bytes.Equal(w, unhex(t, "0200 2000")) {
+	if !bytes.Equal(w, testutil.Unhex(t, "0200 2000")) {
 		t.Fatalf("write header %x", w)
 	}
 	rk := MsgRkeyRsp{BufID: 5, Rkey: 0x12345678}
 	r := make([]byte, 8)
 	rk.Put(r)
-	if !bytes.Equal(r, unhex(t, "0400 0500 78563412")) {
+	if !bytes.Equal(r, testutil.Unhex(t, "0400 0500 78563412")) {
 		t.Fatalf("rkey_rsp %x", r)
 	}
 	var dk MsgRkeyRsp
@@ -194,7 +186,7 @@ func FuzzDecoders(f *testing.F) {
 	f.Add((&MsgConnReq{Cid: 1, CidNum: 3}).Marshal())
 	f.Add((&MsgConnRsp{QueueDepth: 512}).Marshal())
 	f.Add((&MsgInfoRsp{Desc: []SgDesc{{1, 2, 3}}}).Marshal())
-	f.Add(unhex(f, "0300 2000 0100 0100 1000000000000000 20000000 00100000"))
+	f.Add(testutil.Unhex(f, "0300 2000 0100 0100 1000000000000000 20000000 00100000"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var cr, cr2 MsgConnReq
 		if cr.Unmarshal(b) == nil && (cr2.Unmarshal(cr.Marshal()) != nil || cr2 != cr) {
