@@ -41,7 +41,9 @@ func openBeneath(root *os.File, name string, writable bool) (*backing, error) {
 	if writable {
 		flags = unix.O_RDWR
 	}
-	how := unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC | unix.O_NOCTTY), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
+	// O_NONBLOCK: a FIFO under the search path must not hang the open (probe refuses it
+	// after); it changes nothing for files and block devices.
+	how := unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC | unix.O_NOCTTY | unix.O_NONBLOCK), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
 	fd, err := unix.Openat2(int(root.Fd()), rel, &how)
 	if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) {
 		fd, err = unix.Openat2(int(root.Fd()), rel, &how)

@@ -358,6 +358,9 @@ func TestOpenRefusals(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(e.dir, "sub"), 0o700); err != nil {
 		t.Fatal(err)
 	}
+	if err := syscall.Mkfifo(filepath.Join(e.dir, "fifo"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	c := e.client(t, time.Second)
 	// Keep the session up between refusals.
 	keep := mustMap(t, e, c, "s", "/disk", AccessRO)
@@ -370,11 +373,16 @@ func TestOpenRefusals(t *testing.T) {
 		{"link-out", syscall.EACCES},
 		{outside + "/secret", syscall.ENOENT}, // absolute: taken under the export directory
 		{"missing", syscall.ENOENT},
-		{"sub", syscall.EISDIR}, // a directory is no device
+		{"sub", syscall.EISDIR},  // a directory is no device
+		{"fifo", syscall.ENODEV}, // nor a FIFO (and opening it must not hang)
 	} {
 		if _, err := e.mapDev(t, c, "s", tc.dev, AccessRW); !errors.Is(err, tc.want) {
 			t.Errorf("map %q: %v, want %v", tc.dev, err, tc.want)
 		}
+	}
+	// A read-only open of a FIFO would wait for a writer without O_NONBLOCK.
+	if _, err := e.mapDev(t, c, "s", "fifo", AccessRO); !errors.Is(err, syscall.ENODEV) {
+		t.Errorf("map a FIFO ro: %v", err)
 	}
 	if _, err := e.mapDev(t, c, "s", "/disk", AccessRO); !errors.Is(err, syscall.EEXIST) {
 		t.Errorf("map twice: %v", err)
