@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"time"
 
@@ -67,12 +68,17 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 			if err != nil {
 				d.lg.WithError(err).Warnf("declaration %q", line)
 			}
+			d.mu.Lock()
 			if err != nil && !done {
 				left = append(left, line)
+				d.pendingDecls[line] = true
+			} else {
+				delete(d.pendingDecls, line)
 			}
+			d.mu.Unlock()
 		}
 		d.mu.Lock()
-		d.applied, d.pendingDecls = true, left
+		d.applied = true
 		d.mu.Unlock()
 		daemon.Notify("STATUS=" + d.status())
 		if len(left) == 0 {
@@ -87,7 +93,8 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 	}
 }
 
-// reload re-reads the config file and applies declarations the daemon does not have yet.
+// reload re-reads the config file and applies, with the same retries, the declarations the
+// daemon does not have yet.
 func (d *clientd) reload() {
 	cfg, err := daemon.ReadConfig(d.cfgPath, true)
 	if err != nil {
@@ -95,13 +102,11 @@ func (d *clientd) reload() {
 		return
 	}
 	d.lg.Infof("reload: %d declarations", len(cfg.Decls))
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	for _, line := range cfg.Decls {
-		if _, err := d.applyOne(ctx, line); err != nil {
-			d.lg.WithError(err).Warnf("declaration %q", line)
-		}
-	}
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		d.apply(d.ctx, cfg.Decls)
+	}()
 }
 
 // declarations renders the sessions and devices of now, plus the declarations still
@@ -134,9 +139,13 @@ func (d *clientd) declarations() []string {
 		out = append(out, fmt.Sprintf("map_device sessname=%s device_path=%s access_mode=%v", dev.Session(), dev.Path(), dev.AccessMode()))
 	}
 	d.mu.Lock()
-	out = append(out, d.pendingDecls...)
+	var pend []string
+	for l := range d.pendingDecls {
+		pend = append(pend, l)
+	}
 	d.mu.Unlock()
-	return out
+	sort.Strings(pend)
+	return append(out, pend...)
 }
 
 // writeBack rewrites the config file: its settings and comments as they were, then the

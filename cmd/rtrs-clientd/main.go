@@ -45,9 +45,12 @@ type clientd struct {
 	tree    *fsview.ClientTree
 	lg      *log.Entry
 
-	mu           sync.Mutex // the config file
-	applied      bool       // declarations tried once: write-back may start
-	pendingDecls []string   // declarations still waiting for their server
+	mu           sync.Mutex      // the config file and the fields below
+	applied      bool            // declarations tried once: write-back may start
+	pendingDecls map[string]bool // declarations still waiting for their server
+
+	ctx context.Context // the daemon's: retries of declarations end with it
+	wg  sync.WaitGroup  // those retries
 }
 
 func run(parent context.Context, args []string) error {
@@ -93,7 +96,8 @@ func run(parent context.Context, args []string) error {
 		defer cancel()
 		c.Close(cctx)
 	}()
-	d := &clientd{cfgPath: *cfgPath, c: c, lg: lg}
+	d := &clientd{cfgPath: *cfgPath, c: c, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
+	defer d.wg.Wait()
 	d.tree = &fsview.ClientTree{C: c, OnChange: d.writeBack}
 	cs, err := fsview.Mount(*mount, d.tree, fsview.MountOptions{Name: "rtrs-client"})
 	if err != nil {
@@ -124,7 +128,11 @@ func run(parent context.Context, args []string) error {
 	lg.Infof("trees at %s and %s, NBD at %s", *mount, *devMount, *nbdSock)
 	daemon.Notify("READY=1\nSTATUS=" + d.status())
 	// Declarations are applied after READY: a server that is down must not hold up boot.
-	go d.apply(ctx, cfg.Decls)
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		d.apply(ctx, cfg.Decls)
+	}()
 	t := time.NewTicker(5 * time.Second)
 	defer t.Stop()
 	for {

@@ -482,6 +482,10 @@ func (q *qp) readLoop() {
 		}
 		raceAcquire(q.w.raceAddr)
 		err = q.handle(&h)
+		// What this frame wrote into memory is ordered before whatever is received later,
+		// on any connection: a request failed over from a dying connection lands in the
+		// same chunk through another one, after this.
+		raceRelease(q.w.raceAddr)
 	}
 	q.mu.Lock()
 	q.errorLocked()
