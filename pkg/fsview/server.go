@@ -31,7 +31,7 @@ func (t *ServerTree) Entries() []Entry {
 
 func (t *ServerTree) paths(ss *transport.SrvSess) []Entry {
 	var out []Entry
-	for _, p := range ss.Paths() {
+	for _, p := range ss.ListedPaths() {
 		if ValidName(p.Name()) {
 			out = append(out, Entry{Name: p.Name(), Dir: DirFunc(func() []Entry { return serverPath(p) })})
 		}

@@ -300,6 +300,22 @@ func (ss *SrvSess) Paths() []*SrvPath {
 	return out
 }
 
+// ListedPaths lists the paths that have connected and are not yet gone, closing ones
+// included: the kernel creates a path's sysfs directory at INFO_REQ and removes it when
+// the close has finished.
+func (ss *SrvSess) ListedPaths() []*SrvPath {
+	var out []*SrvPath
+	for _, p := range ss.pathList() {
+		p.mu.Lock()
+		listed := p.listed
+		p.mu.Unlock()
+		if listed {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 // holdsName says whether the session still claims its name: a client that closed its session
 // and opens a new one of the same name must not be refused while the old one winds down.
 func (ss *SrvSess) holdsName() bool {
@@ -348,6 +364,7 @@ type SrvPath struct {
 
 	mu      sync.Mutex
 	state   srvPathState
+	listed  bool // connected once: shown until the close has finished
 	cons    []*con
 	ops     int // requests handed up and not yet answered
 	opsIdle *sync.Cond
@@ -811,6 +828,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		return
 	}
 	p.state = srvConnected
+	p.listed = true
 	p.mu.Unlock()
 	p.zombie.Stop()
 	ss.mu.Lock()
