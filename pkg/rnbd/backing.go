@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -27,6 +28,10 @@ type backing struct {
 	// RWF_NOWAIT once, so that later attempts go straight to blocking.
 	memfs                bool
 	noNowaitR, noNowaitW atomic.Bool
+	// mem maps a memfs file: its IO is a copy to or from the page cache, without the
+	// read/write system call and the file system's per-page work (a fifth of the server's
+	// CPU at 1 MiB IOs), and concurrent writes do not serialize on the inode lock.
+	mem []byte
 }
 
 // openBeneath opens name under the search path root without leaving it: leading slashes
@@ -58,6 +63,16 @@ func openBeneath(root *os.File, name string, writable bool) (*backing, error) {
 	if err := b.probe(); err != nil {
 		b.f.Close()
 		return nil, fmt.Errorf("rnbd: %q: %w", name, err)
+	}
+	if b.memfs && b.size > 0 {
+		prot := unix.PROT_READ
+		if writable {
+			prot |= unix.PROT_WRITE
+		}
+		// A file too large to map (address space) keeps the system calls.
+		if m, err := unix.Mmap(fd, 0, int(b.size), prot, unix.MAP_SHARED); err == nil {
+			b.mem = m
+		}
 	}
 	return b, nil
 }
@@ -117,6 +132,9 @@ var errWouldBlock = errors.New("rnbd: would block")
 // it takes only what the page cache has (RWF_NOWAIT); a partial read then is errWouldBlock
 // too, and the blocking retry reads it all again.
 func (b *backing) readAt(p []byte, off int64, nowait bool) error {
+	if b.mem != nil {
+		return b.copyMapped(p, off, false)
+	}
 	var iov [1][]byte
 	flags := 0
 	if nowait && !b.memfs {
@@ -151,6 +169,9 @@ func (b *backing) readAt(p []byte, off int64, nowait bool) error {
 // writeAt writes p at off; fua makes each write durable before it returns (RWF_DSYNC);
 // nowait gives up where the write would wait (RWF_NOWAIT).
 func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
+	if b.mem != nil {
+		return b.copyMapped(p, off, true) // memfs: a write is as durable as it gets at once
+	}
 	var iov [1][]byte
 	flags := 0
 	if fua {
@@ -183,6 +204,42 @@ func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
 		p, off = p[n:], off+int64(n)
 	}
 	return nil
+}
+
+// copyMapped copies p to (write) or from the mapping at off. A page that is not there any
+// more (the file shrank) or cannot be allocated (the file system is full) faults; the fault
+// becomes this IO's error instead of the daemon's end.
+func (b *backing) copyMapped(p []byte, off int64, write bool) (err error) {
+	if off < 0 || off > int64(len(b.mem))-int64(len(p)) {
+		return fmt.Errorf("IO at %d of %d bytes beyond the mapping of %s: %w", off, len(p), b.f.Name(), syscall.EIO)
+	}
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		r := recover()
+		if r == nil {
+			return
+		}
+		if _, ok := r.(interface{ Addr() uintptr }); !ok {
+			panic(r)
+		}
+		err = b.faultErr(off, len(p), write)
+	}()
+	if write {
+		copy(b.mem[off:], p)
+	} else {
+		copy(p, b.mem[off:])
+	}
+	return nil
+}
+
+// faultErr names why an access to the mapping faulted: past the file's end now, or, for a
+// write inside it, no space for the page.
+func (b *backing) faultErr(off int64, n int, write bool) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(b.fd, &st); err == nil && off+int64(n) <= st.Size && write {
+		return fmt.Errorf("write at %d to %s: %w", off, b.f.Name(), syscall.ENOSPC)
+	}
+	return fmt.Errorf("IO at %d beyond the end of %s: %w", off, b.f.Name(), syscall.EIO)
 }
 
 func (b *backing) flush() error { return unix.Fdatasync(b.fd) }
@@ -221,4 +278,11 @@ func (b *backing) writeZeroes(off, n int64) error {
 	return nil
 }
 
-func (b *backing) close() error { return b.f.Close() }
+// close unmaps and closes; no IO may be running (the device's lock sees to it).
+func (b *backing) close() error {
+	if b.mem != nil {
+		_ = unix.Munmap(b.mem)
+		b.mem = nil
+	}
+	return b.f.Close()
+}

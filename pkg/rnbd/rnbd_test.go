@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/testutil"
+	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
@@ -577,12 +578,70 @@ func TestDeviceFails(t *testing.T) {
 	if _, err := d.ReadAt(make([]byte, 4096), 0); err != nil {
 		t.Fatalf("read inside: %v", err)
 	}
+	// A write past the end fails too: the device keeps its size, the file does not grow back.
+	if _, err := d.WriteAt(make([]byte, 4096), 768<<10); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("write past the shrunk end: %v", err)
+	}
+	if st, err := os.Stat(filepath.Join(e.dir, "disk")); err != nil || st.Size() != 512<<10 {
+		t.Fatalf("file after a write past its end: %v %v", st.Size(), err)
+	}
 	// A deleted export stays readable through the open descriptor, as a block device would.
 	if err := os.Remove(filepath.Join(e.dir, "disk")); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := d.WriteAt(make([]byte, 4096), 0); err != nil {
 		t.Fatalf("write to a deleted file: %v", err)
+	}
+}
+
+// TestDeviceFull: a sparse export on a file system that fills up; writes into holes that
+// find no space fail with ENOSPC, written data stays, and the device keeps working.
+func TestDeviceFull(t *testing.T) {
+	leakcheck.Check(t)
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	e := newTestEnv(t)
+	small := filepath.Join(e.dir, "small")
+	if err := os.Mkdir(small, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", small, "tmpfs", 0, "size=256k"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(small, unix.MNT_DETACH) })
+	if err := os.WriteFile(filepath.Join(small, "disk"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(filepath.Join(small, "disk"), 4<<20); err != nil {
+		t.Fatal(err)
+	}
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "full", "small/disk", AccessRW)
+	block := bytes.Repeat([]byte{0xa5}, 64<<10)
+	var full int64 = -1
+	for off := int64(0); off < 4<<20; off += int64(len(block)) {
+		if _, err := d.WriteAt(block, off); err != nil {
+			if !errors.Is(err, syscall.ENOSPC) {
+				t.Fatalf("write at %d: %v, want ENOSPC", off, err)
+			}
+			full = off
+			break
+		}
+	}
+	if full <= 0 {
+		t.Fatalf("a 256 KiB file system took 4 MiB (full at %d)", full)
+	}
+	got := make([]byte, full)
+	if _, err := d.ReadAt(got, 0); err != nil || !bytes.Equal(got, bytes.Repeat([]byte{0xa5}, int(full))) {
+		t.Fatalf("reading back %d written bytes: %v", full, err)
+	}
+	// Space comes back with a discard, and the device takes writes again.
+	if err := d.Discard(context.Background(), 0, full); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.WriteAt(block, full); err != nil {
+		t.Fatalf("write after a discard freed space: %v", err)
 	}
 }
 

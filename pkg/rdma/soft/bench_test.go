@@ -197,7 +197,7 @@ func BenchmarkTCPPingPong(b *testing.B) {
 	reportPercentiles(b, lat)
 }
 
-func tcpPair(b *testing.B) (net.Conn, net.Conn) {
+func tcpPair(b testing.TB) (net.Conn, net.Conn) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)

@@ -1,7 +1,6 @@
 package soft
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -32,7 +31,7 @@ type connID struct {
 	mu        sync.Mutex
 	qp        *qp
 	conn      net.Conn // set for an incoming request until it is answered
-	br        *bufio.Reader
+	br        *frameReader
 	answered  bool
 	started   bool
 	destroyed bool
@@ -143,9 +142,9 @@ func writeCM(c net.Conn, op frameOp, data []byte) error {
 }
 
 // readCM reads one CM frame.
-func readCM(br *bufio.Reader) (frameHdr, []byte, error) {
+func readCM(br *frameReader) (frameHdr, []byte, error) {
 	var hb [hdrLen]byte
-	if _, err := io.ReadFull(br, hb[:]); err != nil {
+	if err := br.ReadFull(hb[:]); err != nil {
 		return frameHdr{}, nil, err
 	}
 	h, err := decodeHdr(hb[:])
@@ -162,7 +161,7 @@ func readCM(br *bufio.Reader) (frameHdr, []byte, error) {
 		return h, nil, fmt.Errorf("%w: %v during connection setup", errFrame, h.op)
 	}
 	data := make([]byte, h.len)
-	if _, err := io.ReadFull(br, data); err != nil {
+	if err := br.ReadFull(data); err != nil {
 		return h, nil, err
 	}
 	return h, data, nil
@@ -236,7 +235,7 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	if err := writeCM(conn, fConnReq, p.PrivateData); err != nil {
 		return fail(err)
 	}
-	br := bufio.NewReaderSize(conn, c.prov.opts.ReadBufSize)
+	br := newFrameReader(conn, c.prov.opts.ReadBufSize)
 	h, data, err := readCM(br)
 	if err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
@@ -314,7 +313,7 @@ func (c *connID) Reject(data []byte) error {
 }
 
 // answer claims an incoming request for accept or reject, once.
-func (c *connID) answer(needQP bool) (net.Conn, *bufio.Reader, *qp, error) {
+func (c *connID) answer(needQP bool) (net.Conn, *frameReader, *qp, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {
@@ -442,7 +441,7 @@ func (l *listener) handshake(c net.Conn) {
 	tuneConn(c)
 	dl := time.Now().Add(rdma.DefaultConnectTimeout)
 	_ = c.SetDeadline(dl)
-	br := bufio.NewReaderSize(c, l.prov.opts.ReadBufSize)
+	br := newFrameReader(c, l.prov.opts.ReadBufSize)
 	h, data, err := readCM(br)
 	if err != nil || h.op != fConnReq {
 		_ = c.Close()

@@ -1,7 +1,6 @@
 package soft
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"io"
@@ -68,7 +67,7 @@ type qp struct {
 
 	// Set when the connection is established.
 	conn   net.Conn
-	br     *bufio.Reader
+	br     *frameReader
 	w      *writer
 	events chan rdma.CMEvent
 	stop   chan struct{} // stops the flusher
@@ -132,7 +131,7 @@ func (q *qp) State() rdma.QPState {
 }
 
 // start runs the queue pair over an established connection.
-func (q *qp) start(conn net.Conn, br *bufio.Reader, rnrRetry uint8) {
+func (q *qp) start(conn net.Conn, br *frameReader, rnrRetry uint8) {
 	q.mu.Lock()
 	q.conn, q.br = conn, br
 	q.rnrRetry = min(rnrRetry, 7)
@@ -471,7 +470,7 @@ func (q *qp) readLoop() {
 				}
 			}
 		}
-		if _, err = io.ReadFull(q.br, hb[:]); err != nil {
+		if err = q.br.ReadFull(hb[:]); err != nil {
 			break
 		}
 		frames++
@@ -581,7 +580,7 @@ func (q *qp) execute(h *frameHdr) error {
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("remote write to rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
 		}
-		if _, err := io.ReadFull(q.br, b); err != nil {
+		if err := q.br.ReadFull(b); err != nil {
 			return err
 		}
 		if h.op == fWriteImm {
@@ -721,7 +720,7 @@ func (q *qp) place(segs [][]byte, n int) error {
 			break
 		}
 		k := min(n, len(b))
-		if _, err = io.ReadFull(q.br, b[:k]); err != nil {
+		if err = q.br.ReadFull(b[:k]); err != nil {
 			break
 		}
 		n -= k

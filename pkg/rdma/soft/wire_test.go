@@ -1,7 +1,6 @@
 package soft
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/hex"
 	"errors"
@@ -117,7 +116,7 @@ func responderUnderTest(t testing.TB, rnrRetry uint8) (*qp, net.Conn, rdma.MR) {
 		_, _ = q.PostRecv([]rdma.RecvWR{{ID: uint64(i), SGList: []rdma.SGE{rdma.SGEOf(buf, 0, 4096)}}})
 	}
 	local, peer := net.Pipe()
-	q.start(local, bufio.NewReaderSize(local, 4096), rnrRetry)
+	q.start(local, newFrameReader(local, 4096), rnrRetry)
 	return q, peer, m
 }
 

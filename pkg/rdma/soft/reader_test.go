@@ -1,0 +1,93 @@
+package soft
+
+import (
+	"bytes"
+	"io"
+	"math/rand/v2"
+	"net"
+	"testing"
+)
+
+// TestFrameReader reads a stream of small and large pieces, as frames are, and checks every
+// byte and that a large piece takes at most spillMax bytes beyond itself.
+func TestFrameReader(t *testing.T) {
+	for _, kind := range []string{"tcp", "pipe"} {
+		t.Run(kind, func(t *testing.T) {
+			var w, r net.Conn
+			if kind == "tcp" {
+				w, r = tcpPair(t)
+			} else {
+				w, r = net.Pipe()
+				t.Cleanup(func() { w.Close(); r.Close() })
+			}
+			rng := rand.New(rand.NewPCG(1, 2))
+			var sizes []int
+			total := 0
+			for range 400 {
+				n := hdrLen
+				switch rng.IntN(4) {
+				case 0:
+					n = 1 + rng.IntN(200)
+				case 1:
+					n = directMin + rng.IntN(256<<10)
+				case 2:
+					n = rng.IntN(directMin)
+				}
+				sizes = append(sizes, n)
+				total += n
+			}
+			data := make([]byte, total)
+			for i := range data {
+				data[i] = byte(rng.Uint32())
+			}
+			go func() {
+				// Odd write sizes, so that pieces arrive split.
+				for b := data; len(b) > 0; {
+					k := min(len(b), 1+rng.IntN(100<<10))
+					if _, err := w.Write(b[:k]); err != nil {
+						return
+					}
+					b = b[k:]
+				}
+			}()
+			fr := newFrameReader(r, 64<<10)
+			if (kind == "tcp") != (fr.raw != nil) {
+				t.Fatalf("%s: raw conn %v", kind, fr.raw != nil)
+			}
+			off := 0
+			for i, n := range sizes {
+				got := make([]byte, n)
+				before := fr.Buffered()
+				if err := fr.ReadFull(got); err != nil {
+					t.Fatalf("piece %d (%d bytes): %v", i, n, err)
+				}
+				if !bytes.Equal(got, data[off:off+n]) {
+					t.Fatalf("piece %d (%d bytes at %d): wrong bytes", i, n, off)
+				}
+				off += n
+				if kind == "tcp" && n-before >= directMin && fr.Buffered() > spillMax {
+					t.Fatalf("piece %d (%d bytes): %d bytes buffered after it, more than %d", i, n, fr.Buffered(), spillMax)
+				}
+			}
+			w.Close()
+			if err := fr.ReadFull(make([]byte, 1)); err != io.EOF {
+				t.Fatalf("read after the end: %v", err)
+			}
+		})
+	}
+}
+
+// TestFrameReaderShort: the stream ending inside a piece is io.ErrUnexpectedEOF.
+func TestFrameReaderShort(t *testing.T) {
+	for _, n := range []int{100, 3 * directMin} {
+		w, r := tcpPair(t)
+		if _, err := w.Write(make([]byte, n-10)); err != nil {
+			t.Fatal(err)
+		}
+		w.Close()
+		fr := newFrameReader(r, 64<<10)
+		if err := fr.ReadFull(make([]byte, n)); err != io.ErrUnexpectedEOF {
+			t.Fatalf("%d bytes from %d: %v", n, n-10, err)
+		}
+	}
+}
