@@ -309,7 +309,7 @@ func TestPathOperations(t *testing.T) {
 // regions; it returns fio's output.
 func fioVerify(t *testing.T, dev string, size string) (string, error) {
 	return bash(t, fmt.Sprintf("fio --name=v --filename=%s --rw=randwrite --bs=16k --size=%s --numjobs=4 "+
-		"--offset_increment=%s --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 --group_reporting", dev, size, size))
+		"--offset_increment=%s --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 --group_reporting", dev, size, size))
 }
 
 func TestFailoverLinkDown(t *testing.T) {

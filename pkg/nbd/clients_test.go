@@ -206,7 +206,7 @@ func TestFioVerify(t *testing.T) {
 		{"--rw=randrw", "--bsrange=512-256k", "--iodepth=16"},
 	} {
 		args := append([]string{"--name=verify", "--ioengine=nbd", "--uri=" + st.uri(), "--size=32m",
-			"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--output-format=json"}, job...)
+			"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"}, job...)
 		out := run(t, tool, args...)
 		var res struct {
 			Jobs []struct {

@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
@@ -159,8 +160,14 @@ type conn struct {
 
 	// The writer's (one at a time, under writing).
 	hdrs []byte
-	bufs net.Buffers
+	iovs net.Buffers // the batch's buffers
+	bufs net.Buffers // what of them is still to write
 	werr error
+	raw  syscall.RawConn // for writes that must not wait; nil if nc is no socket
+	iov  []syscall.Iovec
+	wn   int
+	we   syscall.Errno
+	wfn  func(fd uintptr) bool
 }
 
 func (s *Server) serveConn(nc net.Conn) {
@@ -169,6 +176,12 @@ func (s *Server) serveConn(nc net.Conn) {
 	// read reply leaves in one write instead of a write per 200 KiB and a wait between each.
 	if wb, ok := nc.(interface{ SetWriteBuffer(int) error }); ok {
 		_ = wb.SetWriteBuffer(4 << 20)
+	}
+	if sc, ok := nc.(syscall.Conn); ok {
+		if raw, err := sc.SyscallConn(); err == nil {
+			c.raw = raw
+			c.wfn = c.writevOnce
+		}
 	}
 	lg := s.log.WithField("client", nc.RemoteAddr().String())
 	_ = nc.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
@@ -533,7 +546,7 @@ func (c *conn) queue(r pendingReply) {
 		c.qmu.Unlock()
 		return
 	}
-	c.writeAllLocked()
+	c.writeAllLocked(false)
 }
 
 // gather queues a reply without writing it: the device's after-completions hook sends
@@ -556,18 +569,24 @@ func (c *conn) flushGathered() {
 		c.qmu.Unlock()
 		return
 	}
-	c.writeAllLocked()
+	c.writeAllLocked(false)
 }
 
 // writeAllLocked makes the caller the writer until nothing is pending; c.qmu is held on
-// entry and released on return.
-func (c *conn) writeAllLocked() {
+// entry and released on return. Callers are the device's completion goroutines, which must
+// not block (one client that stops reading its replies would stall every device of the
+// transport connection): a batch the socket does not take at once is finished, and the
+// queue written on, by a goroutine of its own, which may block.
+func (c *conn) writeAllLocked(mayBlock bool) {
 	c.writing = true
 	for {
 		batch := c.pending
 		c.pending = c.spare[:0]
 		c.qmu.Unlock()
-		c.write(batch)
+		if !c.write(batch, mayBlock) {
+			go c.finishWrite(batch)
+			return
+		}
 		c.qmu.Lock()
 		c.spare = batch[:0]
 		if len(c.pending) == 0 {
@@ -578,10 +597,27 @@ func (c *conn) writeAllLocked() {
 	}
 }
 
+// finishWrite writes the rest of a batch that a non-blocking write left, then the queue.
+func (c *conn) finishWrite(batch []pendingReply) {
+	if _, c.werr = c.bufs.WriteTo(c.c); c.werr != nil {
+		c.c.Close()
+	}
+	c.release(batch)
+	c.qmu.Lock()
+	c.spare = batch[:0]
+	if len(c.pending) == 0 {
+		c.writing = false
+		c.qmu.Unlock()
+		return
+	}
+	c.writeAllLocked(true)
+}
+
 // write sends a batch of replies in one writev; after a failed write the connection is
-// closed and the rest are dropped. Either way the requests are done.
-func (c *conn) write(batch []pendingReply) {
-	hdrs, bufs := c.hdrs[:0], c.bufs[:0]
+// closed and the rest are dropped. Either way the requests are done. Unless mayBlock, it
+// makes one non-blocking attempt and returns false if that left something in c.bufs.
+func (c *conn) write(batch []pendingReply, mayBlock bool) bool {
+	hdrs, bufs := c.hdrs[:0], c.iovs[:0]
 	for i := range batch {
 		r := &batch[i]
 		var e uint32
@@ -598,12 +634,68 @@ func (c *conn) write(batch []pendingReply) {
 			bufs = append(bufs, batch[i].data)
 		}
 	}
-	c.hdrs, c.bufs = hdrs, bufs[:0]
+	c.hdrs, c.iovs, c.bufs = hdrs, bufs, bufs
 	if c.werr == nil {
-		if _, c.werr = bufs.WriteTo(c.c); c.werr != nil {
+		if !mayBlock && c.raw != nil {
+			c.wn, c.we = 0, 0
+			if c.werr = c.raw.Write(c.wfn); c.werr == nil && c.we != 0 {
+				c.werr = c.we
+			}
+			if c.werr != nil {
+				c.c.Close()
+			} else if consume(&c.bufs, c.wn); len(c.bufs) > 0 {
+				return false
+			}
+		} else if _, c.werr = c.bufs.WriteTo(c.c); c.werr != nil {
 			c.c.Close() // the reader sees it and the connection ends
 		}
 	}
+	c.release(batch)
+	return true
+}
+
+// writevOnce is the RawConn callback of a non-blocking write: one writev of c.bufs (as
+// much of it as one call takes), never waiting for the socket.
+func (c *conn) writevOnce(fd uintptr) bool {
+	iov := c.iov[:0]
+	for _, b := range c.bufs {
+		if len(iov) == maxIOV {
+			break
+		}
+		v := syscall.Iovec{Base: &b[0]}
+		v.SetLen(len(b))
+		iov = append(iov, v)
+	}
+	w, _, e := syscall.Syscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+	clear(iov)
+	c.iov = iov[:0]
+	if e == 0 {
+		c.wn = int(w)
+	} else if e != syscall.EAGAIN && e != syscall.EINTR {
+		c.we = e
+	}
+	return true
+}
+
+// maxIOV bounds the vectors of one non-blocking write (IOV_MAX).
+const maxIOV = 1024
+
+// consume drops n written bytes from the head of b.
+func consume(b *net.Buffers, n int) {
+	for len(*b) > 0 && n >= len((*b)[0]) {
+		n -= len((*b)[0])
+		(*b)[0] = nil
+		*b = (*b)[1:]
+	}
+	if len(*b) > 0 {
+		(*b)[0] = (*b)[0][n:]
+	}
+}
+
+// release ends a batch's requests and recycles their buffers.
+func (c *conn) release(batch []pendingReply) {
+	clear(c.iovs)
+	c.iovs, c.bufs = c.iovs[:0], nil
 	for i := range batch {
 		putBuf(batch[i].data)
 		putBuf(batch[i].payload)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -402,4 +403,76 @@ func FuzzSession(f *testing.F) {
 		<-done
 		s.Close()
 	})
+}
+
+// serialDev completes its asynchronous requests one after another on one goroutine, as a
+// transport connection does: a done callback that blocked would stop every later one.
+type serialDev struct {
+	*memDev
+	work      chan func()
+	submitted atomic.Int32
+}
+
+func newSerialDev(t *testing.T, size int) *serialDev {
+	d := &serialDev{memDev: &memDev{b: make([]byte, size)}, work: make(chan func(), 1024)}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case f := <-d.work:
+				f()
+			case <-stop:
+				return
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-done })
+	return d
+}
+
+func (d *serialDev) ReadAsync(ctx context.Context, p []byte, off int64, done func(error)) {
+	d.submitted.Add(1)
+	d.work <- func() { done(d.ReadAtContext(ctx, p, off)) }
+}
+
+func (d *serialDev) WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error)) {
+	d.submitted.Add(1)
+	d.work <- func() { done(d.WriteAtContext(ctx, p, off, fua)) }
+}
+
+// TestSlowReader: a client that does not read its replies holds up neither the device's
+// completions nor another client's replies.
+func TestSlowReader(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newSerialDev(t, 64<<20)
+	sock := startServer(t, Export{Name: "d", Dev: dev})
+	slow := dial(t, sock, "d")
+	const n = 48 // 48 MiB of replies: far more than a socket buffer holds
+	for i := range n {
+		slow.send(Request{Type: CmdRead, Cookie: uint64(i), Offset: uint64(i) << 20, Length: 1 << 20}, nil)
+	}
+	// All of them ahead of the fast client's in the device's queue.
+	testutil.WaitFor(t, 10*time.Second, "slow requests submitted", func() bool { return dev.submitted.Load() == n })
+	fast := dial(t, sock, "d")
+	_ = fast.c.SetDeadline(time.Now().Add(10 * time.Second))
+	for i := range 20 {
+		fast.send(Request{Type: CmdRead, Cookie: uint64(1000 + i), Offset: 4096, Length: 4096}, nil)
+		if cookie, errno, _ := fast.recv(4096); cookie != uint64(1000+i) || errno != 0 {
+			t.Fatalf("fast client: reply %d errno %d", cookie, errno)
+		}
+	}
+	// The slow client gets every reply once it reads.
+	_ = slow.c.SetDeadline(time.Now().Add(10 * time.Second))
+	seen := map[uint64]bool{}
+	for range n {
+		cookie, errno, _ := slow.recv(1 << 20)
+		if errno != 0 || cookie >= n || seen[cookie] {
+			t.Fatalf("slow client: reply %d errno %d", cookie, errno)
+		}
+		seen[cookie] = true
+	}
+	fast.c.Close()
+	slow.c.Close()
 }
