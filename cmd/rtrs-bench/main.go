@@ -5,6 +5,7 @@
 //	rtrs-bench client -path ip:127.0.0.1@ip:127.0.0.1 [-path …] -port 1234 -bs 4K -qd 32 -rw randread -duration 5s [-json]
 //	rtrs-bench suite [-duration 3s]      (starts its own servers, prints a markdown report)
 //	rtrs-bench latency [-reps 5]         (QD1 latency against the TCP round trip, medians)
+//	rtrs-bench stream [-reps 5]          (1 MiB QD8 throughput against the TCP stream, medians)
 //	rtrs-bench blkserver -dir D          (an RNBD server over RTRS exporting D's files)
 //	rtrs-bench nbdclient -path … -socket S  (maps a device, serves it over NBD)
 //	rtrs-bench blksuite [-duration 5s]   (fio through NBD → RNBD → RTRS against an nbdkit chain)
@@ -46,7 +47,7 @@ func main() {
 
 func run(ctx context.Context, args []string, out io.Writer) error {
 	if len(args) == 0 {
-		return errors.New("usage: rtrs-bench server|client|suite|latency|blkserver|nbdclient|blksuite [flags]")
+		return errors.New("usage: rtrs-bench server|client|suite|latency|stream|blkserver|nbdclient|blksuite [flags]")
 	}
 	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
 		return err
@@ -62,6 +63,8 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return tcpServerCmd(ctx, args[1:])
 	case "latency":
 		return latencyCmd(ctx, args[1:], out)
+	case "stream":
+		return streamCmd(ctx, args[1:], out)
 	case "blkserver":
 		return blkServerCmd(ctx, args[1:])
 	case "nbdclient":
