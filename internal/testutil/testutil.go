@@ -3,6 +3,7 @@ package testutil
 
 import (
 	"encoding/hex"
+	"net"
 	"os"
 	"strings"
 	"testing"
@@ -40,4 +41,24 @@ func Main(m *testing.M) {
 		panic(err)
 	}
 	os.Exit(m.Run())
+}
+
+// TCPPair returns the two ends of a loopback TCP connection, closed when the test ends.
+func TCPPair(t testing.TB) (net.Conn, net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close(); s.Close() })
+	return c, s
 }

@@ -1,7 +1,6 @@
 package nbd
 
 import (
-	"bufio"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -14,6 +13,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/rtrs-go/rtrs/internal/sockread"
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
@@ -146,7 +146,7 @@ func (s *Server) lookup(name string) (Export, bool) {
 type conn struct {
 	s   *Server
 	c   net.Conn
-	r   *bufio.Reader
+	r   *sockread.Reader
 	exp Export
 
 	inflight sync.WaitGroup // requests read and not yet answered
@@ -171,7 +171,7 @@ type conn struct {
 }
 
 func (s *Server) serveConn(nc net.Conn) {
-	c := &conn{s: s, c: nc, r: bufio.NewReaderSize(nc, 64<<10)}
+	c := &conn{s: s, c: nc, r: sockread.New(nc, 64<<10)}
 	// Room for a few whole 1 MiB replies where net.core.wmem_max allows, so that a large
 	// read reply leaves in one write instead of a write per 200 KiB and a wait between each.
 	if wb, ok := nc.(interface{ SetWriteBuffer(int) error }); ok {
@@ -209,7 +209,7 @@ func (c *conn) handshake() (bool, error) {
 		return false, err
 	}
 	var cf [4]byte
-	if _, err := io.ReadFull(c.r, cf[:]); err != nil {
+	if err := c.r.ReadFull(cf[:]); err != nil {
 		return false, err
 	}
 	clientFlags := binary.BigEndian.Uint32(cf[:])
@@ -219,7 +219,7 @@ func (c *conn) handshake() (bool, error) {
 	noZeroes := clientFlags&flagNoZeroes != 0
 	for {
 		var h [16]byte
-		if _, err := io.ReadFull(c.r, h[:]); err != nil {
+		if err := c.r.ReadFull(h[:]); err != nil {
 			return false, err
 		}
 		if binary.BigEndian.Uint64(h[:]) != optMagic {
@@ -230,7 +230,7 @@ func (c *conn) handshake() (bool, error) {
 			return false, fmt.Errorf("nbd: option %d of %d bytes", opt, n)
 		}
 		data := make([]byte, n)
-		if _, err := io.ReadFull(c.r, data); err != nil {
+		if err := c.r.ReadFull(data); err != nil {
 			return false, err
 		}
 		switch opt {
@@ -418,7 +418,7 @@ func (c *conn) transmit() error {
 		if c.r.Buffered() < requestSize {
 			unplug() // the next read may wait
 		}
-		if _, err := io.ReadFull(c.r, hdr[:]); err != nil {
+		if err := c.r.ReadFull(hdr[:]); err != nil {
 			return err
 		}
 		req, err := DecodeRequest(hdr[:])
@@ -430,8 +430,11 @@ func (c *conn) transmit() error {
 			if req.Length > MaxRequest {
 				return fmt.Errorf("nbd: write of %d bytes", req.Length)
 			}
+			if c.r.Buffered() < int(req.Length) {
+				unplug() // what is plugged must not wait for a payload still on its way
+			}
 			payload = getBuf(int(req.Length))
-			if _, err := io.ReadFull(c.r, payload); err != nil {
+			if err := c.r.ReadFull(payload); err != nil {
 				putBuf(payload)
 				return err
 			}

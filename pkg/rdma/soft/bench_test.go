@@ -4,11 +4,11 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"sort"
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -69,7 +69,7 @@ func BenchmarkRDMA(b *testing.B) {
 func BenchmarkTCPStream(b *testing.B) {
 	for _, sz := range benchSizes {
 		b.Run(fmt.Sprintf("%dK", sz>>10), func(b *testing.B) {
-			c, s := tcpPair(b)
+			c, s := testutil.TCPPair(b)
 			done := make(chan struct{})
 			go func() {
 				defer close(done)
@@ -168,7 +168,7 @@ func BenchmarkSendLatency(b *testing.B) {
 // BenchmarkTCPPingPong is the baseline for BenchmarkSendLatency: 64 bytes echoed over a
 // loopback TCP connection.
 func BenchmarkTCPPingPong(b *testing.B) {
-	c, s := tcpPair(b)
+	c, s := testutil.TCPPair(b)
 	go func() {
 		buf := make([]byte, 64)
 		for {
@@ -195,24 +195,6 @@ func BenchmarkTCPPingPong(b *testing.B) {
 	}
 	b.StopTimer()
 	reportPercentiles(b, lat)
-}
-
-func tcpPair(b testing.TB) (net.Conn, net.Conn) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		b.Fatal(err)
-	}
-	s, err := ln.Accept()
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { c.Close(); s.Close() })
-	return c, s
 }
 
 func reportPercentiles(b *testing.B, lat []time.Duration) {

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rtrs-go/rtrs/internal/sockread"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -31,7 +32,7 @@ type connID struct {
 	mu        sync.Mutex
 	qp        *qp
 	conn      net.Conn // set for an incoming request until it is answered
-	br        *frameReader
+	br        *sockread.Reader
 	answered  bool
 	started   bool
 	destroyed bool
@@ -142,7 +143,7 @@ func writeCM(c net.Conn, op frameOp, data []byte) error {
 }
 
 // readCM reads one CM frame.
-func readCM(br *frameReader) (frameHdr, []byte, error) {
+func readCM(br *sockread.Reader) (frameHdr, []byte, error) {
 	var hb [hdrLen]byte
 	if err := br.ReadFull(hb[:]); err != nil {
 		return frameHdr{}, nil, err
@@ -235,7 +236,7 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	if err := writeCM(conn, fConnReq, p.PrivateData); err != nil {
 		return fail(err)
 	}
-	br := newFrameReader(conn, c.prov.opts.ReadBufSize)
+	br := sockread.New(conn, c.prov.opts.ReadBufSize)
 	h, data, err := readCM(br)
 	if err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
@@ -313,7 +314,7 @@ func (c *connID) Reject(data []byte) error {
 }
 
 // answer claims an incoming request for accept or reject, once.
-func (c *connID) answer(needQP bool) (net.Conn, *frameReader, *qp, error) {
+func (c *connID) answer(needQP bool) (net.Conn, *sockread.Reader, *qp, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {
@@ -441,7 +442,7 @@ func (l *listener) handshake(c net.Conn) {
 	tuneConn(c)
 	dl := time.Now().Add(rdma.DefaultConnectTimeout)
 	_ = c.SetDeadline(dl)
-	br := newFrameReader(c, l.prov.opts.ReadBufSize)
+	br := sockread.New(c, l.prov.opts.ReadBufSize)
 	h, data, err := readCM(br)
 	if err != nil || h.op != fConnReq {
 		_ = c.Close()

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/sockread"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -67,7 +68,7 @@ type qp struct {
 
 	// Set when the connection is established.
 	conn   net.Conn
-	br     *frameReader
+	br     *sockread.Reader
 	w      *writer
 	events chan rdma.CMEvent
 	stop   chan struct{} // stops the flusher
@@ -131,7 +132,7 @@ func (q *qp) State() rdma.QPState {
 }
 
 // start runs the queue pair over an established connection.
-func (q *qp) start(conn net.Conn, br *frameReader, rnrRetry uint8) {
+func (q *qp) start(conn net.Conn, br *sockread.Reader, rnrRetry uint8) {
 	q.mu.Lock()
 	q.conn, q.br = conn, br
 	q.rnrRetry = min(rnrRetry, 7)

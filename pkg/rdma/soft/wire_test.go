@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/sockread"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -116,7 +117,7 @@ func responderUnderTest(t testing.TB, rnrRetry uint8) (*qp, net.Conn, rdma.MR) {
 		_, _ = q.PostRecv([]rdma.RecvWR{{ID: uint64(i), SGList: []rdma.SGE{rdma.SGEOf(buf, 0, 4096)}}})
 	}
 	local, peer := net.Pipe()
-	q.start(local, newFrameReader(local, 4096), rnrRetry)
+	q.start(local, sockread.New(local, 4096), rnrRetry)
 	return q, peer, m
 }
 

@@ -1,4 +1,4 @@
-package soft
+package sockread
 
 import (
 	"bytes"
@@ -6,16 +6,18 @@ import (
 	"math/rand/v2"
 	"net"
 	"testing"
+
+	"github.com/rtrs-go/rtrs/internal/testutil"
 )
 
-// TestFrameReader reads a stream of small and large pieces, as frames are, and checks every
-// byte and that a large piece takes at most spillMax bytes beyond itself.
-func TestFrameReader(t *testing.T) {
+// TestReader reads a stream of small and large pieces, as frames are, and checks every
+// byte and that a large piece takes at most SpillMax bytes beyond itself.
+func TestReader(t *testing.T) {
 	for _, kind := range []string{"tcp", "pipe"} {
 		t.Run(kind, func(t *testing.T) {
 			var w, r net.Conn
 			if kind == "tcp" {
-				w, r = tcpPair(t)
+				w, r = testutil.TCPPair(t)
 			} else {
 				w, r = net.Pipe()
 				t.Cleanup(func() { w.Close(); r.Close() })
@@ -24,14 +26,14 @@ func TestFrameReader(t *testing.T) {
 			var sizes []int
 			total := 0
 			for range 400 {
-				n := hdrLen
+				n := 40
 				switch rng.IntN(4) {
 				case 0:
 					n = 1 + rng.IntN(200)
 				case 1:
-					n = directMin + rng.IntN(256<<10)
+					n = DirectMin + rng.IntN(256<<10)
 				case 2:
-					n = rng.IntN(directMin)
+					n = rng.IntN(DirectMin)
 				}
 				sizes = append(sizes, n)
 				total += n
@@ -50,7 +52,7 @@ func TestFrameReader(t *testing.T) {
 					b = b[k:]
 				}
 			}()
-			fr := newFrameReader(r, 64<<10)
+			fr := New(r, 64<<10)
 			if (kind == "tcp") != (fr.raw != nil) {
 				t.Fatalf("%s: raw conn %v", kind, fr.raw != nil)
 			}
@@ -65,8 +67,8 @@ func TestFrameReader(t *testing.T) {
 					t.Fatalf("piece %d (%d bytes at %d): wrong bytes", i, n, off)
 				}
 				off += n
-				if kind == "tcp" && n-before >= directMin && fr.Buffered() > spillMax {
-					t.Fatalf("piece %d (%d bytes): %d bytes buffered after it, more than %d", i, n, fr.Buffered(), spillMax)
+				if kind == "tcp" && n-before >= DirectMin && fr.Buffered() > SpillMax {
+					t.Fatalf("piece %d (%d bytes): %d bytes buffered after it, more than %d", i, n, fr.Buffered(), SpillMax)
 				}
 			}
 			w.Close()
@@ -77,15 +79,15 @@ func TestFrameReader(t *testing.T) {
 	}
 }
 
-// TestFrameReaderShort: the stream ending inside a piece is io.ErrUnexpectedEOF.
-func TestFrameReaderShort(t *testing.T) {
-	for _, n := range []int{100, 3 * directMin} {
-		w, r := tcpPair(t)
+// TestReaderShort: the stream ending inside a piece is io.ErrUnexpectedEOF.
+func TestReaderShort(t *testing.T) {
+	for _, n := range []int{100, 3 * DirectMin} {
+		w, r := testutil.TCPPair(t)
 		if _, err := w.Write(make([]byte, n-10)); err != nil {
 			t.Fatal(err)
 		}
 		w.Close()
-		fr := newFrameReader(r, 64<<10)
+		fr := New(r, 64<<10)
 		if err := fr.ReadFull(make([]byte, n)); err != io.ErrUnexpectedEOF {
 			t.Fatalf("%d bytes from %d: %v", n, n-10, err)
 		}

@@ -1,4 +1,6 @@
-package soft
+// Package sockread reads framed streams from sockets: small messages through a buffer, large
+// payloads straight into their destination.
+package sockread
 
 import (
 	"errors"
@@ -9,13 +11,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// frameReader reads a QP's socket. Headers and small payloads come through its buffer, so
-// that one read takes a burst of small frames. The tail of a large payload is read straight
-// into its destination with a readv whose second vector takes at most spillMax bytes of what
-// follows (the next frame's header) into the buffer: a buffered reader would instead pull the
-// next 64 KiB of payload into its buffer and copy it a second time in user space, which was a
-// tenth of the client's CPU at 1 MiB IOs.
-type frameReader struct {
+// Reader reads a stream of headers and payloads. Headers and small payloads come through its
+// buffer, so that one read takes a burst of small messages. The tail of a large payload is
+// read straight into its destination with a readv whose second vector takes at most SpillMax
+// bytes of what follows (the next header) into the buffer: a bufio.Reader would instead pull
+// the next 64 KiB of payload into its buffer and copy it a second time in user space, which
+// was a tenth of the RTRS client's CPU at 1 MiB IOs.
+type Reader struct {
 	conn net.Conn
 	raw  syscall.RawConn // nil when conn is no socket (tests' pipes): plain reads
 	buf  []byte
@@ -30,15 +32,16 @@ type frameReader struct {
 }
 
 const (
-	// directMin is the smallest remainder of a payload read straight into its destination.
-	directMin = 16 << 10
-	// spillMax bounds what a direct read takes beyond the payload: a header and a small
+	// DirectMin is the smallest remainder of a payload read straight into its destination.
+	DirectMin = 16 << 10
+	// SpillMax bounds what a direct read takes beyond the payload: a header and a small
 	// message, little enough to copy again.
-	spillMax = 1 << 10
+	SpillMax = 1 << 10
 )
 
-func newFrameReader(conn net.Conn, size int) *frameReader {
-	f := &frameReader{conn: conn, buf: make([]byte, max(size, 2*spillMax))}
+// New returns a Reader of conn with a buffer of size bytes.
+func New(conn net.Conn, size int) *Reader {
+	f := &Reader{conn: conn, buf: make([]byte, max(size, 2*SpillMax))}
 	if sc, ok := conn.(syscall.Conn); ok {
 		if raw, err := sc.SyscallConn(); err == nil {
 			f.raw = raw
@@ -57,10 +60,10 @@ func newFrameReader(conn net.Conn, size int) *frameReader {
 }
 
 // Buffered is how many bytes a read returns without touching the socket.
-func (f *frameReader) Buffered() int { return f.w - f.r }
+func (f *Reader) Buffered() int { return f.w - f.r }
 
 // Read implements io.Reader (handshake messages, discarding after a failure).
-func (f *frameReader) Read(p []byte) (int, error) {
+func (f *Reader) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
@@ -76,7 +79,7 @@ func (f *frameReader) Read(p []byte) (int, error) {
 
 // ReadFull reads exactly len(p) bytes, as io.ReadFull: io.EOF if the stream ended before
 // them, io.ErrUnexpectedEOF if inside them.
-func (f *frameReader) ReadFull(p []byte) error {
+func (f *Reader) ReadFull(p []byte) error {
 	want := len(p)
 	unexpected := func(err error) error {
 		if err == io.EOF && len(p) < want {
@@ -89,7 +92,7 @@ func (f *frameReader) ReadFull(p []byte) error {
 	p = p[n:]
 	for len(p) > 0 {
 		// The buffer is empty here.
-		if len(p) < directMin {
+		if len(p) < DirectMin {
 			if err := f.fill(); err != nil {
 				return unexpected(err)
 			}
@@ -99,7 +102,7 @@ func (f *frameReader) ReadFull(p []byte) error {
 			continue
 		}
 		f.r, f.w = 0, 0
-		n, err := f.readv(p, f.buf[:spillMax])
+		n, err := f.readv(p, f.buf[:SpillMax])
 		if n > len(p) {
 			f.w = n - len(p)
 			n = len(p)
@@ -113,7 +116,7 @@ func (f *frameReader) ReadFull(p []byte) error {
 }
 
 // fill reads into the empty buffer.
-func (f *frameReader) fill() error {
+func (f *Reader) fill() error {
 	f.r, f.w = 0, 0
 	n, err := f.readv(f.buf, nil)
 	f.w = n
@@ -124,7 +127,7 @@ func (f *frameReader) fill() error {
 }
 
 // readv reads into a and then b (a alone without a socket), returning how many bytes arrived (at least one, or an error).
-func (f *frameReader) readv(a, b []byte) (int, error) {
+func (f *Reader) readv(a, b []byte) (int, error) {
 	if f.raw == nil {
 		n, err := f.conn.Read(a)
 		if n == 0 && err == nil {
