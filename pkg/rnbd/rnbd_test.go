@@ -645,6 +645,47 @@ func TestDeviceFull(t *testing.T) {
 	}
 }
 
+// TestSparseRead: reading a sparse export returns zeroes and allocates nothing, writing
+// allocates what it writes.
+func TestSparseRead(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	name := filepath.Join(e.dir, "sparse")
+	if err := os.WriteFile(name, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(name, 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "sparse", "sparse", AccessRW)
+	buf := make([]byte, 1<<20)
+	for off := int64(0); off < 8<<20; off += int64(len(buf)) {
+		if _, err := d.ReadAt(buf, off); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(buf, make([]byte, len(buf))) {
+			t.Fatalf("hole at %d reads as non-zero", off)
+		}
+	}
+	allocated := func() int64 {
+		var st unix.Stat_t
+		if err := unix.Stat(name, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Blocks * 512
+	}
+	if a := allocated(); a != 0 {
+		t.Fatalf("reading 8 MiB of holes allocated %d bytes", a)
+	}
+	if _, err := d.WriteAt(bytes.Repeat([]byte{1}, 64<<10), 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if a := allocated(); a < 64<<10 || a > 1<<20 {
+		t.Fatalf("a 64 KiB write allocated %d bytes", a)
+	}
+}
+
 // TestDevicesListing checks the listing and states of mapped devices.
 func TestDevicesListing(t *testing.T) {
 	leakcheck.Check(t)
