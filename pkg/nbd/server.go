@@ -465,20 +465,49 @@ func (c *conn) transmit() error {
 		off, fua := int64(req.Offset), req.Flags&CmdFlagFUA != 0
 		switch {
 		case async != nil && req.Type == CmdRead:
-			data := getBuf(int(req.Length))
-			cookie := req.Cookie
-			async.ReadAsync(c.s.ctx, data, off, func(err error) {
-				queueAsync(pendingReply{cookie: cookie, err: err, data: data})
-			})
+			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: getBuf(int(req.Length))})
+			async.ReadAsync(c.s.ctx, a.r.data, off, a.cb)
 		case async != nil && req.Type == CmdWrite:
-			cookie := req.Cookie
-			async.WriteAsync(c.s.ctx, payload, off, fua, func(err error) {
-				queueAsync(pendingReply{cookie: cookie, err: err, payload: payload})
-			})
+			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, payload: payload})
+			async.WriteAsync(c.s.ctx, payload, off, fua, a.cb)
 		default:
 			go c.serve(req, payload)
 		}
 	}
+}
+
+// asyncReply is the pending reply of an asynchronous request, pooled with its done callback
+// bound once, so that a request allocates nothing.
+type asyncReply struct {
+	r     pendingReply
+	queue func(pendingReply)
+	cb    func(error)
+}
+
+var asyncReplies sync.Pool
+
+func init() {
+	// Set here: the callback puts the reply back into the pool it comes from.
+	asyncReplies.New = func() any {
+		a := new(asyncReply)
+		a.cb = a.done
+		return a
+	}
+}
+
+func newAsyncReply(queue func(pendingReply), r pendingReply) *asyncReply {
+	a := asyncReplies.Get().(*asyncReply)
+	a.r, a.queue = r, queue
+	return a
+}
+
+// done is the device's callback: the reply is queued, the holder goes back to the pool.
+func (a *asyncReply) done(err error) {
+	r, queue := a.r, a.queue
+	a.r, a.queue = pendingReply{}, nil
+	asyncReplies.Put(a)
+	r.err = err
+	queue(r)
 }
 
 // serve runs one request synchronously and queues its reply.

@@ -754,9 +754,43 @@ func (d *Device) WriteAt(p []byte, off int64) (int, error) {
 }
 
 // ioHdr is the user header of an asynchronous request: it must live until the completion.
-type ioHdr struct{ b [IOSize]byte }
+// asyncReq is one request of the asynchronous path with its RNBD header, pooled with its
+// completion callback bound once, so that the path allocates nothing per IO.
+type asyncReq struct {
+	hdr   [IOSize]byte
+	d     *Device
+	ctx   context.Context
+	op    Op
+	flags uint32
+	off   int64
+	p     []byte
+	id    uint32
+	done  func(error)
+	cb    func(error)
+}
 
-var hdrPool = sync.Pool{New: func() any { return new(ioHdr) }}
+var asyncPool sync.Pool
+
+func init() {
+	// Set here: the callback puts the request back into the pool it comes from.
+	asyncPool.New = func() any {
+		r := new(asyncReq)
+		r.cb = r.complete
+		return r
+	}
+}
+
+// complete is the transport's callback: the request goes back to the pool before done runs.
+func (r *asyncReq) complete(err error) {
+	d, ctx, op, flags, off, p, id, done := r.d, r.ctx, r.op, r.flags, r.off, r.p, r.id, r.done
+	r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
+	asyncPool.Put(r)
+	if err != nil {
+		d.asyncFailed(ctx, op, flags, off, p, id, done, err)
+		return
+	}
+	done(nil)
+}
 
 // ReadAsync reads len(p) bytes at off and calls done once, from a transport goroutine or
 // its own, followed by the AfterCompletions hooks; done must not block. An IO that fits one request and finds the device mapped
@@ -815,46 +849,46 @@ func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []
 // asyncOne sends one request; when the device is not mapped, or the session or the id went
 // away under the request, it continues on a goroutine with the waiting, resending submit.
 func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
-	// Outside the transport's completion goroutine, the hooks run after done themselves.
-	slow := func() {
-		go func() {
-			done(d.submit(ctx, op, flags, off, len(p), p))
-			d.sess.c.runHooks()
-		}()
-	}
 	d.mu.Lock()
 	st, id := d.state, d.id
 	d.mu.Unlock()
 	if st != StateMapped {
-		slow()
+		d.asyncSlow(ctx, op, flags, off, p, done)
 		return
 	}
-	h := hdrPool.Get().(*ioHdr)
-	MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(len(p))}.Put(h.b[:])
+	r := asyncPool.Get().(*asyncReq)
+	r.d, r.ctx, r.op, r.flags, r.off, r.p, r.id, r.done = d, ctx, op, flags, off, p, id, done
+	MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(len(p))}.Put(r.hdr[:])
 	dir := transport.Write
 	if op == OpRead {
 		dir = transport.Read
 	}
-	fail := func(err error) {
-		if retryable(err) && ctx.Err() == nil {
-			d.markStale(id)
-			slow()
-			return
-		}
-		done(err)
-	}
-	if err := d.sess.rtrs.Request(ctx, dir, h.b[:], p, func(err error) {
-		hdrPool.Put(h)
-		if err != nil {
-			fail(err)
-			return
-		}
-		done(nil)
-	}); err != nil {
-		hdrPool.Put(h)
-		fail(err)
+	if err := d.sess.rtrs.Request(ctx, dir, r.hdr[:], p, r.cb); err != nil {
+		r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
+		asyncPool.Put(r)
+		d.asyncFailed(ctx, op, flags, off, p, id, done, err)
 		d.sess.c.runHooks()
 	}
+}
+
+// asyncFailed ends a request that failed: one the device can get back from (a session or
+// id gone: a remap follows) goes on waiting and resending, the others fail.
+func (d *Device) asyncFailed(ctx context.Context, op Op, flags uint32, off int64, p []byte, id uint32, done func(error), err error) {
+	if retryable(err) && ctx.Err() == nil {
+		d.markStale(id)
+		d.asyncSlow(ctx, op, flags, off, p, done)
+		return
+	}
+	done(err)
+}
+
+// asyncSlow finishes a request with submit on a goroutine of its own; outside the transport's
+// completion goroutine, the hooks run after done there.
+func (d *Device) asyncSlow(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
+	go func() {
+		done(d.submit(ctx, op, flags, off, len(p), p))
+		d.sess.c.runHooks()
+	}()
 }
 
 // markStale records that IO with id found no session or an unknown id: the device waits
