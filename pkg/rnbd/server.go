@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/rtrs-go/rtrs/pkg/log"
@@ -29,9 +30,11 @@ type ServerOptions struct {
 	MaxIOSize int
 }
 
-// ServerStats count what the server did to its exports, across sessions.
+// ServerStats count what the server did to its exports, across sessions. They are sharded
+// by chunk, so that the connections of a path, whose requests use distinct chunks, do not
+// share their cache lines.
 type ServerStats struct {
-	Reads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Counter
+	Reads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Sharded
 }
 
 // Server serves RNBD requests from RTRS: it is the transport server's Handler.
@@ -45,7 +48,16 @@ type Server struct {
 	devs     map[devKey]*srvDev // open devices by identity, for the access-mode rule
 	nextID   uint32
 	closed   bool
-	wg       sync.WaitGroup
+	wg       sync.WaitGroup // IO and control requests on goroutines of their own
+	// ioDevs indexes every session's devices for IO, which looks them up without s.mu: a
+	// copy rebuilt under s.mu whenever a device opens or closes.
+	ioDevs   atomic.Pointer[map[ioKey]*sessDev]
+	shutdown atomic.Bool
+}
+
+type ioKey struct {
+	sess *transport.SrvSess
+	id   uint32
 }
 
 type devKey struct{ dev, ino uint64 }
@@ -126,6 +138,7 @@ func (s *Server) Devices() []DeviceInfo {
 func (s *Server) Close() {
 	s.mu.Lock()
 	s.closed = true
+	s.shutdown.Store(true)
 	var all []*transport.SrvSess
 	for ts := range s.sessions {
 		all = append(all, ts)
@@ -140,6 +153,22 @@ func (s *Server) Close() {
 // Request implements transport.Handler: every request runs on its own goroutine, since
 // file IO blocks and the transport's goroutine must not.
 func (s *Server) Request(r *transport.SrvRequest) {
+	if s.shutdown.Load() {
+		r.Respond(-int(syscall.ESHUTDOWN))
+		return
+	}
+	// Reads and writes the page cache can take at once are served here, in the transport's
+	// receive burst (their responses then leave in one batch), touching nothing the other
+	// connections write per IO; the rest block and go to a goroutine of their own.
+	if typ, _ := PeekType(r.Usr); typ == MsgTypeIO {
+		if err := s.processIO(r, true); err != errWouldBlock {
+			if err != nil {
+				s.failed(r, err)
+			}
+			r.Respond(errnoOf(err))
+			return
+		}
+	}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -148,19 +177,6 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	}
 	s.wg.Add(1)
 	s.mu.Unlock()
-	// Reads and writes the page cache can take at once are served here, in the transport's
-	// receive burst (their responses then leave in one batch); the rest block and go to a
-	// goroutine of their own.
-	if typ, _ := PeekType(r.Usr); typ == MsgTypeIO {
-		if err := s.processIO(r, true); err != errWouldBlock {
-			if err != nil {
-				s.failed(r, err)
-			}
-			s.wg.Done()
-			r.Respond(errnoOf(err))
-			return
-		}
-	}
 	go func() {
 		defer s.wg.Done()
 		r.Respond(s.process(r))
@@ -168,7 +184,7 @@ func (s *Server) Request(r *transport.SrvRequest) {
 }
 
 func (s *Server) failed(r *transport.SrvRequest, err error) {
-	s.Stats.Errors.Inc()
+	s.Stats.Errors.Inc(r.ID())
 	s.log.WithField("session", r.Session().Name()).Debugf("%v", err)
 }
 
@@ -191,6 +207,7 @@ func (s *Server) destroySess(ts *transport.SrvSess) {
 			s.putDevLocked(d)
 		}
 	}
+	s.publishLocked()
 	s.mu.Unlock()
 	for _, d := range devs {
 		d.close()
@@ -319,6 +336,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	d.id = s.nextID
 	s.nextID++
 	ss.devs[d.id] = d
+	s.publishLocked()
 	s.mu.Unlock()
 	s.log.WithField("session", ss.name).Infof("opened %q (%v) as device %d", d.name, d.mode, d.id)
 	return s.openRsp(r.Data, d)
@@ -406,10 +424,22 @@ func (s *Server) processClose(r *transport.SrvRequest) error {
 	}
 	delete(ss.devs, m.DeviceID)
 	s.putDevLocked(d)
+	s.publishLocked()
 	s.mu.Unlock()
 	d.close()
 	s.log.WithField("session", ss.name).Infof("closed %q (device %d)", d.name, d.id)
 	return nil
+}
+
+// publishLocked rebuilds the IO index of the devices; s.mu is held.
+func (s *Server) publishLocked() {
+	idx := map[ioKey]*sessDev{}
+	for ts, ss := range s.sessions {
+		for id, d := range ss.devs {
+			idx[ioKey{ts, id}] = d
+		}
+	}
+	s.ioDevs.Store(&idx)
 }
 
 func (d *sessDev) close() {
@@ -428,12 +458,10 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	if err := m.Unmarshal(r.Usr); err != nil {
 		return err
 	}
-	s.mu.Lock()
 	var d *sessDev
-	if ss := s.sessions[r.Session()]; ss != nil {
-		d = ss.devs[m.DeviceID]
+	if idx := s.ioDevs.Load(); idx != nil {
+		d = (*idx)[ioKey{r.Session(), m.DeviceID}]
 	}
-	s.mu.Unlock()
 	if d == nil {
 		return fmt.Errorf("rnbd: IO to unknown device %d: %w", m.DeviceID, syscall.ENODEV)
 	}
@@ -466,7 +494,7 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 		if nowait {
 			return errWouldBlock
 		}
-		s.Stats.Flushes.Inc()
+		s.Stats.Flushes.Inc(r.ID())
 		return b.flush()
 	case OpSecureErase:
 		return fmt.Errorf("rnbd: SECURE_ERASE: %w", syscall.EOPNOTSUPP)
@@ -492,20 +520,20 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	switch op {
 	case OpRead:
 		if err = b.readAt(r.Data, int64(off), nowait); err != errWouldBlock {
-			s.Stats.Reads.Inc()
+			s.Stats.Reads.Inc(r.ID())
 		}
 	case OpWrite:
 		if err = b.writeAt(r.Data, int64(off), fua, nowait); err != errWouldBlock {
-			s.Stats.Writes.Inc()
+			s.Stats.Writes.Inc(r.ID())
 			if fua {
-				s.Stats.FUAWrites.Inc()
+				s.Stats.FUAWrites.Inc(r.ID())
 			}
 		}
 	case OpDiscard:
-		s.Stats.Discards.Inc()
+		s.Stats.Discards.Inc(r.ID())
 		err = b.discard(int64(off), int64(n))
 	case OpWriteZeroes:
-		s.Stats.WriteZeroes.Inc()
+		s.Stats.WriteZeroes.Inc(r.ID())
 		err = b.writeZeroes(int64(off), int64(n))
 	}
 	if err == nil && fua && op != OpWrite && op != OpRead {

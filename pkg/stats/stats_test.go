@@ -5,6 +5,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 func TestClientPathFiles(t *testing.T) {
@@ -96,5 +97,24 @@ func TestConcurrentCounting(t *testing.T) {
 	wg.Wait()
 	if s.ReadCnt.Value()+s.WriteCnt.Value() != 8000 || s.WCMax.Value() != 5 {
 		t.Fatal(s.RDMA(), s.WCCompletion())
+	}
+}
+
+func TestSharded(t *testing.T) {
+	var c Sharded
+	for i := -3; i < 13; i++ {
+		c.Inc(i)
+	}
+	c.Add(5, 10)
+	if c.Value() != 26 || c.Total() != 26 {
+		t.Fatalf("value %d total %d, want 26", c.Value(), c.Total())
+	}
+	c.Reset()
+	c.Inc(7)
+	if c.Value() != 1 || c.Total() != 27 {
+		t.Fatalf("after reset: value %d total %d, want 1 and 27", c.Value(), c.Total())
+	}
+	if unsafe.Sizeof(c.s[0]) != 128 {
+		t.Fatalf("shard of %d bytes", unsafe.Sizeof(c.s[0]))
 	}
 }

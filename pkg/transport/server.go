@@ -669,6 +669,10 @@ func (r *SrvRequest) Session() *SrvSess { return r.path.sess }
 // Path is the path the request came on.
 func (r *SrvRequest) Path() *SrvPath { return r.path }
 
+// ID is the request's chunk (the kernel's buf_id): requests in flight at once have distinct
+// IDs, and a client keeps a chunk to one connection of a path.
+func (r *SrvRequest) ID() int { return r.slot.id }
+
 // dispatch parses the RTRS header at the request's offset and hands the request up.
 func (p *SrvPath) dispatch(c *con, id int) {
 	r := &p.reqs[id]
