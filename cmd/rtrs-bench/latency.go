@@ -137,3 +137,56 @@ func median(v []float64) float64 {
 	sort.Float64s(s)
 	return s[len(s)/2]
 }
+
+// invCostCmd measures what always_invalidate costs: two servers, one with it and one
+// without, the same workloads run against each in turn, reps times, medians compared.
+func invCostCmd(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("invcost", flag.ContinueOnError)
+	reps := fs.Int("reps", 5, "interleaved repetitions")
+	dur := fs.Duration("duration", 2*time.Second, "length of each run")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	kids, err := newChildren(ctx, 0)
+	if err != nil {
+		return err
+	}
+	defer kids.stop()
+	ports := map[bool]uint16{true: 18624, false: 18625}
+	for inv, port := range ports {
+		if _, err := kids.start("server", "-listen", fmt.Sprint("127.0.0.1:", port), fmt.Sprintf("-always-invalidate=%v", inv)); err != nil {
+			return err
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	type load struct {
+		rw, bs string
+		qd     int
+		async  bool
+	}
+	loads := []load{{"randread", "4K", 32, true}, {"randwrite", "4K", 32, true}, {"randread", "4K", 1, true}, {"randwrite", "4K", 1, true},
+		{"read", "1M", 8, false}, {"write", "1M", 8, false}}
+	res := map[load]map[bool][]float64{}
+	for i := 0; i < *reps; i++ {
+		for _, l := range loads {
+			if res[l] == nil {
+				res[l] = map[bool][]float64{}
+			}
+			for _, inv := range []bool{true, false} {
+				runtime.GC()
+				r, err := runClient(ctx, clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: ports[inv], bs: l.bs, qd: l.qd, rw: l.rw, dur: *dur, span: "256M", async: l.async})
+				if err != nil {
+					return err
+				}
+				res[l][inv] = append(res[l][inv], r.IOPS)
+			}
+		}
+	}
+	fmt.Fprintf(out, "always_invalidate on against off, one path, %d interleaved runs of %v, median IOPS (all runs):\n", *reps, *dur)
+	fmt.Fprintln(out, "\n| workload | on | off | cost | runs on / off |\n|---|---|---|---|---|")
+	for _, l := range loads {
+		on, off := median(res[l][true]), median(res[l][false])
+		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.0f | %+.1f%% | %.0f / %.0f |\n", l.rw, l.bs, l.qd, on, off, 100*(off-on)/off, res[l][true], res[l][false])
+	}
+	return nil
+}

@@ -6,6 +6,7 @@
 //	rtrs-bench suite [-duration 3s]      (starts its own servers, prints a markdown report)
 //	rtrs-bench latency [-reps 5]         (QD1 latency against the TCP round trip, medians)
 //	rtrs-bench stream [-reps 5]          (1 MiB QD8 throughput against the TCP stream, medians)
+//	rtrs-bench invcost [-reps 5]         (always_invalidate on against off, interleaved, medians)
 //	rtrs-bench blkserver -dir D          (an RNBD server over RTRS exporting D's files)
 //	rtrs-bench nbdclient -path … -socket S  (maps a device, serves it over NBD)
 //	rtrs-bench blksuite [-duration 5s]   (fio through NBD → RNBD → RTRS against an nbdkit chain)
@@ -47,7 +48,7 @@ func main() {
 
 func run(ctx context.Context, args []string, out io.Writer) error {
 	if len(args) == 0 {
-		return errors.New("usage: rtrs-bench server|client|suite|latency|stream|blkserver|nbdclient|blksuite [flags]")
+		return errors.New("usage: rtrs-bench server|client|suite|latency|stream|invcost|blkserver|nbdclient|blksuite [flags]")
 	}
 	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
 		return err
@@ -65,6 +66,8 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return latencyCmd(ctx, args[1:], out)
 	case "stream":
 		return streamCmd(ctx, args[1:], out)
+	case "invcost":
+		return invCostCmd(ctx, args[1:], out)
 	case "blkserver":
 		return blkServerCmd(ctx, args[1:])
 	case "nbdclient":

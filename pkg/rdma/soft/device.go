@@ -151,8 +151,11 @@ type device struct {
 
 	qpn atomic.Uint32
 
-	mu      sync.RWMutex
-	mrs     []*mr    // index = key >> 8
+	mu sync.Mutex
+	// mrs is the table of regions, index = key >> 8. Every access to memory looks a key up,
+	// from every QP's goroutine, so lookups take no lock: the table is replaced, never
+	// changed, under mu when a region is added or removed (rare, not per IO).
+	mrs     atomic.Pointer[[]*mr]
 	keyByte []uint8  // last key byte used per index, so a reused index gets a fresh key
 	free    []uint32 // free indexes
 }
@@ -200,40 +203,51 @@ func (d *device) Close() error { return nil }
 func (d *device) addMR(m *mr) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	tab := d.table()
 	var idx uint32
 	if n := len(d.free); n > 0 {
 		idx = d.free[n-1]
 		d.free = d.free[:n-1]
 	} else {
-		idx = uint32(len(d.mrs))
-		d.mrs = append(d.mrs, nil)
+		idx = uint32(len(tab))
+		tab = append(tab, nil)
 		d.keyByte = append(d.keyByte, 0)
 	}
 	d.keyByte[idx]++
-	d.mrs[idx] = m
-	m.key = idx<<8 | uint32(d.keyByte[idx])
+	tab[idx] = m
+	m.st.Store(m.st.Load()&^0xffffffff | uint64(idx<<8|uint32(d.keyByte[idx])))
+	d.mrs.Store(&tab)
+}
+
+// table returns a copy of the region table to change and store; d.mu is held.
+func (d *device) table() []*mr {
+	var cur []*mr
+	if t := d.mrs.Load(); t != nil {
+		cur = *t
+	}
+	return append(make([]*mr, 0, len(cur)+1), cur...)
 }
 
 func (d *device) removeMR(m *mr) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	idx := m.key >> 8
-	if int(idx) < len(d.mrs) && d.mrs[idx] == m {
-		d.keyByte[idx] = uint8(m.key)
-		d.mrs[idx] = nil
+	key := m.key()
+	idx := key >> 8
+	if tab := d.table(); int(idx) < len(tab) && tab[idx] == m {
+		d.keyByte[idx] = uint8(key)
+		tab[idx] = nil
 		d.free = append(d.free, idx)
+		d.mrs.Store(&tab)
 	}
 }
 
 // lookup returns the MR whose index key names, or nil. The caller checks the full key.
 func (d *device) lookup(key uint32) *mr {
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	idx := key >> 8
-	if int(idx) >= len(d.mrs) {
+	t := d.mrs.Load()
+	if t == nil || int(key>>8) >= len(*t) {
 		return nil
 	}
-	return d.mrs[idx]
+	return (*t)[key>>8]
 }
 
 type pd struct {
@@ -259,7 +273,8 @@ func (p *pd) RegMR(buf []byte, access rdma.Access) (rdma.MR, error) {
 	if p.freed.Load() {
 		return nil, rdma.ErrClosed
 	}
-	m := &mr{pd: p, buf: buf, iova: nextIOVA(len(buf)), access: access, valid: true, maxLen: len(buf)}
+	m := &mr{pd: p, buf: buf, iova: nextIOVA(len(buf)), maxLen: len(buf)}
+	m.setState(0, access, true, false)
 	p.dev.addMR(m)
 	return m, nil
 }
@@ -279,6 +294,7 @@ func (p *pd) AllocFastRegMR(maxLen int) (rdma.MR, error) {
 		return nil, rdma.ErrClosed
 	}
 	m := &mr{pd: p, fastReg: true, maxLen: maxLen}
+	m.setState(0, 0, false, false)
 	p.dev.addMR(m)
 	return m, nil
 }
@@ -299,43 +315,81 @@ func nextIOVA(n int) uint64 {
 	return iovaNext.Add(span+0x1000) - span
 }
 
-// mr is a memory region. Its fields are guarded by mu; the data path takes a snapshot under
-// the lock and moves bytes outside it.
+// mr is a memory region. Key, access and the valid and deregistered flags are one atomic
+// word, changed under mu; the memory of a registered region (RegMR) never changes, so the data
+// path checks those regions without a lock (every connection of a path shares some, such as
+// the server's chunks, and a lock there is a cache line passed between CPUs per IO). A
+// fast-reg region's memory changes with Map: it is read under mu.
 type mr struct {
 	pd      *pd
 	fastReg bool
 	maxLen  int
+	st      atomic.Uint64
 
-	mu     sync.Mutex
-	key    uint32
-	buf    []byte
-	iova   uint64
-	access rdma.Access
-	valid  bool
-	dereg  bool
+	mu   sync.Mutex
+	buf  []byte
+	iova uint64
+}
+
+// The state word: key in bits 0-31, access in 32-39, valid bit 40, deregistered bit 41.
+const (
+	stValid = 1 << 40
+	stDereg = 1 << 41
+)
+
+func (m *mr) setState(key uint32, access rdma.Access, valid, dereg bool) {
+	v := uint64(key) | uint64(access&0xff)<<32
+	if valid {
+		v |= stValid
+	}
+	if dereg {
+		v |= stDereg
+	}
+	m.st.Store(v)
+}
+
+func (m *mr) key() uint32         { return uint32(m.st.Load()) }
+func (m *mr) access() rdma.Access { return rdma.Access(m.st.Load() >> 32 & 0xff) }
+
+// usable reports whether the state grants need under key.
+func usable(st uint64, key uint32, need rdma.Access) bool {
+	return uint32(st) == key && st&stValid != 0 && st&stDereg == 0 && rdma.Access(st>>32&0xff)&need == need
 }
 
 var _ rdma.MR = (*mr)(nil)
 
-func (m *mr) LKey() uint32 { m.mu.Lock(); defer m.mu.Unlock(); return m.key }
+func (m *mr) LKey() uint32 { return m.key() }
 func (m *mr) RKey() uint32 { return m.LKey() }
-func (m *mr) Addr() uint64 { m.mu.Lock(); defer m.mu.Unlock(); return m.iova }
-func (m *mr) Len() int     { m.mu.Lock(); defer m.mu.Unlock(); return len(m.buf) }
+func (m *mr) Addr() uint64 { _, iova := m.mem(); return iova }
+func (m *mr) Len() int     { b, _ := m.mem(); return len(b) }
 func (m *mr) Bytes() []byte {
+	b, _ := m.mem()
+	return b
+}
+
+// mem is the region's memory and address: fixed for a registered region, under mu for a
+// fast-reg one.
+func (m *mr) mem() ([]byte, uint64) {
+	if !m.fastReg {
+		return m.buf, m.iova
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.buf
+	return m.buf, m.iova
 }
-func (m *mr) Access() rdma.Access { m.mu.Lock(); defer m.mu.Unlock(); return m.access }
-func (m *mr) Valid() bool         { m.mu.Lock(); defer m.mu.Unlock(); return m.valid && !m.dereg }
+func (m *mr) Access() rdma.Access { return m.access() }
+func (m *mr) Valid() bool         { st := m.st.Load(); return st&stValid != 0 && st&stDereg == 0 }
 
 func (m *mr) Map(buf []byte, iova uint64) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	st := m.st.Load()
 	switch {
-	case m.dereg:
+	case st&stDereg != 0:
 		return rdma.ErrClosed
-	case m.valid:
+	case !m.fastReg:
+		return fmt.Errorf("%w: map of a registered MR (only fast-reg MRs map memory)", rdma.ErrInvalid)
+	case st&stValid != 0:
 		return fmt.Errorf("%w: map of a valid MR (invalidate it first)", rdma.ErrInvalid)
 	case len(buf) == 0 || len(buf) > m.maxLen:
 		return fmt.Errorf("%w: map of %d bytes into an MR of at most %d", rdma.ErrInvalid, len(buf), m.maxLen)
@@ -348,11 +402,11 @@ func (m *mr) Map(buf []byte, iova uint64) error {
 
 func (m *mr) Dereg() error {
 	m.mu.Lock()
-	if m.dereg {
+	if m.st.Load()&stDereg != 0 {
 		m.mu.Unlock()
 		return rdma.ErrClosed
 	}
-	m.dereg, m.valid = true, false
+	m.setState(m.key(), m.access(), false, true)
 	m.mu.Unlock()
 	m.pd.dev.removeMR(m)
 	return nil
@@ -369,15 +423,22 @@ func (d *device) resolve(p *pd, key uint32, addr uint64, n uint32, need rdma.Acc
 	if m == nil {
 		return nil, bad
 	}
-	m.mu.Lock()
-	ok := m.pd == p && m.key == key && m.valid && !m.dereg && m.access&need == need &&
+	if m.pd != p {
+		return nil, bad
+	}
+	if m.fastReg {
+		m.mu.Lock()
+	}
+	ok := usable(m.st.Load(), key, need) &&
 		addr >= m.iova && addr-m.iova <= uint64(len(m.buf)) && uint64(n) <= uint64(len(m.buf))-(addr-m.iova)
 	var b []byte
 	if ok {
 		off := addr - m.iova
 		b = m.buf[off : off+uint64(n) : off+uint64(n)]
 	}
-	m.mu.Unlock()
+	if m.fastReg {
+		m.mu.Unlock()
+	}
 	if !ok {
 		return nil, bad
 	}
@@ -393,10 +454,11 @@ func (d *device) invalidate(p *pd, key uint32) bool {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.pd != p || m.key != key || m.dereg {
+	st := m.st.Load()
+	if m.pd != p || uint32(st) != key || st&stDereg != 0 {
 		return false
 	}
-	m.valid = false
+	m.setState(key, m.access(), false, false)
 	return true
 }
 
@@ -411,9 +473,10 @@ func (d *device) register(p *pd, m rdma.MR, key uint32, access rdma.Access) bool
 	}
 	sm.mu.Lock()
 	defer sm.mu.Unlock()
-	if sm.dereg || sm.valid || sm.buf == nil || key>>8 != sm.key>>8 {
+	st := sm.st.Load()
+	if st&(stDereg|stValid) != 0 || sm.buf == nil || key>>8 != uint32(st)>>8 {
 		return false
 	}
-	sm.key, sm.access, sm.valid = key, access, true
+	sm.setState(key, access, true, false)
 	return true
 }

@@ -289,6 +289,19 @@ func TestMRValidation(t *testing.T) {
 	if err := m.Map(make([]byte, 8), 0); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("map of a valid MR: %v", err)
 	}
+	// Invalidated, a registered MR still keeps its memory: only fast-reg MRs map memory.
+	if !invalidateKey(dev, pd, m.LKey()) {
+		t.Fatal("LOCAL_INV refused")
+	}
+	if m.Valid() {
+		t.Fatal("valid after LOCAL_INV")
+	}
+	if err := m.Map(make([]byte, 8), 0); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("map of a registered MR: %v", err)
+	}
+	if fr.Valid() {
+		t.Fatal("a new fast-reg MR is valid before its REG_MR")
+	}
 	if err := m.Dereg(); err != nil {
 		t.Fatal(err)
 	}
@@ -379,4 +392,9 @@ func TestCompletionHandler(t *testing.T) {
 	}
 	pr.srv.cq.SetHandler(nil)
 	pr.cli.cq.SetHandler(nil)
+}
+
+// invalidateKey runs what a LOCAL_INV work request does.
+func invalidateKey(dev rdma.Device, p rdma.PD, key uint32) bool {
+	return dev.(*device).invalidate(p.(*pd), key)
 }
