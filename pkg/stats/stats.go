@@ -99,8 +99,8 @@ func (m *Max) Value() uint64 { return m.v.Load() }
 // Reset clears the maximum.
 func (m *Max) Reset() { m.v.Store(0) }
 
-// CPU returns the CPU the calling thread runs on (getcpu(2)).
-func CPU() int {
+// getcpu returns the CPU the calling thread runs on (getcpu(2)).
+func getcpu() int {
 	var cpu uint32
 	if _, _, e := unix.RawSyscall(unix.SYS_GETCPU, uintptr(unsafe.Pointer(&cpu)), 0, 0); e != 0 {
 		return 0

@@ -1,6 +1,7 @@
 package stats
 
 import (
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -116,5 +117,30 @@ func TestSharded(t *testing.T) {
 	}
 	if unsafe.Sizeof(c.s[0]) != 128 {
 		t.Fatalf("shard of %d bytes", unsafe.Sizeof(c.s[0]))
+	}
+}
+
+// TestCPU: the CPU number agrees with getcpu(2) on a locked thread.
+func TestCPU(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	agree := 0
+	for range 100 {
+		if CPU() == getcpu() {
+			agree++
+		}
+	}
+	// The thread may move between the two calls, rarely.
+	if agree < 90 {
+		t.Fatalf("CPU() agreed with getcpu %d times in 100", agree)
+	}
+	if n := runtime.NumCPU(); CPU() < 0 || CPU() >= 4096 || (n < 4096 && CPU() >= n*2) {
+		t.Fatalf("CPU() = %d on %d CPUs", CPU(), n)
+	}
+}
+
+func BenchmarkCPU(b *testing.B) {
+	for b.Loop() {
+		_ = CPU()
 	}
 }
