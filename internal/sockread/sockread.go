@@ -90,9 +90,12 @@ func (f *Reader) ReadFull(p []byte) error {
 	n := copy(p, f.buf[f.r:f.w])
 	f.r += n
 	p = p[n:]
+	// A large remainder is read directly to its end, also when a short read leaves little of
+	// it: reading that little through the buffer would fill the buffer with what follows.
+	direct := len(p) >= DirectMin
 	for len(p) > 0 {
 		// The buffer is empty here.
-		if len(p) < DirectMin {
+		if !direct {
 			if err := f.fill(); err != nil {
 				return unexpected(err)
 			}
