@@ -22,18 +22,12 @@ func latencyCmd(ctx context.Context, args []string, out io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	kids, err := newChildren(ctx, 0)
+	kids, err := startKids(ctx, []string{"server", "-listen", "127.0.0.1:18620", fmt.Sprintf("-always-invalidate=%v", *inv)},
+		[]string{"tcpserver", "-listen", "127.0.0.1:18621"})
 	if err != nil {
 		return err
 	}
 	defer kids.stop()
-	if _, err := kids.start("server", "-listen", "127.0.0.1:18620", fmt.Sprintf("-always-invalidate=%v", *inv)); err != nil {
-		return err
-	}
-	if _, err := kids.start("tcpserver", "-listen", "127.0.0.1:18621"); err != nil {
-		return err
-	}
-	time.Sleep(500 * time.Millisecond)
 	var rr, rw, tr, tw []float64
 	for i := 0; i < *reps; i++ {
 		for _, c := range []struct {
@@ -89,19 +83,13 @@ func streamCmd(ctx context.Context, args []string, out io.Writer) error {
 	if *paths < 1 || *paths > len(pp) {
 		return fmt.Errorf("stream: -paths %d (1 or 2)", *paths)
 	}
-	kids, err := newChildren(ctx, 0)
+	kids, err := startKids(ctx, []string{"server", "-listen", "127.0.0.1:18622", fmt.Sprintf("-always-invalidate=%v", *inv),
+		"-chunk-size", *chunk, fmt.Sprint("-queue-depth=", *depth), fmt.Sprintf("-null=%v", *null)},
+		[]string{"tcpserver", "-listen", "127.0.0.1:18623"})
 	if err != nil {
 		return err
 	}
 	defer kids.stop()
-	if _, err := kids.start("server", "-listen", "127.0.0.1:18622", fmt.Sprintf("-always-invalidate=%v", *inv),
-		"-chunk-size", *chunk, fmt.Sprint("-queue-depth=", *depth), fmt.Sprintf("-null=%v", *null)); err != nil {
-		return err
-	}
-	if _, err := kids.start("tcpserver", "-listen", "127.0.0.1:18623"); err != nil {
-		return err
-	}
-	time.Sleep(500 * time.Millisecond)
 	var rd, wr, tcp []float64
 	for i := 0; i < *reps; i++ {
 		for _, c := range []struct {
@@ -147,18 +135,13 @@ func invCostCmd(ctx context.Context, args []string, out io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	kids, err := newChildren(ctx, 0)
+	ports := map[bool]uint16{true: 18624, false: 18625}
+	kids, err := startKids(ctx, []string{"server", "-listen", fmt.Sprint("127.0.0.1:", ports[true]), "-always-invalidate=true"},
+		[]string{"server", "-listen", fmt.Sprint("127.0.0.1:", ports[false]), "-always-invalidate=false"})
 	if err != nil {
 		return err
 	}
 	defer kids.stop()
-	ports := map[bool]uint16{true: 18624, false: 18625}
-	for inv, port := range ports {
-		if _, err := kids.start("server", "-listen", fmt.Sprint("127.0.0.1:", port), fmt.Sprintf("-always-invalidate=%v", inv)); err != nil {
-			return err
-		}
-	}
-	time.Sleep(500 * time.Millisecond)
 	type load struct {
 		rw, bs string
 		qd     int
@@ -189,4 +172,21 @@ func invCostCmd(ctx context.Context, args []string, out io.Writer) error {
 		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.0f | %+.1f%% | %.0f / %.0f |\n", l.rw, l.bs, l.qd, on, off, 100*(off-on)/off, res[l][true], res[l][false])
 	}
 	return nil
+}
+
+// startKids starts this program once per argument list (servers for a measurement) and gives
+// them a moment to listen.
+func startKids(ctx context.Context, cmds ...[]string) (*children, error) {
+	kids, err := newChildren(ctx, 0)
+	if err != nil {
+		return nil, err
+	}
+	for _, args := range cmds {
+		if _, err := kids.start(args...); err != nil {
+			kids.stop()
+			return nil, err
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	return kids, nil
 }

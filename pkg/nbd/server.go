@@ -619,14 +619,23 @@ func (c *conn) writeAllLocked(mayBlock bool) {
 			go c.finishWrite(batch)
 			return
 		}
-		c.qmu.Lock()
-		c.spare = batch[:0]
-		if len(c.pending) == 0 {
-			c.writing = false
-			c.qmu.Unlock()
+		if !c.written(batch) {
 			return
 		}
 	}
+}
+
+// written takes a written batch's list back for reuse. With more replies pending it returns
+// true with c.qmu held; otherwise the write is over and it returns false, c.qmu released.
+func (c *conn) written(batch []pendingReply) bool {
+	c.qmu.Lock()
+	c.spare = batch[:0]
+	if len(c.pending) == 0 {
+		c.writing = false
+		c.qmu.Unlock()
+		return false
+	}
+	return true
 }
 
 // finishWrite writes the rest of a batch that a non-blocking write left, then the queue.
@@ -635,14 +644,9 @@ func (c *conn) finishWrite(batch []pendingReply) {
 		c.c.Close()
 	}
 	c.release(batch)
-	c.qmu.Lock()
-	c.spare = batch[:0]
-	if len(c.pending) == 0 {
-		c.writing = false
-		c.qmu.Unlock()
-		return
+	if c.written(batch) {
+		c.writeAllLocked(true)
 	}
-	c.writeAllLocked(true)
 }
 
 // write sends a batch of replies in one writev; after a failed write the connection is
