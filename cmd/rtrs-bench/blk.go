@@ -27,10 +27,15 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	listen := fs.String("listen", "[::]:1234", "listen address")
 	dir := fs.String("dir", "", "export directory (dev_search_path)")
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
+	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *dir})
+	cs, err := size.Parse(*chunk)
+	if err != nil {
+		return err
+	}
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *dir, MaxIOSize: int(cs) - transport.MaxHdrSize})
 	if err != nil {
 		return err
 	}
@@ -39,7 +44,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	if o.Addr, err = netip.ParseAddrPort(*listen); err != nil {
 		return err
 	}
-	o.Provider, o.Handler, o.AlwaysInvalidate = soft.New(soft.Options{}), rs, *inv
+	o.Provider, o.Handler, o.AlwaysInvalidate, o.ChunkSize = soft.New(soft.Options{}), rs, *inv, int(cs)
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err
@@ -125,6 +130,7 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	dur := fs.Duration("duration", 5*time.Second, "length of each fio run")
 	sizeStr := fs.String("size", "1G", "device size")
 	reps := fs.Int("reps", 1, "interleaved repetitions (medians are reported)")
+	chunk := fs.String("chunk-size", "128K", "the RNBD server's max_chunk_size")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -161,7 +167,7 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer kids.stop()
-	if _, err := kids.start("blkserver", "-listen", "127.0.0.1:18630", "-dir", dir); err != nil {
+	if _, err := kids.start("blkserver", "-listen", "127.0.0.1:18630", "-dir", dir, "-chunk-size", *chunk); err != nil {
 		return err
 	}
 	time.Sleep(300 * time.Millisecond)
@@ -217,7 +223,7 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		}
 	}
 	fmt.Fprintf(out, "fio (nbd engine, %v per run, %d interleaved run(s), medians) on a %s prefilled device:\n", *dur, *reps, *sizeStr)
-	fmt.Fprintln(out, "RTRS: fio → NBD (unix socket) → rnbd client → RTRS (soft, 1 path, loopback) → rnbd server → tmpfs file")
+	fmt.Fprintf(out, "RTRS: fio → NBD (unix socket) → rnbd client → RTRS (soft, 1 path, loopback, %s chunks) → rnbd server → tmpfs file\n", *chunk)
 	fmt.Fprintln(out, "nbdkit: fio → nbdkit nbd plugin (unix socket) → TCP (loopback) → nbdkit memory")
 	fmt.Fprintln(out, "\n| workload | RTRS IOPS | RTRS MB/s | RTRS p50 / p99 µs | nbdkit IOPS | nbdkit MB/s | nbdkit p50 / p99 µs | RTRS / nbdkit |\n|---|---|---|---|---|---|---|---|")
 	for _, j := range jobs {
