@@ -150,8 +150,8 @@ func (s *Server) Close() {
 	s.wg.Wait()
 }
 
-// Request implements transport.Handler: every request runs on its own goroutine, since
-// file IO blocks and the transport's goroutine must not.
+// Request implements transport.Handler. The transport's goroutine must not block: IO that
+// cannot block runs right here, the rest on a goroutine of its own.
 func (s *Server) Request(r *transport.SrvRequest) {
 	if s.shutdown.Load() {
 		r.Respond(-int(syscall.ESHUTDOWN))
