@@ -28,6 +28,7 @@ type Reader struct {
 	nvecs  int
 	n      int
 	rerr   error
+	wait   bool // readFn waits for data (a read), or returns at once (FillNow)
 	readFn func(fd uintptr) bool
 }
 
@@ -41,7 +42,7 @@ const (
 
 // New returns a Reader of conn with a buffer of size bytes.
 func New(conn net.Conn, size int) *Reader {
-	f := &Reader{conn: conn, buf: make([]byte, max(size, 2*SpillMax))}
+	f := &Reader{conn: conn, buf: make([]byte, max(size, 2*SpillMax)), wait: true}
 	if sc, ok := conn.(syscall.Conn); ok {
 		if raw, err := sc.SyscallConn(); err == nil {
 			f.raw = raw
@@ -54,9 +55,36 @@ func New(conn net.Conn, size int) *Reader {
 				break
 			}
 		}
-		return !errors.Is(f.rerr, unix.EAGAIN)
+		return !f.wait || !errors.Is(f.rerr, unix.EAGAIN)
 	}
 	return f
+}
+
+// FillNow adds to the buffer what the socket holds, without waiting, and returns how many
+// bytes that was; errors are left to the next read. A caller that holds work back while more
+// is buffered (a plug) can look for more before letting it go.
+func (f *Reader) FillNow() int {
+	if f.raw == nil {
+		return 0
+	}
+	if f.r == f.w {
+		f.r, f.w = 0, 0
+	} else if f.r > 0 && len(f.buf)-f.w < SpillMax {
+		f.w = copy(f.buf, f.buf[f.r:f.w])
+		f.r = 0
+	}
+	if f.w == len(f.buf) {
+		return 0
+	}
+	f.vecs[0], f.nvecs, f.wait = f.buf[f.w:], 1, false
+	f.n, f.rerr = 0, nil
+	err := f.raw.Read(f.readFn)
+	f.vecs[0], f.wait = nil, true
+	if err != nil || f.rerr != nil || f.n <= 0 {
+		return 0
+	}
+	f.w += f.n
+	return f.n
 }
 
 // Buffered is how many bytes a read returns without touching the socket.

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"testing"
+	"time"
 
 	"github.com/rtrs-go/rtrs/internal/testutil"
 )
@@ -91,5 +92,33 @@ func TestReaderShort(t *testing.T) {
 		if err := fr.ReadFull(make([]byte, n)); err != io.ErrUnexpectedEOF {
 			t.Fatalf("%d bytes from %d: %v", n, n-10, err)
 		}
+	}
+}
+
+// TestFillNow: FillNow takes what the socket has without waiting, and nothing when it has
+// nothing; reads after it see the bytes in order.
+func TestFillNow(t *testing.T) {
+	w, r := testutil.TCPPair(t)
+	fr := New(r, 64<<10)
+	done := make(chan int, 1)
+	go func() { done <- fr.FillNow() }()
+	select {
+	case n := <-done:
+		if n != 0 {
+			t.Fatalf("FillNow on an empty socket: %d bytes", n)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("FillNow waited on an empty socket")
+	}
+	if _, err := w.Write([]byte("abcdef")); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 5*time.Second, "bytes through FillNow", func() bool {
+		fr.FillNow()
+		return fr.Buffered() >= 6
+	})
+	got := make([]byte, 6)
+	if err := fr.ReadFull(got); err != nil || string(got) != "abcdef" {
+		t.Fatalf("read %q, %v", got, err)
 	}
 }

@@ -415,8 +415,10 @@ func (c *conn) transmit() error {
 	defer unplug()
 	var hdr [requestSize]byte
 	for {
-		if c.r.Buffered() < requestSize {
-			unplug() // the next read may wait
+		// The next read may wait: what is plugged goes first, unless the socket already has
+		// the next request (fio submits while we post).
+		if c.r.Buffered() < requestSize && (!plugged || c.r.FillNow() == 0 || c.r.Buffered() < requestSize) {
+			unplug()
 		}
 		if err := c.r.ReadFull(hdr[:]); err != nil {
 			return err
