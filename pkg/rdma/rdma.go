@@ -15,6 +15,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"os"
 	"time"
 )
 
@@ -92,6 +93,13 @@ type PD interface {
 	// AllocMR allocates and registers length bytes owned by the provider (for a provider
 	// whose memory must live outside the Go heap).
 	AllocMR(length int, access Access) (MR, error)
+	// RegFileMR registers length bytes of file f from offset off (ibv_reg_dmabuf_mr: memory
+	// named by a file descriptor instead of an address). The region keeps its own reference
+	// to the file, so f may be closed after. It is a local source for SENDs and RDMA WRITEs,
+	// which a provider may feed to the wire straight from the file (the page cache's pages,
+	// not a copy of them); it has no Bytes, and a provider refuses the access it cannot give.
+	// If the file shrinks under a request that is sending from it, the connection fails.
+	RegFileMR(f *os.File, off int64, length int, access Access) (MR, error)
 	// AllocFastRegMR allocates an MR with no memory and no valid key, of at most maxLen
 	// bytes, to be mapped with MR.Map and made valid by an OpRegMR work request
 	// (ib_alloc_mr + ib_map_mr_sg).

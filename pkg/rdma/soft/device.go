@@ -5,15 +5,18 @@
 package soft
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"golang.org/x/sys/unix"
 )
 
 // Device limits. They are generous but bounded so that a peer cannot make us allocate without
@@ -286,6 +289,71 @@ func (p *pd) AllocMR(length int, access rdma.Access) (rdma.MR, error) {
 	return p.RegMR(make([]byte, length), access)
 }
 
+// RegFileMR registers a range of a regular file. Only local read is granted: the soft
+// provider sends from the file with sendfile and never maps it, so nothing here can fault
+// on a file that shrinks.
+func (p *pd) RegFileMR(f *os.File, off int64, length int, access rdma.Access) (rdma.MR, error) {
+	if length <= 0 || uint64(length) > maxMRSize || off < 0 || off+int64(length) < off {
+		return nil, fmt.Errorf("%w: file MR of %d bytes at %d", rdma.ErrInvalid, length, off)
+	}
+	if access != 0 {
+		return nil, fmt.Errorf("%w: file MR with access %v (the soft provider gives local read only)", rdma.ErrInvalid, access)
+	}
+	if p.freed.Load() {
+		return nil, rdma.ErrClosed
+	}
+	var fd int
+	sc, err := f.SyscallConn()
+	if err == nil {
+		cerr := sc.Control(func(raw uintptr) {
+			var st unix.Stat_t
+			if err = unix.Fstat(int(raw), &st); err == nil && st.Mode&unix.S_IFMT != unix.S_IFREG {
+				err = fmt.Errorf("%w: file MR of %s: not a regular file", rdma.ErrInvalid, f.Name())
+			}
+			if err == nil {
+				fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
+			}
+		})
+		err = errors.Join(cerr, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("soft-rdma: file MR: %w", err)
+	}
+	fr := &fileRef{fd: fd}
+	fr.refs.Store(1)
+	m := &mr{pd: p, file: fr, foff: off, iova: nextIOVA(length), maxLen: length}
+	m.setState(0, access, true, false)
+	p.dev.addMR(m)
+	return m, nil
+}
+
+// fileRef is a file region's descriptor, shared by the region and the queued pieces that
+// send from it: the last of them to let go closes it, so a piece never names a closed (or
+// reused) descriptor.
+type fileRef struct {
+	fd   int
+	refs atomic.Int32
+}
+
+// get takes a reference unless the last one is already gone.
+func (f *fileRef) get() bool {
+	for {
+		r := f.refs.Load()
+		if r <= 0 {
+			return false
+		}
+		if f.refs.CompareAndSwap(r, r+1) {
+			return true
+		}
+	}
+}
+
+func (f *fileRef) put() {
+	if f.refs.Add(-1) == 0 {
+		_ = unix.Close(f.fd)
+	}
+}
+
 func (p *pd) AllocFastRegMR(maxLen int) (rdma.MR, error) {
 	if maxLen <= 0 || maxLen > maxFRPageList*4096 {
 		return nil, fmt.Errorf("%w: fast-reg MR of %d bytes (at most %d)", rdma.ErrInvalid, maxLen, maxFRPageList*4096)
@@ -326,6 +394,10 @@ type mr struct {
 	maxLen  int
 	st      atomic.Uint64
 
+	// A file region (RegFileMR) has no memory: file, and foff where iova maps to.
+	file *fileRef
+	foff int64
+
 	mu   sync.Mutex
 	buf  []byte
 	iova uint64
@@ -361,7 +433,13 @@ var _ rdma.MR = (*mr)(nil)
 func (m *mr) LKey() uint32 { return m.key() }
 func (m *mr) RKey() uint32 { return m.LKey() }
 func (m *mr) Addr() uint64 { _, iova := m.mem(); return iova }
-func (m *mr) Len() int     { b, _ := m.mem(); return len(b) }
+func (m *mr) Len() int {
+	if m.file != nil {
+		return m.maxLen
+	}
+	b, _ := m.mem()
+	return len(b)
+}
 func (m *mr) Bytes() []byte {
 	b, _ := m.mem()
 	return b
@@ -409,7 +487,24 @@ func (m *mr) Dereg() error {
 	m.setState(m.key(), m.access(), false, true)
 	m.mu.Unlock()
 	m.pd.dev.removeMR(m)
+	if m.file != nil {
+		m.file.put()
+	}
 	return nil
+}
+
+// resolveFile returns the file piece that an SGE naming a file region of pd stands for; ok is
+// false when key names no file region. A piece holds a reference on the file.
+func (d *device) resolveFile(p *pd, key uint32, addr uint64, n uint32) (s seg, st rdma.WCStatus, ok bool) {
+	m := d.lookup(key)
+	if m == nil || m.file == nil {
+		return seg{}, 0, false
+	}
+	if m.pd != p || !usable(m.st.Load(), key, 0) || addr < m.iova || addr-m.iova > uint64(m.maxLen) ||
+		uint64(n) > uint64(m.maxLen)-(addr-m.iova) || !m.file.get() {
+		return seg{}, rdma.WCLocProtErr, true
+	}
+	return seg{f: m.file, off: m.foff + int64(addr-m.iova), n: int(n)}, rdma.WCSuccess, true
 }
 
 // resolve checks that key names a valid region of pd granting need, covering [addr, addr+n),

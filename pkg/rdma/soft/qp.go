@@ -64,7 +64,7 @@ type qp struct {
 	dead     chan struct{}
 	rqAvail  chan struct{}
 	shutOnce sync.Once
-	segTmp   [][]byte // PostSend scratch for resolved SGEs
+	segTmp   []seg // PostSend scratch for resolved SGEs
 
 	// Set when the connection is established.
 	conn   net.Conn
@@ -84,6 +84,7 @@ type qp struct {
 	lastSeq  atomic.Uint64 // highest request executed
 	ackAsked bool          // the peer asked for an ack it has not been sent
 	rdSegs   [][]byte
+	rspSeg   [1]seg // a READ response's payload
 }
 
 var (
@@ -118,7 +119,7 @@ func newQP(dev *device, p *pd, attr rdma.QPInitAttr) (*qp, error) {
 	for i := range q.rq {
 		q.rq[i].sgl = make([]rdma.SGE, 0, q.maxRecvSGE)
 	}
-	q.segTmp = make([][]byte, 0, q.maxSendSGE)
+	q.segTmp = make([]seg, 0, q.maxSendSGE)
 	q.rdSegs = make([][]byte, 0, max(q.maxRecvSGE, q.maxSendSGE))
 	return q, nil
 }
@@ -262,19 +263,35 @@ func (q *qp) queueWire(e *sqEntry, wr *rdma.SendWR, fop frameOp) bool {
 		need = rdma.AccessLocalWrite
 	}
 	segs := q.segTmp[:0]
+	fail := func(st rdma.WCStatus) bool {
+		releaseAll(segs)
+		e.done, e.status = true, st
+		return false
+	}
 	var total uint64
 	for _, s := range wr.SGList {
+		if fs, st, ok := q.dev.resolveFile(q.pd, s.LKey, s.Addr, s.Length); ok {
+			// A file region is a source only: what lands in local memory needs memory.
+			if st == rdma.WCSuccess && need != 0 {
+				fs.release()
+				st = rdma.WCLocProtErr
+			}
+			if st != rdma.WCSuccess {
+				return fail(st)
+			}
+			segs = append(segs, fs)
+			total += uint64(s.Length)
+			continue
+		}
 		b, st := q.dev.resolve(q.pd, s.LKey, s.Addr, s.Length, need, false)
 		if st != rdma.WCSuccess {
-			e.done, e.status = true, st
-			return false
+			return fail(st)
 		}
-		segs = append(segs, b)
+		segs = append(segs, seg{b: b})
 		total += uint64(s.Length)
 	}
 	if total > maxMsgSize {
-		e.done, e.status = true, rdma.WCLocLenErr
-		return false
+		return fail(rdma.WCLocLenErr)
 	}
 	e.wire, e.seq, e.byteLen = true, q.nextSeq, uint32(total)
 	q.nextSeq++
@@ -298,7 +315,9 @@ func (q *qp) queueWire(e *sqEntry, wr *rdma.SendWR, fop frameOp) bool {
 		h.rkey, h.addr = wr.RKey, wr.RemoteAddr
 	}
 	if fop == fReadReq {
-		e.segs = append(e.segs[:0], segs...)
+		for _, s := range segs {
+			e.segs = append(e.segs, s.b)
+		}
 		segs = segs[:0]
 	}
 	q.w.add(&h, segs)
@@ -597,9 +616,9 @@ func (q *qp) execute(h *frameHdr) error {
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("remote read of rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
 		}
-		q.rdSegs = append(q.rdSegs[:0], b)
-		q.w.add(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rdSegs)
-		q.rdSegs[0] = nil
+		q.rspSeg[0] = seg{b: b}
+		q.w.add(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rspSeg[:])
+		q.rspSeg[0] = seg{}
 		q.w.flush()
 		return nil
 	}

@@ -1,6 +1,9 @@
 package soft
 
 import (
+	"errors"
+	"fmt"
+	"io"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -13,13 +16,55 @@ import (
 // maxIOV bounds the iovecs of one writev (IOV_MAX on Linux).
 const maxIOV = 1024
 
-// writer sends frames on a QP's connection. Frames are queued as iovecs (header from an
-// arena, payload as slices of MR memory) and go out in vectored writes, so frames queued while
-// a write is in progress leave together in the next one.
+// seg is one queued piece of a frame: memory (a header from the arena, payload as a slice of
+// MR memory), or n bytes of a file region from file offset off, which go out with sendfile:
+// the socket takes the page cache's pages instead of a copy of them.
+type seg struct {
+	b   []byte
+	f   *fileRef
+	off int64
+	n   int
+}
+
+func (s *seg) len() int {
+	if s.f != nil {
+		return s.n
+	}
+	return len(s.b)
+}
+
+// advance drops n bytes from the front of s (n < s.len()).
+func (s *seg) advance(n int) {
+	if s.f != nil {
+		s.off += int64(n)
+		s.n -= n
+		return
+	}
+	s.b = s.b[n:]
+}
+
+// release drops what s holds: a file piece's reference on its file.
+func (s *seg) release() {
+	if s.f != nil {
+		s.f.put()
+	}
+	*s = seg{}
+}
+
+// releaseAll releases every piece of segs.
+func releaseAll(segs []seg) {
+	for i := range segs {
+		segs[i].release()
+	}
+}
+
+// writer sends frames on a QP's connection. Frames are queued as pieces and go out in
+// vectored writes (a file piece with a sendfile of its own), so frames queued while a write
+// is in progress leave together in the next one.
 //
 // Nobody but the flusher goroutine ever blocks on the socket. Posters, the responder loop and
-// completion handlers call flush, which makes one non-blocking writev attempt; whatever the
-// socket does not take is left to the flusher goroutine. So a send costs one syscall in the
+// completion handlers call flush, which writes without waiting for the socket; whatever the
+// socket does not take is left to the flusher goroutine. So a send costs a system call in the
 // poster's goroutine, and a responder never stops reading because its peer stopped reading
 // (two such responders would deadlock).
 type writer struct {
@@ -30,17 +75,20 @@ type writer struct {
 	idle   *sync.Cond // signalled when busy clears
 	busy   bool       // the flusher goroutine is in a blocking write
 	failed bool
-	pend   net.Buffers
+	pend   []seg
 	arena  []byte
-	spend  net.Buffers // spare iovec list, swapped with pend per blocking batch
+	spend  []seg // spare piece list, swapped with pend per blocking batch
 	sarena []byte
-	batch  net.Buffers // owned by the busy flusher
+	batch  []seg // owned by the busy flusher
 
-	// Non-blocking write state, used under mu by tryWrite and rawWrite.
+	// Scratch iovecs: iov for non-blocking writes under mu, biov for the busy flusher;
+	// the write callbacks are bound once and report through werr and berr.
 	iov     []unix.Iovec
-	wn      int
-	werr    syscall.Errno
+	biov    []unix.Iovec
+	werr    error
+	berr    error
 	writeFn func(fd uintptr) bool
+	batchFn func(fd uintptr) bool
 
 	kick   chan struct{}
 	onFail func(error)
@@ -56,11 +104,12 @@ type writer struct {
 func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
 	w := &writer{
 		conn:   conn,
-		pend:   make(net.Buffers, 0, 64),
-		spend:  make(net.Buffers, 0, 64),
+		pend:   make([]seg, 0, 64),
+		spend:  make([]seg, 0, 64),
 		arena:  make([]byte, 0, 64*hdrLen),
 		sarena: make([]byte, 0, 64*hdrLen),
 		iov:    make([]unix.Iovec, 0, maxIOV),
+		biov:   make([]unix.Iovec, 0, maxIOV),
 		kick:   make(chan struct{}, 1),
 		onFail: onFail,
 		ack:    ack,
@@ -70,15 +119,17 @@ func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
 			w.raw = raw
 		}
 	}
-	w.writeFn = w.rawWrite
+	w.writeFn, w.batchFn = w.rawWrite, w.rawBatch
 	w.raceAddr = raceAddrOf(conn)
 	w.idle = sync.NewCond(&w.mu)
 	return w
 }
 
-// addLocked queues one frame; w.mu is held.
-func (w *writer) addLocked(h *frameHdr, payload [][]byte) {
+// addLocked queues one frame; w.mu is held. The frame's file pieces pass their references
+// to the queue (released when written or dropped).
+func (w *writer) addLocked(h *frameHdr, payload []seg) {
 	if w.failed {
+		releaseAll(payload)
 		return
 	}
 	n := len(w.arena)
@@ -98,16 +149,18 @@ func (w *writer) addLocked(h *frameHdr, payload [][]byte) {
 	}
 	h.encode(hb)
 	raceRelease(w.raceAddr)
-	w.pend = append(w.pend, hb)
+	w.pend = append(w.pend, seg{b: hb})
 	for _, p := range payload {
-		if len(p) > 0 {
+		if p.len() > 0 {
 			w.pend = append(w.pend, p)
+		} else {
+			p.release()
 		}
 	}
 }
 
 // add queues one frame.
-func (w *writer) add(h *frameHdr, payload [][]byte) {
+func (w *writer) add(h *frameHdr, payload []seg) {
 	w.mu.Lock()
 	w.addLocked(h, payload)
 	w.mu.Unlock()
@@ -120,8 +173,8 @@ func (w *writer) ackOwed() bool {
 	return !w.failed && w.ackSent < w.ack.Load()
 }
 
-// flush writes what is queued without blocking: one non-blocking writev, the rest to the
-// flusher goroutine. While the flusher is writing it only leaves the frames to it.
+// flush writes what is queued without blocking; the rest goes to the flusher goroutine.
+// While the flusher is writing it only leaves the frames to it.
 func (w *writer) flush() {
 	w.mu.Lock()
 	if w.busy || len(w.pend) == 0 || w.failed {
@@ -141,68 +194,106 @@ func (w *writer) flush() {
 	}
 }
 
-// tryWrite makes one non-blocking writev of the head of pend and drops what was written;
-// w.mu is held.
+// tryWrite writes the head of pend until the socket would block and drops what was
+// written; w.mu is held.
 func (w *writer) tryWrite() error {
 	if w.raw == nil {
 		return nil // not a socket: the flusher does blocking writes
 	}
-	w.iov = w.iov[:0]
-	for _, b := range w.pend {
-		if len(w.iov) == maxIOV {
-			break
-		}
-		w.iov = append(w.iov, unix.Iovec{Base: &b[0], Len: uint64(len(b))})
-	}
-	w.wn, w.werr = 0, 0
+	w.werr = nil
 	err := w.raw.Write(w.writeFn)
-	clear(w.iov)
-	if err == nil && w.werr != 0 && w.werr != syscall.EAGAIN && w.werr != syscall.EINTR {
+	if err == nil && w.werr != nil && w.werr != syscall.EAGAIN {
 		err = w.werr
 	}
 	if err != nil {
 		w.failLocked()
 		return err
 	}
-	w.consume(w.wn)
+	if len(w.pend) == 0 {
+		// Everything went: the header arena starts again.
+		w.arena = w.arena[:0]
+	}
 	return nil
 }
 
-// rawWrite is the RawConn callback: one writev, and never wait for writability.
+// rawWrite is tryWrite's callback: write what the socket takes now, never wait.
 func (w *writer) rawWrite(fd uintptr) bool {
-	n, _, e := syscall.Syscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&w.iov[0])), uintptr(len(w.iov)))
-	if e == 0 {
-		w.wn = int(n)
-	}
-	w.werr = e
+	w.pend, w.werr = writeSegs(int(fd), w.pend, &w.iov)
 	return true
 }
 
-// consume drops n written bytes from the head of pend.
-func (w *writer) consume(n int) {
-	i := 0
-	for i < len(w.pend) && n >= len(w.pend[i]) {
-		n -= len(w.pend[i])
-		w.pend[i] = nil
+// rawBatch is writeBatch's callback: write, and wait while the socket is full.
+func (w *writer) rawBatch(fd uintptr) bool {
+	w.batch, w.berr = writeSegs(int(fd), w.batch, &w.biov)
+	return w.berr != syscall.EAGAIN
+}
+
+// writeSegs writes segs to the non-blocking socket fd until they are all written, the socket
+// would block (EAGAIN) or a write fails, and returns the pieces not written, moved to the
+// front of the same array. iov is scratch.
+func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
+	var err error
+	i := 0 // segs[:i] are written
+	for i < len(segs) && err == nil {
+		var n, want int
+		if s := &segs[i]; s.f != nil {
+			want = s.n
+			off := s.off
+			n, err = unix.Sendfile(fd, s.f.fd, &off, s.n)
+			if err == nil && n == 0 {
+				// End of file inside a registered range: the file shrank. The frame's
+				// header promised bytes that do not exist, so the connection must go.
+				err = fmt.Errorf("soft-rdma: file region shrank under a send: %w", io.ErrUnexpectedEOF)
+			}
+		} else {
+			*iov = (*iov)[:0]
+			for _, s := range segs[i:] {
+				if s.f != nil || len(*iov) == maxIOV {
+					break
+				}
+				*iov = append(*iov, unix.Iovec{Base: &s.b[0], Len: uint64(len(s.b))})
+				want += len(s.b)
+			}
+			r, _, e := syscall.Syscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&(*iov)[0])), uintptr(len(*iov)))
+			clear(*iov)
+			n = int(r)
+			if e != 0 {
+				n, err = 0, e
+			}
+		}
+		if err == syscall.EINTR {
+			err = nil
+		}
+		if n < 0 {
+			n = 0
+		}
+		i = consume(segs, i, n)
+		if err == nil && n < want {
+			err = syscall.EAGAIN // the socket took part of it: it is full
+		}
+	}
+	left := copy(segs, segs[i:])
+	clear(segs[left:])
+	return segs[:left], err
+}
+
+// consume marks n more bytes written from segs[i]: it releases the pieces that are whole and
+// returns the index of the first one that is not.
+func consume(segs []seg, i, n int) int {
+	for i < len(segs) && n >= segs[i].len() {
+		n -= segs[i].len()
+		segs[i].release()
 		i++
 	}
-	if i < len(w.pend) && n > 0 {
-		w.pend[i] = w.pend[i][n:]
+	if i < len(segs) && n > 0 {
+		segs[i].advance(n)
 	}
-	if i == len(w.pend) {
-		// Everything went: both the list and the header arena start again.
-		w.pend = w.pend[:0]
-		w.arena = w.arena[:0]
-		return
-	}
-	left := copy(w.pend, w.pend[i:])
-	clear(w.pend[left:])
-	w.pend = w.pend[:left]
+	return i
 }
 
 func (w *writer) failLocked() {
 	w.failed = true
-	clear(w.pend)
+	releaseAll(w.pend)
 	w.pend = w.pend[:0]
 }
 
@@ -233,12 +324,12 @@ func (w *writer) flushLocked() error {
 		w.batch, w.pend = w.pend, w.spend[:0]
 		barena := w.arena
 		w.arena = w.sarena[:0]
-		keep := w.batch
 		w.mu.Unlock()
-		_, err = w.batch.WriteTo(w.conn)
-		clear(keep) // drop references to MR memory
+		err = w.writeBatch()
+		releaseAll(w.batch) // what a failed write left
 		w.mu.Lock()
-		w.spend, w.sarena = keep[:0], barena[:0]
+		w.spend, w.sarena = w.batch[:0], barena[:0]
+		w.batch = nil
 		if err != nil {
 			w.failLocked()
 		}
@@ -246,6 +337,40 @@ func (w *writer) flushLocked() error {
 	w.busy = false
 	w.idle.Broadcast()
 	return err
+}
+
+// writeBatch writes w.batch, waiting for the socket as needed (and as its write deadline
+// allows); the flusher owns the batch and w.mu is not held.
+func (w *writer) writeBatch() error {
+	if w.raw == nil {
+		return w.writeBatchConn()
+	}
+	w.berr = nil
+	if err := w.raw.Write(w.batchFn); err != nil {
+		return err
+	}
+	return w.berr
+}
+
+// writeBatchConn writes w.batch to a connection that is not a socket (tests use pipes):
+// memory as it is, file pieces read into memory first.
+func (w *writer) writeBatchConn() error {
+	for i := range w.batch {
+		s := &w.batch[i]
+		b := s.b
+		if s.f != nil {
+			b = make([]byte, s.n)
+			if n, err := unix.Pread(s.f.fd, b, s.off); err != nil || n < len(b) {
+				return fmt.Errorf("soft-rdma: file region read: %d of %d bytes: %w", max(n, 0), len(b), errors.Join(err, io.ErrUnexpectedEOF))
+			}
+		}
+		if _, err := w.conn.Write(b); err != nil {
+			return err
+		}
+		s.release()
+	}
+	w.batch = w.batch[:0]
+	return nil
 }
 
 // run is the flusher goroutine: it finishes, with blocking writes, what the non-blocking
