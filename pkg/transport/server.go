@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -370,11 +371,12 @@ type SrvPath struct {
 	opsIdle *sync.Cond
 
 	pd        rdma.PD
-	syncLocal bool      // the device's LOCAL_INV takes effect when posted
-	chunkMR   []rdma.MR // one per chunk with always_invalidate, else one for all
-	localMR   rdma.MR   // all chunks, local access: the source of READ data
-	ctlMR     rdma.MR   // info request/response and rkey response buffers
-	reqs      []srvReq  // per chunk
+	syncLocal bool                    // the device's LOCAL_INV takes effect when posted
+	chunkMR   []rdma.MR               // one per chunk with always_invalidate, else one for all
+	localMR   rdma.MR                 // all chunks, local access: the source of READ data
+	ctlMR     rdma.MR                 // info request/response and rkey response buffers
+	fileMRs   map[*FileSource]rdma.MR // file regions registered for RespondFile
+	reqs      []srvReq                // per chunk
 	hb        heartbeat
 	zombie    *time.Timer
 	closing   sync.Once
@@ -739,6 +741,37 @@ func (r *SrvRequest) Respond(errno int) {
 	if r.done.Swap(true) {
 		return
 	}
+	r.respond(errno, nil, 0)
+}
+
+// RespondFile answers a READ with success, its data taken from src at file offset off
+// instead of from Data: the RDMA WRITE to the client is sourced from the file region the
+// path registered for src, so the bytes never pass through the chunk (over the soft provider
+// they go from the page cache to the socket by sendfile). It returns an error, and leaves
+// the request unanswered, when it cannot: not a READ with data, the range beyond the source,
+// the source closed, or the registration refused.
+func (r *SrvRequest) RespondFile(src *FileSource, off int64) error {
+	sr := r.slot
+	if r.Dir != Read || !sr.hasData || sr.desc.Len == 0 {
+		return fmt.Errorf("rtrs: RespondFile on a request without READ data: %w", syscall.EINVAL)
+	}
+	if off < 0 || off > src.size || int64(sr.desc.Len) > src.size-off {
+		return fmt.Errorf("rtrs: RespondFile of %d bytes at %d from a source of %d: %w", sr.desc.Len, off, src.size, syscall.EINVAL)
+	}
+	mr, err := r.path.fileMR(src)
+	if err != nil {
+		return err
+	}
+	if r.done.Swap(true) {
+		return fmt.Errorf("rtrs: request answered twice: %w", syscall.EINVAL)
+	}
+	r.respond(0, mr, off)
+	return nil
+}
+
+// respond posts the response chain; a READ's data comes from file region fmr at off when
+// fmr is set, else from the chunk.
+func (r *SrvRequest) respond(errno int, fmr rdma.MR, off int64) {
 	p := r.path
 	defer func() {
 		p.Stats.Inflight.Add(-1)
@@ -762,6 +795,9 @@ func (r *SrvRequest) Respond(errno int) {
 	n := 0
 	if errno == 0 && sr.hasData && sr.desc.Len > 0 {
 		sr.sge[0] = rdma.SGE{Addr: p.localMR.Addr() + uint64(sr.id*o.ChunkSize), Length: sr.desc.Len, LKey: p.localMR.LKey()}
+		if fmr != nil {
+			sr.sge[0] = rdma.SGE{Addr: fmr.Addr() + uint64(off), Length: sr.desc.Len, LKey: fmr.LKey()}
+		}
 		wrs[n] = rdma.SendWR{Opcode: rdma.OpRDMAWrite, SGList: sr.sge[0:1], RemoteAddr: sr.desc.Addr, RKey: sr.desc.Key}
 		n++
 	}
@@ -927,6 +963,7 @@ func (p *SrvPath) Close() {
 				_ = mr.Dereg()
 			}
 		}
+		p.dropFileMRs()
 		p.mu.Lock()
 		p.state = srvClosed
 		p.mu.Unlock()
@@ -934,4 +971,88 @@ func (p *SrvPath) Close() {
 		close(p.closed)
 	})
 	<-p.closed
+}
+
+// FileSource is a file that READ responses may carry data from without a copy into the
+// chunk (SrvRequest.RespondFile). Each path registers it as a file region of its protection
+// domain (rdma.PD.RegFileMR) when a response first names it; Close deregisters it everywhere.
+type FileSource struct {
+	f    *os.File
+	size int64
+
+	mu     sync.Mutex
+	closed bool
+	paths  map[*SrvPath]struct{}
+}
+
+// NewFileSource makes f, of size bytes, a source for RespondFile. The source does not own f:
+// the regions hold descriptors of their own, so f may be closed after the source.
+func NewFileSource(f *os.File, size int64) *FileSource {
+	return &FileSource{f: f, size: size, paths: map[*SrvPath]struct{}{}}
+}
+
+// Close deregisters the source from every path; later RespondFile calls fail.
+func (fs *FileSource) Close() {
+	fs.mu.Lock()
+	fs.closed = true
+	paths := fs.paths
+	fs.paths = nil
+	fs.mu.Unlock()
+	for p := range paths {
+		p.mu.Lock()
+		mr := p.fileMRs[fs]
+		delete(p.fileMRs, fs)
+		p.mu.Unlock()
+		if mr != nil {
+			_ = mr.Dereg()
+		}
+	}
+}
+
+// fileMR returns the path's region for fs, registering it the first time. Lock order:
+// fs.mu before p.mu.
+func (p *SrvPath) fileMR(fs *FileSource) (rdma.MR, error) {
+	p.mu.Lock()
+	mr := p.fileMRs[fs]
+	p.mu.Unlock()
+	if mr != nil {
+		return mr, nil
+	}
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if fs.closed {
+		return nil, fmt.Errorf("rtrs: file source closed: %w", syscall.ENODEV)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if mr := p.fileMRs[fs]; mr != nil {
+		return mr, nil
+	}
+	if p.pd == nil || p.state != srvConnected {
+		return nil, fmt.Errorf("rtrs: file region on a path that is not connected: %w", syscall.ENOTCONN)
+	}
+	mr, err := p.pd.RegFileMR(fs.f, 0, int(fs.size), 0)
+	if err != nil {
+		return nil, err
+	}
+	if p.fileMRs == nil {
+		p.fileMRs = map[*FileSource]rdma.MR{}
+	}
+	p.fileMRs[fs] = mr
+	fs.paths[p] = struct{}{}
+	return mr, nil
+}
+
+// dropFileMRs deregisters the path's file regions (path close).
+func (p *SrvPath) dropFileMRs() {
+	p.mu.Lock()
+	mrs := p.fileMRs
+	p.fileMRs = nil
+	p.mu.Unlock()
+	for fs, mr := range mrs {
+		fs.mu.Lock()
+		delete(fs.paths, p)
+		fs.mu.Unlock()
+		_ = mr.Dereg()
+	}
 }
