@@ -28,6 +28,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	dir := fs.String("dir", "", "export directory (dev_search_path)")
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
+	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs export without a copy (off: never)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -35,7 +36,11 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *dir, MaxIOSize: int(cs) - transport.MaxHdrSize})
+	zcMin, err := size.ParseThreshold(*zc)
+	if err != nil {
+		return fmt.Errorf("-zero-copy-read-min: %w", err)
+	}
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *dir, MaxIOSize: int(cs) - transport.MaxHdrSize, ZeroCopyReadMin: zcMin})
 	if err != nil {
 		return err
 	}

@@ -48,6 +48,7 @@ func run(parent context.Context, args []string) error {
 	qd := fs.Int("queue-depth", transport.DefaultQueueDepth, "sess_queue_depth: chunks per session")
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
+	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs or ramfs export straight from the page cache (off: never)")
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
 	level := fs.String("log-level", "info", "log level")
@@ -73,7 +74,11 @@ func run(parent context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("-chunk-size: %w", err)
 	}
-	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize})
+	zcMin, err := size.ParseThreshold(*zc)
+	if err != nil {
+		return fmt.Errorf("-zero-copy-read-min: %w", err)
+	}
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize, ZeroCopyReadMin: zcMin})
 	if err != nil {
 		return err
 	}

@@ -25,3 +25,15 @@ func Parse(s string) (int, error) {
 	}
 	return n * mult, nil
 }
+
+// ParseThreshold reads a size as Parse does, or "off" (returned as -1).
+func ParseThreshold(s string) (int, error) {
+	if s == "off" {
+		return -1, nil
+	}
+	n, err := Parse(s)
+	if err != nil {
+		return 0, fmt.Errorf("%w, or off", err)
+	}
+	return n, nil
+}

@@ -14,3 +14,17 @@ func TestParse(t *testing.T) {
 		}
 	}
 }
+
+func TestParseThreshold(t *testing.T) {
+	if n, err := ParseThreshold("off"); err != nil || n != -1 {
+		t.Errorf("off: %d %v", n, err)
+	}
+	if n, err := ParseThreshold("64K"); err != nil || n != 64<<10 {
+		t.Errorf("64K: %d %v", n, err)
+	}
+	for _, in := range []string{"", "0", "Off", "-1"} {
+		if _, err := ParseThreshold(in); err == nil {
+			t.Errorf("%q accepted", in)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"unsafe"
 
+	"github.com/rtrs-go/rtrs/pkg/transport"
 	"golang.org/x/sys/unix"
 )
 
@@ -34,6 +35,10 @@ type backing struct {
 	// stay preads: a read through the mapping would allocate a page for every hole it
 	// touched, filling memory with the zeroes of a sparse export.
 	mem []byte
+	// src lets a memfs file's READs go from the page cache to the client without a copy
+	// into the chunk: the page cache never waits, so sending from it cannot stall the
+	// transport (a disk-backed file's send could wait for the disk).
+	src *transport.FileSource
 }
 
 // openBeneath opens name under the search path root without leaving it: leading slashes
@@ -65,6 +70,9 @@ func openBeneath(root *os.File, name string, writable bool) (*backing, error) {
 	if err := b.probe(); err != nil {
 		b.f.Close()
 		return nil, fmt.Errorf("rnbd: %q: %w", name, err)
+	}
+	if b.memfs && b.size > 0 {
+		b.src = transport.NewFileSource(b.f, b.size)
 	}
 	if b.memfs && writable && b.size > 0 {
 		// A file too large to map (address space) keeps the system calls.
@@ -120,6 +128,30 @@ func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
 		return e
 	}
 	return nil
+}
+
+// errResponded: the request has been answered (RespondFile); errFallback: it could not be,
+// and the READ goes the usual way.
+var (
+	errResponded = errors.New("rnbd: answered")
+	errFallback  = errors.New("rnbd: not answered from the file")
+)
+
+// respondFile answers a READ at off straight from the file. The file is checked for having
+// shrunk first: sending past its end would cost the client its connection, where a READ
+// beyond the end should only fail.
+func (b *backing) respondFile(r *transport.SrvRequest, off int64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(b.fd, &st); err != nil {
+		return err
+	}
+	if off+int64(len(r.Data)) > st.Size {
+		return fmt.Errorf("read beyond the end of %s: %w", b.f.Name(), syscall.EIO)
+	}
+	if r.RespondFile(b.src, off) != nil {
+		return errFallback
+	}
+	return errResponded
 }
 
 // errWouldBlock: a nowait attempt found the data not in the page cache (or the write
@@ -271,6 +303,9 @@ func (b *backing) writeZeroes(off, n int64) error {
 
 // close unmaps and closes; no IO may be running (the device's lock sees to it).
 func (b *backing) close() error {
+	if b.src != nil {
+		b.src.Close()
+	}
 	if b.mem != nil {
 		_ = unix.Munmap(b.mem)
 		b.mem = nil

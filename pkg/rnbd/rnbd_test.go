@@ -223,6 +223,9 @@ func TestMapRandomIO(t *testing.T) {
 	if err := d.Flush(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	if st := &e.server().Stats; st.ZeroCopyReads.Value() == 0 || st.ZeroCopyReads.Value() == st.Reads.Value() {
+		t.Fatalf("%d of %d reads from the page cache: both ways should have been taken", st.ZeroCopyReads.Value(), st.Reads.Value())
+	}
 	got, err := os.ReadFile(filepath.Join(e.dir, "disk"))
 	if err != nil || !bytes.Equal(got, model) {
 		t.Fatalf("backing file differs from the model (%v)", err)
@@ -577,6 +580,24 @@ func TestDeviceFails(t *testing.T) {
 	}
 	if _, err := d.ReadAt(make([]byte, 4096), 0); err != nil {
 		t.Fatalf("read inside: %v", err)
+	}
+	// So does a READ large enough to leave from the page cache, without costing the
+	// connection; inside the file it is served so.
+	zc := e.server().Stats.ZeroCopyReads.Value()
+	if _, err := d.ReadAt(make([]byte, 256<<10), 384<<10); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("large read across the shrunk end: %v", err)
+	}
+	if _, err := d.ReadAt(make([]byte, 256<<10), 0); err != nil {
+		t.Fatalf("large read inside: %v", err)
+	}
+	// 128 KiB IOs: the first read's half inside the file and both of the second's.
+	if n := e.server().Stats.ZeroCopyReads.Value(); n != zc+3 {
+		t.Fatalf("%d zero-copy reads, want %d", n, zc+3)
+	}
+	for _, p := range c.Session("shrink").Paths() {
+		if p.Stats.ReconnectOK.Value()+p.Stats.ReconnectFail.Value() != 0 {
+			t.Fatalf("path %s reconnected after reads past the end", p.Name())
+		}
 	}
 	// A write past the end fails too: the device keeps its size, the file does not grow back.
 	if _, err := d.WriteAt(make([]byte, 4096), 768<<10); !errors.Is(err, syscall.EIO) {

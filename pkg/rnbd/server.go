@@ -28,13 +28,23 @@ type ServerOptions struct {
 	// MaxIOSize is the largest IO the server announces (bytes); the transport's chunk size
 	// bounds it too.
 	MaxIOSize int
+	// ZeroCopyReadMin: READs of at least this many bytes from a tmpfs or ramfs export go
+	// from the page cache to the client without passing through the chunk
+	// (transport.SrvRequest.RespondFile). 0 takes DefaultZeroCopyReadMin; a negative value
+	// turns it off.
+	ZeroCopyReadMin int
 }
+
+// DefaultZeroCopyReadMin is the default ServerOptions.ZeroCopyReadMin. Below it a READ is
+// cheaper copied into the chunk: its response then leaves in one vectored write with the
+// others of its burst, where a file-sourced one takes a system call of its own.
+const DefaultZeroCopyReadMin = 64 << 10
 
 // ServerStats count what the server did to its exports, across sessions. They are sharded
 // by chunk, so that the connections of a path, whose requests use distinct chunks, do not
-// share their cache lines.
+// share their cache lines. ZeroCopyReads are the Reads sent straight from the page cache.
 type ServerStats struct {
-	Reads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Sharded
+	Reads, ZeroCopyReads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Sharded
 }
 
 // Server serves RNBD requests from RTRS: it is the transport server's Handler.
@@ -95,6 +105,9 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	}
 	if opts.MaxIOSize <= 0 {
 		opts.MaxIOSize = 128 << 10
+	}
+	if opts.ZeroCopyReadMin == 0 {
+		opts.ZeroCopyReadMin = DefaultZeroCopyReadMin
 	}
 	return &Server{
 		opts:     opts,
@@ -162,10 +175,12 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	// connections write per IO; the rest block and go to a goroutine of their own.
 	if typ, _ := PeekType(r.Usr); typ == MsgTypeIO {
 		if err := s.processIO(r, true); err != errWouldBlock {
-			if err != nil {
-				s.failed(r, err)
+			if err != errResponded {
+				if err != nil {
+					s.failed(r, err)
+				}
+				r.Respond(errnoOf(err))
 			}
-			r.Respond(errnoOf(err))
 			return
 		}
 	}
@@ -179,7 +194,9 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		r.Respond(s.process(r))
+		if errno, answered := s.process(r); !answered {
+			r.Respond(errno)
+		}
 	}()
 }
 
@@ -214,11 +231,12 @@ func (s *Server) destroySess(ts *transport.SrvSess) {
 	}
 }
 
-// process handles one request and returns the errno for the response.
-func (s *Server) process(r *transport.SrvRequest) int {
+// process handles one request and returns the errno for the response, or answered when
+// the request has been answered already.
+func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
 	typ, ok := PeekType(r.Usr)
 	if !ok {
-		return -int(syscall.EBADMSG)
+		return -int(syscall.EBADMSG), false
 	}
 	var err error
 	switch typ {
@@ -233,10 +251,13 @@ func (s *Server) process(r *transport.SrvRequest) int {
 	default:
 		err = fmt.Errorf("rnbd: message type %d: %w", typ, syscall.EINVAL)
 	}
+	if err == errResponded {
+		return 0, true
+	}
 	if err != nil {
 		s.failed(r, err)
 	}
-	return errnoOf(err)
+	return errnoOf(err), false
 }
 
 // errnoOf is the negative errno an error stands for (EIO when it names none), as the
@@ -519,6 +540,16 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	var err error
 	switch op {
 	case OpRead:
+		if b.src != nil && s.opts.ZeroCopyReadMin > 0 && n >= uint64(s.opts.ZeroCopyReadMin) {
+			if err = b.respondFile(r, int64(off)); err == errResponded {
+				s.Stats.Reads.Inc(r.ID())
+				s.Stats.ZeroCopyReads.Inc(r.ID())
+				return err
+			}
+			if err != errFallback {
+				return err
+			}
+		}
 		if err = b.readAt(r.Data, int64(off), nowait); err != errWouldBlock {
 			s.Stats.Reads.Inc(r.ID())
 		}

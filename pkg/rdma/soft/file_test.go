@@ -68,7 +68,7 @@ func TestFileRegion(t *testing.T) {
 
 	// One WRITE: file, memory, file.
 	pr.cli.post(t, rdma.SendWR{ID: 1, Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled,
-		SGList: []rdma.SGE{rdma.SGEOf(fm, 0, 1<<20+5), rdma.SGEOf(mem, 100, 100), rdma.SGEOf(fm, 2<<20, 1<<20-7)},
+		SGList:     []rdma.SGE{rdma.SGEOf(fm, 0, 1<<20+5), rdma.SGEOf(mem, 100, 100), rdma.SGEOf(fm, 2<<20, 1<<20-7)},
 		RemoteAddr: dst.Addr(), RKey: dst.RKey()})
 	pr.cli.expect(t, 1, rdma.WCRDMAWrite, rdma.WCSuccess)
 	pr.sync(t)
