@@ -172,12 +172,14 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer kids.stop()
-	if _, err := kids.start("blkserver", "-listen", "127.0.0.1:18630", "-dir", dir, "-chunk-size", *chunk); err != nil {
+	bsrv, err := kids.start("blkserver", "-listen", "127.0.0.1:18630", "-dir", dir, "-chunk-size", *chunk)
+	if err != nil {
 		return err
 	}
 	time.Sleep(300 * time.Millisecond)
 	rtrsSock := filepath.Join(sockDir, "rtrs.sock")
-	if _, err := kids.start("nbdclient", "-path", "ip:127.0.0.1@ip:127.0.0.1", "-port", "18630", "-socket", rtrsSock); err != nil {
+	bcli, err := kids.start("nbdclient", "-path", "ip:127.0.0.1@ip:127.0.0.1", "-port", "18630", "-socket", rtrsSock)
+	if err != nil {
 		return err
 	}
 	kitSock := filepath.Join(sockDir, "nbdkit.sock")
@@ -210,7 +212,14 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	res := map[string][]Result{}
 	for rep := 0; rep < *reps; rep++ {
 		for _, j := range jobs {
-			for _, target := range []struct{ name, uri string }{{"rtrs", rtrsURI}, {"nbdkit", kitURI}} {
+			for _, target := range []struct {
+				name, uri string
+				pids      []int
+			}{{"rtrs", rtrsURI, []int{bsrv.Process.Pid, bcli.Process.Pid}}, {"nbdkit", kitURI, []int{mem.Process.Pid, proxy.Process.Pid}}} {
+				cpu0 := 0.0
+				for _, pid := range target.pids {
+					cpu0 += procCPU(pid)
+				}
 				cmd := exec.CommandContext(ctx, "fio", "--name=b", "--ioengine=nbd", "--uri="+target.uri, "--rw="+j.rw,
 					"--bs="+j.bs, fmt.Sprintf("--iodepth=%d", j.qd), fmt.Sprintf("--size=%d", sz),
 					fmt.Sprintf("--runtime=%d", int(dur.Seconds())), "--time_based", "--output-format=json")
@@ -218,10 +227,17 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 				if err != nil {
 					return fmt.Errorf("fio %s %s QD%d on %s: %v: %s", j.rw, j.bs, j.qd, target.name, err, b)
 				}
-				r, _, err := parseFio(b, j.rw)
+				r, fioCPU, err := parseFio(b, j.rw)
 				if err != nil {
 					return err
 				}
+				// Every process of the chain, fio included: CPU time is what the two vCPUs
+				// share, and unlike throughput it does not count the time stolen from them.
+				r.CPUSec = fioCPU - cpu0
+				for _, pid := range target.pids {
+					r.CPUSec += procCPU(pid)
+				}
+				r.Seconds = dur.Seconds()
 				key := fmt.Sprintf("%s %s %d %s", j.rw, j.bs, j.qd, target.name)
 				res[key] = append(res[key], r)
 			}
@@ -230,14 +246,23 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	fmt.Fprintf(out, "fio (nbd engine, %v per run, %d interleaved run(s), medians) on a %s prefilled device:\n", *dur, *reps, *sizeStr)
 	fmt.Fprintf(out, "RTRS: fio → NBD (unix socket) → rnbd client → RTRS (soft, 1 path, loopback, %s chunks) → rnbd server → tmpfs file\n", *chunk)
 	fmt.Fprintln(out, "nbdkit: fio → nbdkit nbd plugin (unix socket) → TCP (loopback) → nbdkit memory")
-	fmt.Fprintln(out, "\n| workload | RTRS IOPS | RTRS MB/s | RTRS p50 / p99 µs | nbdkit IOPS | nbdkit MB/s | nbdkit p50 / p99 µs | RTRS / nbdkit |\n|---|---|---|---|---|---|---|---|")
+	fmt.Fprintln(out, "CPU/IO: CPU time of the whole chain (fio and both servers) per IO, in µs.")
+	fmt.Fprintln(out, "\n| workload | RTRS IOPS | RTRS MB/s | RTRS p50 / p99 µs | RTRS CPU/IO | nbdkit IOPS | nbdkit MB/s | nbdkit p50 / p99 µs | nbdkit CPU/IO | RTRS / nbdkit |\n|---|---|---|---|---|---|---|---|---|---|")
 	for _, j := range jobs {
 		r := medianResult(res[fmt.Sprintf("%s %s %d rtrs", j.rw, j.bs, j.qd)])
 		k := medianResult(res[fmt.Sprintf("%s %s %d nbdkit", j.rw, j.bs, j.qd)])
-		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.1f | %.1f / %.1f | %.0f | %.1f | %.1f / %.1f | **%.2f×** |\n",
-			j.rw, strings.ToUpper(j.bs), j.qd, r.IOPS, r.MBps, r.P50us, r.P99us, k.IOPS, k.MBps, k.P50us, k.P99us, r.IOPS/k.IOPS)
+		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.1f | %.1f / %.1f | %.1f | %.0f | %.1f | %.1f / %.1f | %.1f | **%.2f×** |\n",
+			j.rw, strings.ToUpper(j.bs), j.qd, r.IOPS, r.MBps, r.P50us, r.P99us, cpuPerIO(r), k.IOPS, k.MBps, k.P50us, k.P99us, cpuPerIO(k), r.IOPS/k.IOPS)
 	}
 	return nil
+}
+
+// cpuPerIO is the CPU µs a run spent per IO.
+func cpuPerIO(r Result) float64 {
+	if r.IOPS == 0 || r.Seconds == 0 {
+		return 0
+	}
+	return r.CPUSec / (r.IOPS * r.Seconds) * 1e6
 }
 
 // medianResult takes the run with the median IOPS.
