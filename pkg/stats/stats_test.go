@@ -144,3 +144,25 @@ func BenchmarkCPU(b *testing.B) {
 		_ = CPU()
 	}
 }
+
+// BenchmarkSharedCounter and BenchmarkSharded: increments from every CPU at once, on one
+// counter and on a sharded one (hints that vary per update, as chunk ids do).
+func BenchmarkSharedCounter(b *testing.B) {
+	var c Counter
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			c.Inc()
+		}
+	})
+}
+
+func BenchmarkSharded(b *testing.B) {
+	var c Sharded
+	b.RunParallel(func(pb *testing.PB) {
+		i := 0
+		for pb.Next() {
+			c.Inc(i)
+			i += 3
+		}
+	})
+}
