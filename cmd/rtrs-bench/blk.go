@@ -70,6 +70,7 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	dev := fs.String("device", "disk", "device path on the server")
 	sock := fs.String("socket", "", "unix socket to serve NBD on")
 	tcp := fs.String("tcp", "", "TCP address to serve NBD on too")
+	cons := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -77,7 +78,7 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: soft.New(soft.Options{}), MaxReconnectAttempts: -1}})
+	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: soft.New(soft.Options{}), MaxReconnectAttempts: -1, ConPerPath: *cons}})
 	defer c.Close(context.Background())
 	mctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	d, err := c.Map(mctx, rnbd.MapOptions{SessName: *sess, Paths: pa, Port: uint16(*port), DevicePath: *dev, AccessMode: rnbd.AccessRW})

@@ -330,20 +330,21 @@ func (s *ClientPath) ResetAll() {
 
 // ServerPath are the statistics of one server path.
 type ServerPath struct {
-	ReadCnt, ReadBytes, WriteCnt, WriteBytes Counter
+	// Counted per CPU: every connection of the path counts here, once per request.
+	ReadCnt, ReadBytes, WriteCnt, WriteBytes Sharded
 	Inflight                                 atomic.Int32
 	WCMax                                    Max
 	WCTotal, Calls                           Counter
 }
 
-// Request records a request handed up.
-func (s *ServerPath) Request(read bool, size uint64) {
+// Request records a request handed up; hint is its chunk (see Sharded).
+func (s *ServerPath) Request(read bool, size uint64, hint int) {
 	if read {
-		s.ReadCnt.Inc()
-		s.ReadBytes.Add(size)
+		s.ReadCnt.Inc(hint)
+		s.ReadBytes.Add(hint, size)
 	} else {
-		s.WriteCnt.Inc()
-		s.WriteBytes.Add(size)
+		s.WriteCnt.Inc(hint)
+		s.WriteBytes.Add(hint, size)
 	}
 }
 
@@ -369,7 +370,7 @@ func (s *ServerPath) RDMAWithInflight() string {
 
 // ResetRDMA resets the counts and bytes.
 func (s *ServerPath) ResetRDMA() {
-	for _, c := range []*Counter{&s.ReadCnt, &s.ReadBytes, &s.WriteCnt, &s.WriteBytes} {
+	for _, c := range []*Sharded{&s.ReadCnt, &s.ReadBytes, &s.WriteCnt, &s.WriteBytes} {
 		c.Reset()
 	}
 }

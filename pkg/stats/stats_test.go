@@ -67,9 +67,9 @@ func TestClientPathFiles(t *testing.T) {
 
 func TestServerPathFiles(t *testing.T) {
 	var s ServerPath
-	s.Request(true, 100)
-	s.Request(false, 200)
-	s.Request(false, 300)
+	s.Request(true, 100, 0)
+	s.Request(false, 200, 1)
+	s.Request(false, 300, 7)
 	s.Inflight.Add(1)
 	s.HandlerCall(4)
 	s.HandlerCall(2)

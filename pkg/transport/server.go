@@ -367,8 +367,11 @@ type SrvPath struct {
 	state   srvPathState
 	listed  bool // connected once: shown until the close has finished
 	cons    []*con
-	ops     int // requests handed up and not yet answered
-	opsIdle *sync.Cond
+	opsIdle *sync.Cond // signalled, under mu, when the last request of a closing path is answered
+	// live mirrors state == srvConnected for the IO path, which counts its requests in
+	// Stats.Inflight and checks live without taking mu: a lock per request shared by every
+	// connection of the path was a cache line passed between CPUs twice per IO.
+	live atomic.Bool
 
 	pd        rdma.PD
 	syncLocal bool                    // the device's LOCAL_INV takes effect when posted
@@ -414,10 +417,18 @@ func (p *SrvPath) State() string {
 }
 
 // Inflight is the number of requests handed up and not yet answered.
-func (p *SrvPath) Inflight() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.ops
+func (p *SrvPath) Inflight() int { return int(p.Stats.Inflight.Load()) }
+
+// opDone ends a request handed up. The count is taken before live is read (dispatch) and
+// Close clears live before it reads the count, so one of the two sees the other: a request
+// is never handed up after Close found none outstanding, and the last one of a closing
+// path always wakes Close.
+func (p *SrvPath) opDone() {
+	if p.Stats.Inflight.Add(-1) == 0 && !p.live.Load() {
+		p.mu.Lock()
+		p.opsIdle.Broadcast()
+		p.mu.Unlock()
+	}
 }
 
 // ctl buffer layout: [info request 272][info response][rkey responses qd*8].
@@ -715,15 +726,12 @@ func (p *SrvPath) dispatch(c *con, id int) {
 		p.badRequest(id, fmt.Sprintf("type %d", typ))
 		return
 	}
-	p.mu.Lock()
-	if p.state != srvConnected {
-		p.mu.Unlock()
+	p.Stats.Inflight.Add(1)
+	if !p.live.Load() {
+		p.opDone()
 		return // dropped, as the kernel does
 	}
-	p.ops++
-	p.mu.Unlock()
-	p.Stats.Inflight.Add(1)
-	p.Stats.Request(r.r.Dir == Read, uint64(r.off))
+	p.Stats.Request(r.r.Dir == Read, uint64(r.off), id)
 	r.r.Data, r.r.Usr = chunk[:dataLen:dataLen], chunk[dataLen:r.off:r.off]
 	r.r.done.Store(false)
 	p.sess.srv.opts.Handler.Request(&r.r)
@@ -773,19 +781,8 @@ func (r *SrvRequest) RespondFile(src *FileSource, off int64) error {
 // fmr is set, else from the chunk.
 func (r *SrvRequest) respond(errno int, fmr rdma.MR, off int64) {
 	p := r.path
-	defer func() {
-		p.Stats.Inflight.Add(-1)
-		p.mu.Lock()
-		p.ops--
-		if p.ops == 0 {
-			p.opsIdle.Broadcast()
-		}
-		p.mu.Unlock()
-	}()
-	p.mu.Lock()
-	connected := p.state == srvConnected
-	p.mu.Unlock()
-	if !connected {
+	defer p.opDone()
+	if !p.live.Load() {
 		return // dropped
 	}
 	sr := r.slot
@@ -868,6 +865,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		return
 	}
 	p.state = srvConnected
+	p.live.Store(true)
 	p.listed = true
 	p.mu.Unlock()
 	p.zombie.Stop()
@@ -910,6 +908,7 @@ func (p *SrvPath) Close() {
 		p.mu.Lock()
 		wasConnected := p.state == srvConnected
 		p.state = srvClosing
+		p.live.Store(false)
 		cons := append([]*con(nil), p.cons...)
 		p.mu.Unlock()
 		p.sess.mu.Lock()
@@ -931,7 +930,7 @@ func (p *SrvPath) Close() {
 			p.mu.Unlock()
 		})
 		start := time.Now()
-		for p.ops > 0 && time.Since(start) < p.sess.srv.opts.Timings.ConnectTimeout {
+		for p.Stats.Inflight.Load() > 0 && time.Since(start) < p.sess.srv.opts.Timings.ConnectTimeout {
 			p.opsIdle.Wait()
 		}
 		deadline.Stop()
