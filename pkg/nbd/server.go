@@ -704,7 +704,8 @@ func (c *conn) writevOnce(fd uintptr) bool {
 		v.SetLen(len(b))
 		iov = append(iov, v)
 	}
-	w, _, e := syscall.Syscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+	// Raw: non-blocking, so the runtime need not know (see soft's writeSegs).
+	w, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
 	clear(iov)
 	c.iov = iov[:0]
 	if e == 0 {

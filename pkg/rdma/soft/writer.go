@@ -231,6 +231,10 @@ func (w *writer) rawBatch(fd uintptr) bool {
 // writeSegs writes segs to the non-blocking socket fd until they are all written, the socket
 // would block (EAGAIN) or a write fails, and returns the pieces not written, moved to the
 // front of the same array. iov is scratch.
+//
+// The system calls are raw (no entersyscall): they never wait, and a P seen in a system call
+// by the runtime's monitor is handed to another thread — at IO rates on a small machine a
+// stream of thread wake-ups and context switches for calls that take microseconds.
 func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 	var err error
 	i := 0 // segs[:i] are written
@@ -239,7 +243,11 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 		if s := &segs[i]; s.f != nil {
 			want = s.n
 			off := s.off
-			n, err = unix.Sendfile(fd, s.f.fd, &off, s.n)
+			r, _, e := syscall.RawSyscall6(syscall.SYS_SENDFILE, uintptr(fd), uintptr(s.f.fd), uintptr(unsafe.Pointer(&off)), uintptr(s.n), 0, 0)
+			n = int(r)
+			if e != 0 {
+				n, err = 0, e
+			}
 			if err == nil && n == 0 {
 				// End of file inside a registered range: the file shrank. The frame's
 				// header promised bytes that do not exist, so the connection must go.
@@ -254,7 +262,7 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 				*iov = append(*iov, unix.Iovec{Base: &s.b[0], Len: uint64(len(s.b))})
 				want += len(s.b)
 			}
-			r, _, e := syscall.Syscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&(*iov)[0])), uintptr(len(*iov)))
+			r, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&(*iov)[0])), uintptr(len(*iov)))
 			clear(*iov)
 			n = int(r)
 			if e != 0 {
