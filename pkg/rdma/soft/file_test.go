@@ -28,6 +28,17 @@ func fileWith(t *testing.T, data []byte) *os.File {
 	return f
 }
 
+// regFile registers n bytes of f from off on e, deregistered when the test ends.
+func (e *end) regFile(t *testing.T, f *os.File, off int64, n int) rdma.MR {
+	t.Helper()
+	m, err := e.pd.RegFileMR(f, off, n, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.Dereg() })
+	return m
+}
+
 // openFDs counts this process's open descriptors.
 func openFDs(t *testing.T) int {
 	t.Helper()
@@ -121,11 +132,7 @@ func TestFileRegionBounds(t *testing.T) {
 	leakcheck.Check(t)
 	f := fileWith(t, make([]byte, 8192))
 	pr := newPair(t, New(Options{}))
-	fm, err := pr.cli.pd.RegFileMR(f, 4096, 4096, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fm.Dereg()
+	fm := pr.cli.regFile(t, f, 4096, 4096)
 	dst := pr.srv.reg(t, 8192, rw)
 	pr.cli.post(t, rdma.SendWR{ID: 1, Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled,
 		SGList: []rdma.SGE{rdma.SGEOf(fm, 4000, 97)}, RemoteAddr: dst.Addr(), RKey: dst.RKey()})
@@ -139,11 +146,7 @@ func TestFileRegionAsTarget(t *testing.T) {
 	leakcheck.Check(t)
 	f := fileWith(t, make([]byte, 8192))
 	pr := newPair(t, New(Options{}))
-	fm, err := pr.cli.pd.RegFileMR(f, 0, 8192, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fm.Dereg()
+	fm := pr.cli.regFile(t, f, 0, 8192)
 	src := pr.srv.reg(t, 4096, rr)
 	pr.cli.post(t, rdma.SendWR{ID: 1, Opcode: rdma.OpRDMARead, Flags: rdma.SendSignaled,
 		SGList: []rdma.SGE{rdma.SGEOf(fm, 0, 4096)}, RemoteAddr: src.Addr(), RKey: src.RKey()})
@@ -151,11 +154,7 @@ func TestFileRegionAsTarget(t *testing.T) {
 	pr.cli.expectEvent(t, rdma.EventDisconnected)
 
 	pr2 := newPair(t, New(Options{}))
-	fm2, err := pr2.srv.pd.RegFileMR(f, 0, 8192, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fm2.Dereg()
+	fm2 := pr2.srv.regFile(t, f, 0, 8192)
 	pr2.srv.recv(t, 7, fm2, 0, 100)
 	mem := pr2.cli.reg(t, 100, lw)
 	pr2.cli.post(t, rdma.SendWR{ID: 2, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(mem, 0, 100)}})
@@ -168,11 +167,7 @@ func TestFileRegionShrinks(t *testing.T) {
 	leakcheck.Check(t)
 	f := fileWith(t, make([]byte, 1<<20))
 	pr := newPair(t, New(Options{}))
-	fm, err := pr.cli.pd.RegFileMR(f, 0, 1<<20, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fm.Dereg()
+	fm := pr.cli.regFile(t, f, 0, 1<<20)
 	if err := os.Truncate(f.Name(), 4096); err != nil {
 		t.Fatal(err)
 	}
