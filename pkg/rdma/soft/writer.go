@@ -76,6 +76,7 @@ type writer struct {
 	busy   bool       // the flusher goroutine is in a blocking write
 	failed bool
 	pend   []seg
+	large  bool // pend holds a piece of at least handOff bytes
 	arena  []byte
 	spend  []seg // spare piece list, swapped with pend per blocking batch
 	sarena []byte
@@ -153,11 +154,19 @@ func (w *writer) addLocked(h *frameHdr, payload []seg) {
 	for _, p := range payload {
 		if p.len() > 0 {
 			w.pend = append(w.pend, p)
+			w.large = w.large || p.len() >= handOff
 		} else {
 			p.release()
 		}
 	}
 }
+
+// handOff: a frame with a piece this large is written by the flusher goroutine, not by the
+// poster. Its copy into the socket takes long enough (tens of µs per 128 KiB) that the
+// poster, often the goroutine that reads the next request, is better off going back to
+// reading while another CPU copies: the two copies of a byte a forwarding process makes
+// (read in, send on) then overlap instead of taking turns.
+const handOff = 64 << 10
 
 // add queues one frame.
 func (w *writer) add(h *frameHdr, payload []seg) {
@@ -178,6 +187,15 @@ func (w *writer) ackOwed() bool {
 func (w *writer) flush() {
 	w.mu.Lock()
 	if w.busy || len(w.pend) == 0 || w.failed {
+		w.mu.Unlock()
+		return
+	}
+	if w.large && w.raw != nil {
+		w.large = false
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
 		w.mu.Unlock()
 		return
 	}
@@ -330,6 +348,7 @@ func (w *writer) flushLocked() error {
 	var err error
 	for len(w.pend) > 0 && !w.failed {
 		w.batch, w.pend = w.pend, w.spend[:0]
+		w.large = false
 		barena := w.arena
 		w.arena = w.sarena[:0]
 		w.mu.Unlock()
