@@ -666,13 +666,21 @@ func (c *conn) write(batch []pendingReply, mayBlock bool) bool {
 		hdrs = binary.BigEndian.AppendUint32(hdrs, e)
 		hdrs = binary.BigEndian.AppendUint64(hdrs, r.cookie)
 	}
+	data := 0
 	for i := range batch {
 		bufs = append(bufs, hdrs[i*replySize:(i+1)*replySize])
 		if batch[i].err == nil && len(batch[i].data) > 0 {
 			bufs = append(bufs, batch[i].data)
+			data += len(batch[i].data)
 		}
 	}
 	c.hdrs, c.iovs, c.bufs = hdrs, bufs, bufs
+	if c.werr == nil && !mayBlock && data >= handOff {
+		// Copying this much into the socket takes the completing goroutine (the transport
+		// connection's reader) away from reading the next data for tens of µs: a goroutine
+		// of its own writes it, on another CPU.
+		return false
+	}
 	if c.werr == nil {
 		if !mayBlock && c.raw != nil {
 			c.wn, c.we = 0, 0
@@ -715,6 +723,9 @@ func (c *conn) writevOnce(fd uintptr) bool {
 	}
 	return true
 }
+
+// handOff: replies carrying this much data are written by a goroutine of their own.
+const handOff = 64 << 10
 
 // maxIOV bounds the vectors of one non-blocking write (IOV_MAX).
 const maxIOV = 1024

@@ -257,9 +257,8 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 	var err error
 	i := 0 // segs[:i] are written
 	for i < len(segs) && err == nil {
-		var n, want int
+		var n int
 		if s := &segs[i]; s.f != nil {
-			want = s.n
 			off := s.off
 			r, _, e := syscall.RawSyscall6(syscall.SYS_SENDFILE, uintptr(fd), uintptr(s.f.fd), uintptr(unsafe.Pointer(&off)), uintptr(s.n), 0, 0)
 			n = int(r)
@@ -278,7 +277,6 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 					break
 				}
 				*iov = append(*iov, unix.Iovec{Base: &s.b[0], Len: uint64(len(s.b))})
-				want += len(s.b)
 			}
 			r, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&(*iov)[0])), uintptr(len(*iov)))
 			clear(*iov)
@@ -294,9 +292,9 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 			n = 0
 		}
 		i = consume(segs, i, n)
-		if err == nil && n < want {
-			err = syscall.EAGAIN // the socket took part of it: it is full
-		}
+		// A short write goes round again: only the system call's own EAGAIN says the socket
+		// is full (a wait for writability on a socket with room would never end), and a
+		// short sendfile may be the end of the file, which the next one reports.
 	}
 	left := copy(segs, segs[i:])
 	clear(segs[left:])
