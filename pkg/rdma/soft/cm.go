@@ -262,9 +262,25 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	c.mu.Lock()
 	c.local = conn.LocalAddr().(*net.TCPAddr).AddrPort()
 	c.local = netip.AddrPortFrom(c.local.Addr().Unmap(), c.local.Port())
+	if err := c.startLocked(q, conn, br, p.RNRRetryCount); err != nil {
+		c.mu.Unlock()
+		return nil, err
+	}
 	c.mu.Unlock()
-	q.start(conn, br, p.RNRRetryCount)
 	return data, nil
+}
+
+// startLocked runs the QP over the established connection unless the identifier was
+// destroyed meanwhile (the connection is closed then); c.mu is held, so Destroy either comes
+// first and is seen here, or comes after and finds the QP running, with goroutines to stop
+// and wait for.
+func (c *connID) startLocked(q *qp, conn net.Conn, br *sockread.Reader, rnrRetry uint8) error {
+	if c.destroyed {
+		_ = conn.Close()
+		return rdma.ErrClosed
+	}
+	q.start(conn, br, rnrRetry)
+	return nil
 }
 
 func (c *connID) Accept(ctx context.Context, p rdma.ConnParam) error {
@@ -295,8 +311,9 @@ func (c *connID) Accept(ctx context.Context, p rdma.ConnParam) error {
 		return ctxErr(ctx, err)
 	}
 	_ = conn.SetDeadline(time.Time{})
-	q.start(conn, br, p.RNRRetryCount)
-	return nil
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.startLocked(q, conn, br, p.RNRRetryCount)
 }
 
 func (c *connID) Reject(data []byte) error {

@@ -448,3 +448,54 @@ func TestSourceAddressAndIPv6(t *testing.T) {
 	prd := connect(t, p, &pair{cliRNR: 7, srvRNR: 7}, "", "[::]:0")
 	_ = prd
 }
+
+// TestDestroyDuringAccept destroys the server's identifier while its Accept (and the client's
+// Connect) may still be running: whichever comes first, no goroutine of the QP outlives the
+// test and the race detector sees the QP started either before Destroy or not at all.
+func TestDestroyDuringAccept(t *testing.T) {
+	leakcheck.Check(t)
+	p := New(Options{})
+	ln, err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0"), 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	for i := range 30 {
+		ctx := ctxT(t, 10*time.Second)
+		id, err := p.ResolveAddr(ctx, netip.Addr{}, ln.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		cpd, _ := id.Device().AllocPD()
+		ccq, _ := id.Device().CreateCQ(16)
+		if _, err := id.CreateQP(cpd, qpAttr(ccq)); err != nil {
+			t.Fatal(err)
+		}
+		connected := make(chan struct{})
+		go func() {
+			defer close(connected)
+			_, _ = id.Connect(ctx, rdma.ConnParam{})
+		}()
+		req, err := ln.Accept(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		spd, _ := req.ID.Device().AllocPD()
+		scq, _ := req.ID.Device().CreateCQ(16)
+		if _, err := req.ID.CreateQP(spd, qpAttr(scq)); err != nil {
+			t.Fatal(err)
+		}
+		accepted := make(chan struct{})
+		go func() {
+			defer close(accepted)
+			_ = req.ID.Accept(ctx, rdma.ConnParam{})
+		}()
+		time.Sleep(time.Duration(i%6) * 100 * time.Microsecond)
+		_ = req.ID.Destroy()
+		<-accepted
+		<-connected
+		_ = id.Destroy()
+		_ = ccq.Destroy()
+		_ = scq.Destroy()
+	}
+}
