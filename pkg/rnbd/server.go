@@ -40,9 +40,10 @@ type ServerOptions struct {
 // others of its burst, where a file-sourced one takes a system call of its own.
 const DefaultZeroCopyReadMin = 64 << 10
 
-// ServerStats count what the server did to its exports, across sessions. They are sharded
-// by chunk, so that the connections of a path, whose requests use distinct chunks, do not
-// share their cache lines. ZeroCopyReads are the Reads sent straight from the page cache.
+// ServerStats count what the server did to its exports, across sessions. They are counted
+// per CPU (stats.Sharded, the chunk as the hint where the CPU number is dear), so the
+// connections of a path do not pass cache lines between CPUs per IO. ZeroCopyReads are the
+// Reads sent straight from the page cache.
 type ServerStats struct {
 	Reads, ZeroCopyReads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Sharded
 }
