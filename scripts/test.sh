@@ -60,7 +60,14 @@ if [ "$fuzz" = 1 ]; then
 		dir=$(go list -f '{{.Dir}}' "$pkg")
 		for f in $(grep -ho '^func Fuzz[A-Za-z0-9_]*' "$dir"/*_test.go 2>/dev/null | sed 's/^func //'); do
 			echo "-- $pkg $f"
-			go test -run '^$' -fuzz "^$f\$" -fuzztime "${FUZZTIME:-5s}" "$pkg" >/dev/null
+			# A crasher the run finds is saved under testdata and fails the second run too;
+			# a second run only forgives the fuzz engine itself failing (a worker that did not
+			# answer on a starved machine), and the first run's words are shown either way.
+			if ! out=$(go test -run '^$' -fuzz "^$f\$" -fuzztime "${FUZZTIME:-5s}" "$pkg" 2>&1); then
+				printf '%s\n' "$out" | tail -n 30
+				echo "-- $pkg $f: again"
+				go test -run '^$' -fuzz "^$f\$" -fuzztime "${FUZZTIME:-5s}" "$pkg"
+			fi
 		done
 	done
 fi
