@@ -55,6 +55,11 @@ type DeviceAttr struct {
 	// completions only report it). A consumer that waits for a key to die may then go on at
 	// once; on an HCA, which executes them later, it must wait for the completion.
 	SyncLocalOps bool
+	// MapRegisteredOnly: MR.Map takes only memory inside a region registered on the same PD
+	// with local write (userspace verbs bind a memory window over a registered region; there
+	// is no registration of arbitrary pages by work request). A consumer whose buffers come
+	// from elsewhere stages them in registered memory.
+	MapRegisteredOnly bool
 }
 
 // PortAttr describes a device port (ibv_query_port).
@@ -102,8 +107,8 @@ type PD interface {
 	RegFileMR(f *os.File, off int64, length int, access Access) (MR, error)
 	// AllocFastRegMR allocates an MR with no memory and no valid key, of at most maxLen
 	// bytes, to be mapped with MR.Map and made valid by an OpRegMR work request
-	// (ib_alloc_mr + ib_map_mr_sg).
-	AllocFastRegMR(maxLen int) (MR, error)
+	// (ib_alloc_mr + ib_map_mr_sg). flags say how its keys will be used; see FastRegFlags.
+	AllocFastRegMR(maxLen int, flags FastRegFlags) (MR, error)
 	Dealloc() error
 }
 
@@ -124,11 +129,26 @@ type MR interface {
 	// Valid reports whether the keys currently grant access (false after invalidation).
 	Valid() bool
 	// Map points a fast-registration MR at buf with the given I/O virtual address; the MR
-	// must be invalid. The next OpRegMR makes it valid.
+	// must be invalid. The next OpRegMR makes it valid. A provider that cannot choose the
+	// address (a memory window covers its memory at the memory's own virtual address) uses
+	// its own: Addr after Map is the address that SGEs and peers name.
 	Map(buf []byte, iova uint64) error
 	// Dereg deregisters the region (ibv_dereg_mr); later accesses with its keys fail.
 	Dereg() error
 }
+
+// FastRegFlags say how a fast-registration MR's keys are used. Userspace verbs emulate
+// fast registration with memory windows, whose two types cannot do everything an HCA's
+// fast-registration MR does, so the consumer says which it needs.
+type FastRegFlags uint8
+
+const (
+	// FastRegRemoteInv: the key serves only the QP that posts the region's REG_MR, and that
+	// QP's peer may invalidate it with SEND_WITH_INV (a type 2 memory window). Without it the
+	// key serves every QP of the PD and only a local LOCAL_INV invalidates it (a type 1
+	// window); a SEND_WITH_INV naming it is a remote invalid request.
+	FastRegRemoteInv FastRegFlags = 1 << 0
+)
 
 // Access are memory access rights (enum ibv_access_flags).
 type Access uint32

@@ -287,6 +287,10 @@ type pathRes struct {
 	iu     rdma.MR   // per permit MaxHdrSize: user header + RTRS header
 	rcv    rdma.MR   // receive buffers: info response, then per connection 2*qd rkey responses
 	rcvOff []int     // per connection: offset of its receive buffers
+	// stage is per permit maxIOSize bytes of registered memory, where data is staged for a
+	// device that maps only registered memory (rdma.DeviceAttr.MapRegisteredOnly); nil
+	// where the user's buffers are mapped directly.
+	stage rdma.MR
 }
 
 func (s *Session) newPath(pa PathAddrs, first bool) *Path {
@@ -563,7 +567,14 @@ func (p *Path) allocRes() error {
 	var err error
 	res.fr = make([]rdma.MR, qd)
 	for i := range res.fr {
-		if res.fr[i], err = res.pd.AllocFastRegMR(s.maxIOSize); err != nil {
+		// The server answers a READ on the connection it came on and invalidates the key
+		// with SEND_WITH_INV (RTRS_MSG_NEED_INVAL_F), so the key serves that connection only.
+		if res.fr[i], err = res.pd.AllocFastRegMR(s.maxIOSize, rdma.FastRegRemoteInv); err != nil {
+			return err
+		}
+	}
+	if res.pd.Device().Query().MapRegisteredOnly {
+		if res.stage, err = res.pd.AllocMR(qd*s.maxIOSize, rdma.AccessLocalWrite); err != nil {
 			return err
 		}
 	}
@@ -813,7 +824,7 @@ func (p *Path) teardown() {
 				_ = m.Dereg()
 			}
 		}
-		for _, m := range []rdma.MR{res.iu, res.rcv} {
+		for _, m := range []rdma.MR{res.iu, res.rcv, res.stage} {
 			if m != nil {
 				_ = m.Dereg()
 			}

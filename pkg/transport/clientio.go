@@ -190,8 +190,14 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 				return err
 			}
 		}
-		iova := uint64(r.permit+1) << 32
-		if err := fr.Map(r.data, iova); err != nil {
+		buf := r.data
+		if res.stage != nil {
+			buf = res.stage.Bytes()[r.permit*s.maxIOSize:][:len(r.data)]
+			if r.dir == Write {
+				copy(buf, r.data)
+			}
+		}
+		if err := fr.Map(buf, uint64(r.permit+1)<<32); err != nil {
 			return err
 		}
 		access := rdma.AccessLocalWrite
@@ -201,7 +207,7 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 		key := rdma.IncKey(fr.LKey())
 		wrs[k] = rdma.SendWR{Opcode: rdma.OpRegMR, MR: fr, Key: key, Access: access}
 		k++
-		dataSGE = rdma.SGE{Addr: iova, Length: uint32(len(r.data)), LKey: key}
+		dataSGE = rdma.SGE{Addr: fr.Addr(), Length: uint32(len(r.data)), LKey: key}
 	}
 	wr := &wrs[k]
 	k++
@@ -330,6 +336,9 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	if len(r.data) > 0 && typ != ImmIORspWInv {
 		c.sendWR[0] = rdma.SendWR{Opcode: rdma.OpLocalInv, InvRKey: res.fr[r.permit].RKey()}
 		_, _ = c.qp.PostSend(c.sendWR[:])
+	}
+	if res.stage != nil && r.dir == Read && errno == 0 {
+		copy(r.data, res.stage.Bytes()[r.permit*s.maxIOSize:])
 	}
 	p.account(r)
 	s.finish(r, errnoErr(errno))

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -216,8 +217,16 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 		if !m.FirstConn {
 			return nil, syscall.ENXIO
 		}
-		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{},
-			mem: make([]byte, s.opts.QueueDepth*s.opts.ChunkSize)}
+		mem, err := rdma.Alloc(s.opts.QueueDepth * s.opts.ChunkSize)
+		if err != nil {
+			s.log.WithError(err).Warn("no memory for a new session's chunks")
+			return nil, syscall.ENOMEM
+		}
+		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, mem: mem}
+		// The chunks are unmapped once nothing can touch them: every path has deregistered
+		// them before it lets go of the session, and a handler still answering a request
+		// holds the session through the request.
+		runtime.AddCleanup(ss, func(mem []byte) { _ = rdma.Free(mem) }, mem)
 		s.sessions[m.PathsUUID] = ss
 	}
 	ss.mu.Lock()
@@ -452,7 +461,8 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 		sendWR = 3*o.QueueDepth + 1
 	}
 	if cid == 0 {
-		sendWR, recvWR = max(sendWR, 1026), max(recvWR, 1026)
+		// Connection 0 also carries the chunks' registrations in front of INFO_RSP.
+		sendWR, recvWR = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026)
 	}
 	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
 	var err error
@@ -520,27 +530,36 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 		return err
 	}
 	ss := p.sess
-	access := rdma.AccessLocalWrite | rdma.AccessRemoteWrite
-	var mrs []rdma.MR
-	if o.AlwaysInvalidate {
-		// One region per chunk, so each can be invalidated and re-keyed on its own.
-		for i := 0; i < o.QueueDepth; i++ {
-			m, err := pd.RegMR(ss.chunk(i), access)
-			if err != nil {
-				return err
-			}
-			mrs = append(mrs, m)
-		}
-	} else {
-		m, err := pd.RegMR(ss.mem, access)
-		if err != nil {
-			return err
-		}
-		mrs = append(mrs, m)
-	}
 	local, err := pd.RegMR(ss.mem, rdma.AccessLocalWrite)
 	if err != nil {
 		return err
+	}
+	var mrs []rdma.MR
+	if o.AlwaysInvalidate {
+		// One fast-registration region per chunk, so each can be invalidated and re-keyed on
+		// its own; INFO_RSP registers them (map_cont_bufs). The client may fill a chunk through
+		// any connection of the path: the keys serve the whole PD.
+		for i := 0; i < o.QueueDepth; i++ {
+			m, err := pd.AllocFastRegMR(o.ChunkSize, 0)
+			if err == nil {
+				mrs = append(mrs, m)
+				err = m.Map(ss.chunk(i), local.Addr()+uint64(i*o.ChunkSize))
+			}
+			if err != nil {
+				for _, m := range mrs {
+					_ = m.Dereg()
+				}
+				_ = local.Dereg()
+				return err
+			}
+		}
+	} else {
+		m, err := pd.RegMR(ss.mem, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
+		if err != nil {
+			_ = local.Dereg()
+			return err
+		}
+		mrs = append(mrs, m)
 	}
 	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(len(mrs))+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
 	if err != nil {
@@ -878,12 +897,22 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	}
 	rsp := MsgInfoRsp{}
 	cs := srv.opts.ChunkSize
+	var wrs []rdma.SendWR
 	for _, mr := range p.chunkMR {
-		rsp.Desc = append(rsp.Desc, SgDesc{Addr: mr.Addr(), Key: mr.RKey(), Len: uint32(mr.Len() / cs * cs)})
+		key := mr.RKey()
+		if srv.opts.AlwaysInvalidate {
+			// Registered in front of the response on the same queue, so no key is named
+			// before it works.
+			key = rdma.IncKey(mr.RKey())
+			wrs = append(wrs, rdma.SendWR{Opcode: rdma.OpRegMR, MR: mr, Key: key, Access: rdma.AccessLocalWrite | rdma.AccessRemoteWrite})
+		}
+		rsp.Desc = append(rsp.Desc, SgDesc{Addr: mr.Addr(), Key: key, Len: uint32(mr.Len() / cs * cs)})
 	}
 	b := rsp.Marshal()
 	copy(p.ctlMR.Bytes()[p.ctlInfoRsp():], b)
-	if _, err := c.qp.PostSend([]rdma.SendWR{{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}}}); err != nil {
+	wrs = append(wrs, rdma.SendWR{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}})
+	if _, err := c.qp.PostSend(wrs); err != nil {
+		p.lg().WithError(err).Warn("INFO_RSP not sent")
 		go p.Close()
 		return
 	}

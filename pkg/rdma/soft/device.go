@@ -354,14 +354,17 @@ func (f *fileRef) put() {
 	}
 }
 
-func (p *pd) AllocFastRegMR(maxLen int) (rdma.MR, error) {
+func (p *pd) AllocFastRegMR(maxLen int, flags rdma.FastRegFlags) (rdma.MR, error) {
 	if maxLen <= 0 || maxLen > maxFRPageList*4096 {
 		return nil, fmt.Errorf("%w: fast-reg MR of %d bytes (at most %d)", rdma.ErrInvalid, maxLen, maxFRPageList*4096)
 	}
 	if p.freed.Load() {
 		return nil, rdma.ErrClosed
 	}
-	m := &mr{pd: p, fastReg: true, maxLen: maxLen}
+	if flags&^rdma.FastRegRemoteInv != 0 {
+		return nil, fmt.Errorf("%w: fast-reg flags %#x", rdma.ErrInvalid, uint8(flags))
+	}
+	m := &mr{pd: p, fastReg: true, remoteInv: flags&rdma.FastRegRemoteInv != 0, maxLen: maxLen}
 	m.setState(0, 0, false, false)
 	p.dev.addMR(m)
 	return m, nil
@@ -391,8 +394,10 @@ func nextIOVA(n int) uint64 {
 type mr struct {
 	pd      *pd
 	fastReg bool
-	maxLen  int
-	st      atomic.Uint64
+	// remoteInv: a fast-reg region its peer may invalidate (rdma.FastRegRemoteInv).
+	remoteInv bool
+	maxLen    int
+	st        atomic.Uint64
 
 	// A file region (RegFileMR) has no memory: file, and foff where iova maps to.
 	file *fileRef
@@ -540,11 +545,11 @@ func (d *device) resolve(p *pd, key uint32, addr uint64, n uint32, need rdma.Acc
 	return b, rdma.WCSuccess
 }
 
-// invalidate invalidates the region of pd named by key. Remote invalidation needs a region
-// that grants remote access.
-func (d *device) invalidate(p *pd, key uint32) bool {
+// invalidate invalidates the region of pd named by key. A peer (remote) may invalidate only a
+// fast-reg region allocated for it (rdma.FastRegRemoteInv), as a type 2 memory window.
+func (d *device) invalidate(p *pd, key uint32, remote bool) bool {
 	m := d.lookup(key)
-	if m == nil {
+	if m == nil || remote && !m.remoteInv {
 		return false
 	}
 	m.mu.Lock()

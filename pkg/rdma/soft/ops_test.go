@@ -146,7 +146,16 @@ func TestRDMARead(t *testing.T) {
 func TestSendWithInvalidate(t *testing.T) {
 	leakcheck.Check(t)
 	pr := newPair(t, New(Options{}))
-	target := pr.srv.reg(t, 4096, rw)
+	target, err := pr.srv.pd.AllocFastRegMR(4096, rdma.FastRegRemoteInv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem := pr.srv.reg(t, 4096, lw)
+	if err := target.Map(mem.Bytes(), mem.Addr()); err != nil {
+		t.Fatal(err)
+	}
+	pr.srv.post(t, rdma.SendWR{ID: 9, Opcode: rdma.OpRegMR, Flags: rdma.SendSignaled, MR: target, Key: rdma.IncKey(target.RKey()), Access: rw})
+	pr.srv.expect(t, 9, rdma.WCRegMR, rdma.WCSuccess)
 	msg := pr.cli.reg(t, 64, lw)
 	buf := pr.srv.reg(t, 64, lw)
 	pr.srv.recv(t, 1, buf, 0, 64)
@@ -166,6 +175,23 @@ func TestSendWithInvalidate(t *testing.T) {
 	pr.cli.expect(t, 2, rdma.WCRDMAWrite, rdma.WCRemAccessErr)
 }
 
+// TestSendWithInvalidateRefused: a peer may not invalidate a registered region (nor a
+// fast-reg region not allocated for it): a remote invalid request, and the region stays.
+func TestSendWithInvalidateRefused(t *testing.T) {
+	leakcheck.Check(t)
+	pr := newPair(t, New(Options{}))
+	target := pr.srv.reg(t, 4096, rw)
+	msg := pr.cli.reg(t, 64, lw)
+	buf := pr.srv.reg(t, 64, lw)
+	pr.srv.recv(t, 1, buf, 0, 64)
+	pr.cli.post(t, rdma.SendWR{ID: 1, Opcode: rdma.OpSendWithInv, Flags: rdma.SendSignaled, InvRKey: target.RKey(),
+		SGList: []rdma.SGE{rdma.SGEOf(msg, 0, 8)}})
+	pr.cli.expect(t, 1, rdma.WCSend, rdma.WCRemInvReqErr)
+	if !target.Valid() {
+		t.Fatal("a registered region was invalidated by its peer")
+	}
+}
+
 // TestUnsignaledAndLocalOps checks completion order on the send queue: unsignaled requests
 // complete silently, local operations complete in order behind them, and the peer's acks keep
 // the queue moving without any signaled wire request.
@@ -174,7 +200,7 @@ func TestUnsignaledAndLocalOps(t *testing.T) {
 	pr := newPair(t, New(Options{}))
 	src := pr.cli.reg(t, 4096, lw)
 	dst := pr.srv.reg(t, 4096, rw)
-	fr, err := pr.cli.pd.AllocFastRegMR(8192)
+	fr, err := pr.cli.pd.AllocFastRegMR(8192, rdma.FastRegRemoteInv)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -278,7 +304,7 @@ func TestMRValidation(t *testing.T) {
 	if _, err := pd.RegMR(make([]byte, 8), 1<<7); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("unknown access bit: %v", err)
 	}
-	fr, err := pd.AllocFastRegMR(4096)
+	fr, err := pd.AllocFastRegMR(4096, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -396,5 +422,5 @@ func TestCompletionHandler(t *testing.T) {
 
 // invalidateKey runs what a LOCAL_INV work request does.
 func invalidateKey(dev rdma.Device, p rdma.PD, key uint32) bool {
-	return dev.(*device).invalidate(p.(*pd), key)
+	return dev.(*device).invalidate(p.(*pd), key, false)
 }

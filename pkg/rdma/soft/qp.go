@@ -228,7 +228,7 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			e.done = true
 			ok := false
 			if wr.Opcode == rdma.OpLocalInv {
-				ok = q.dev.invalidate(q.pd, wr.InvRKey)
+				ok = q.dev.invalidate(q.pd, wr.InvRKey, false)
 			} else {
 				ok = q.dev.register(q.pd, wr.MR, wr.Key, wr.Access)
 			}
@@ -631,8 +631,8 @@ func (q *qp) execute(h *frameHdr) error {
 	case fSendImm:
 		wc.Flags, wc.Imm = rdma.WCWithImm, h.imm
 	case fSendInv:
-		if !q.dev.invalidate(q.pd, h.imm) {
-			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("send with invalidate of unknown rkey %#x", h.imm))
+		if !q.dev.invalidate(q.pd, h.imm, true) {
+			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("send with invalidate of rkey %#x, which names no region open to remote invalidation", h.imm))
 		}
 		wc.Flags, wc.InvRKey = rdma.WCWithInv, h.imm
 	}
