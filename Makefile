@@ -3,8 +3,12 @@ BIN := bin
 
 .PHONY: build test vet bench demo clean
 
+# The verbs provider (pkg/rdma/verbs) is built in when rdma-core's development files are
+# there (Debian: libibverbs-dev librdmacm-dev); without them the binaries have soft only.
+TAGS ?= $(shell test -f /usr/include/infiniband/verbs.h -a -f /usr/include/rdma/rdma_cma.h && echo verbs)
+
 build:
-	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -tags '$(TAGS)' -o $(BIN)/ ./cmd/...
 
 test:
 	scripts/test.sh

@@ -24,6 +24,11 @@ command -v nsenter >/dev/null || need+=(util-linux)
 command -v losetup >/dev/null || need+=(mount)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v tc >/dev/null || need+=(iproute2)
+# rdma-core's development files: the verbs provider is vetted and built on every run (its
+# tests run in the VM, scripts/vmtest.sh).
+[ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
+[ -f /usr/include/rdma/rdma_cma.h ] || need+=(librdmacm-dev)
+command -v pkg-config >/dev/null || need+=(pkg-config)
 if [ ${#need[@]} -gt 0 ]; then
 	if [ "$(id -u)" != 0 ]; then
 		echo "missing ${need[*]}; run as root or install them" >&2
@@ -45,11 +50,13 @@ if [ -n "$bad" ]; then
 fi
 echo "== go vet"
 go vet ./...
+go vet -tags verbs ./...
 echo "== staticcheck"
 # Pinned; built from the module proxy into the Go cache's bin directory.
 sc_bin="$(go env GOPATH)/bin/staticcheck"
 [ -x "$sc_bin" ] || go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
 "$sc_bin" ./...
+"$sc_bin" -tags verbs ./...
 echo "== go test -race"
 go test -race -count=1 -timeout 20m ./...
 

@@ -1,6 +1,7 @@
-// Command rdma-perf measures the soft RDMA provider between two processes, in the manner of
-// perftest (ib_send_lat, ib_write_bw, ib_read_bw), next to the same measurement over a plain
-// TCP socket, so that a run gives both figures on the same machine.
+// Command rdma-perf measures an RDMA provider (soft, or verbs on an RDMA device) between two
+// processes, in the manner of perftest (ib_send_lat, ib_write_bw, ib_read_bw), next to the
+// same measurement over a plain TCP socket, so that a run gives both figures on the same
+// machine; over verbs, perftest itself is the baseline on the same device.
 //
 // Server: rdma-perf -listen 127.0.0.1:18515   (RDMA on that port, raw TCP on port+1)
 // Client: rdma-perf -connect 127.0.0.1:18515 -test send_lat|write_bw|read_bw|tcp_lat|tcp_bw
@@ -27,7 +28,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
-	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 )
 
 func main() {
@@ -87,6 +88,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	mode := fs.String("mode", "handler", "how the latency client takes completions: handler (CQ handler, the provider's poll context), wait (CQ.Wait) or poll (busy Poll)")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
 	suiteReps := fs.Int("suite", 0, "run the whole comparison this many times against a server it starts itself, print markdown")
+	provName := fs.String("provider", "auto", pick.Usage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -98,9 +100,17 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		if err != nil {
 			return err
 		}
-		return suite(ctx, ap, *suiteReps, *dur, out)
+		return suite(ctx, ap, *suiteReps, *dur, *provName, out)
 	}
-	prov := soft.New(soft.Options{})
+	var addr netip.Addr
+	if ap, err := netip.ParseAddrPort(*listen); err == nil {
+		addr = ap.Addr()
+	}
+	prov, why, err := pick.Open(*provName, addr)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "rdma-perf: provider %s\n", why)
 	if *listen != "" {
 		ap, err := netip.ParseAddrPort(*listen)
 		if err != nil {
@@ -197,7 +207,7 @@ func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
 }
 
 // serve answers RDMA tests on ap and raw TCP tests on ap's port + 1 until ctx ends.
-func serve(ctx context.Context, prov *soft.Provider, ap netip.AddrPort) error {
+func serve(ctx context.Context, prov rdma.Provider, ap netip.AddrPort) error {
 	ln, err := prov.Listen(ap, 16)
 	if err != nil {
 		return err
@@ -319,7 +329,7 @@ func serveTCP(c net.Conn) {
 	}
 }
 
-func dial(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params) (*side, uint64, uint32, error) {
+func dial(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params) (*side, uint64, uint32, error) {
 	id, err := prov.ResolveAddr(ctx, netip.Addr{}, ap)
 	if err != nil {
 		return nil, 0, 0, err
@@ -341,7 +351,7 @@ func dial(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params)
 	return s, binary.LittleEndian.Uint64(info), binary.LittleEndian.Uint32(info[8:]), nil
 }
 
-func sendLat(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params, dur time.Duration, mode string) (Result, error) {
+func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params, dur time.Duration, mode string) (Result, error) {
 	s, _, _, err := dial(ctx, prov, ap, p)
 	if err != nil {
 		return Result{}, err
@@ -431,7 +441,7 @@ func sendLat(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p para
 	return latResult(p, lat, time.Since(start), mode), nil
 }
 
-func bandwidth(ctx context.Context, prov *soft.Provider, ap netip.AddrPort, p params, dur time.Duration) (Result, error) {
+func bandwidth(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params, dur time.Duration) (Result, error) {
 	s, raddr, rkey, err := dial(ctx, prov, ap, p)
 	if err != nil {
 		return Result{}, err

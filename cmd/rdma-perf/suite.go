@@ -12,25 +12,28 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 )
 
 // suite runs every measurement reps times against a server in a second process, RDMA and
 // its TCP baseline interleaved so that the machine's noise falls on both alike, and prints a
 // markdown report with medians and ratios.
-func suite(ctx context.Context, ap netip.AddrPort, reps int, dur time.Duration, out io.Writer) error {
+func suite(ctx context.Context, ap netip.AddrPort, reps int, dur time.Duration, provName string, out io.Writer) error {
 	self, err := os.Executable()
 	if err != nil {
 		return err
 	}
-	srv := exec.CommandContext(ctx, self, "-listen", ap.String())
+	srv := exec.CommandContext(ctx, self, "-listen", ap.String(), "-provider", provName)
 	srv.Stderr = os.Stderr
 	if err := srv.Start(); err != nil {
 		return err
 	}
 	defer func() { _ = srv.Process.Kill(); _ = srv.Wait() }()
 	time.Sleep(300 * time.Millisecond)
-	prov := soft.New(soft.Options{})
+	prov, _, err := pick.Open(provName)
+	if err != nil {
+		return err
+	}
 
 	type key struct {
 		test string

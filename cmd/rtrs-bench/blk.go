@@ -16,7 +16,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
-	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -29,6 +29,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs export without a copy (off: never)")
+	provName := fs.String("provider", "auto", pick.Usage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -49,7 +50,12 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	if o.Addr, err = netip.ParseAddrPort(*listen); err != nil {
 		return err
 	}
-	o.Provider, o.Handler, o.AlwaysInvalidate, o.ChunkSize = soft.New(soft.Options{}), rs, *inv, int(cs)
+	prov, why, err := pick.Open(*provName, o.Addr.Addr())
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "rtrs-bench blkserver: provider %s\n", why)
+	o.Provider, o.Handler, o.AlwaysInvalidate, o.ChunkSize = prov, rs, *inv, int(cs)
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err
@@ -71,6 +77,7 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	sock := fs.String("socket", "", "unix socket to serve NBD on")
 	tcp := fs.String("tcp", "", "TCP address to serve NBD on too")
 	cons := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
+	provName := fs.String("provider", "auto", pick.Usage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -78,7 +85,11 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: soft.New(soft.Options{}), MaxReconnectAttempts: -1, ConPerPath: *cons}})
+	prov, _, err := pick.Open(*provName)
+	if err != nil {
+		return err
+	}
+	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: prov, MaxReconnectAttempts: -1, ConPerPath: *cons}})
 	defer c.Close(context.Background())
 	mctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	d, err := c.Map(mctx, rnbd.MapOptions{SessName: *sess, Paths: pa, Port: uint16(*port), DevicePath: *dev, AccessMode: rnbd.AccessRW})

@@ -33,7 +33,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/log"
-	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
@@ -122,6 +122,7 @@ func serverCmd(ctx context.Context, args []string) error {
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
 	sizeF := fs.String("size", "256M", "memory the server answers from")
 	null := fs.Bool("null", false, "answer without storing or returning data (the transport alone)")
+	provName := fs.String("provider", "auto", pick.Usage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -129,6 +130,11 @@ func serverCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	prov, why, err := pick.Open(*provName, ap.Addr())
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "rtrs-bench server: provider %s\n", why)
 	cs, err := size.Parse(*chunk)
 	if err != nil {
 		return err
@@ -138,7 +144,7 @@ func serverCmd(ctx context.Context, args []string) error {
 		return err
 	}
 	o := transport.DefaultServerOptions()
-	o.Provider, o.Addr, o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = soft.New(soft.Options{}), ap, *qd, cs, *inv
+	o.Provider, o.Addr, o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = prov, ap, *qd, cs, *inv
 	o.Handler = &memStore{mem: make([]byte, ms), null: *null}
 	srv, err := transport.NewServer(o)
 	if err != nil {
@@ -194,6 +200,7 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 	async := fs.Bool("async", false, "issue each of the qd request chains' next request from the previous one's completion callback (as fio's async engines) instead of qd goroutines calling Do")
 	asJSON := fs.Bool("json", false, "print JSON")
 	serverPid := fs.Int("server-pid", 0, "pid of a server on this machine, to report its CPU seconds too")
+	provName := fs.String("provider", "auto", pick.Usage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -204,7 +211,7 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 	if *serverPid > 0 {
 		scpu0 = procCPU(*serverPid)
 	}
-	r, err := runClient(ctx, clientParams{paths: paths, port: uint16(*port), bs: *bsF, qd: *qd, rw: *rw, dur: *dur, span: *span, verify: *verify, cons: *cons, async: *async})
+	r, err := runClient(ctx, clientParams{paths: paths, port: uint16(*port), bs: *bsF, qd: *qd, rw: *rw, dur: *dur, span: *span, verify: *verify, cons: *cons, async: *async, provider: *provName})
 	if err != nil {
 		return err
 	}
@@ -224,16 +231,17 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 }
 
 type clientParams struct {
-	paths  []string
-	port   uint16
-	bs     string
-	qd     int
-	rw     string
-	dur    time.Duration
-	span   string
-	verify bool
-	cons   int
-	async  bool
+	paths    []string
+	port     uint16
+	bs       string
+	qd       int
+	rw       string
+	dur      time.Duration
+	span     string
+	verify   bool
+	cons     int
+	async    bool
+	provider string // pick.Open's name; empty: auto
 }
 
 func runClient(ctx context.Context, cp clientParams) (Result, error) {
@@ -253,9 +261,13 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 		}
 		pas = append(pas, transport.PathAddrs{Src: src, Dst: dst})
 	}
+	prov, _, err := pick.Open(cp.provider)
+	if err != nil {
+		return Result{}, err
+	}
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	sess, err := transport.Open(octx, transport.ClientOptions{Provider: soft.New(soft.Options{}), SessName: fmt.Sprintf("bench%d", os.Getpid()),
+	sess, err := transport.Open(octx, transport.ClientOptions{Provider: prov, SessName: fmt.Sprintf("bench%d", os.Getpid()),
 		Paths: pas, Port: cp.port, ConPerPath: cp.cons, Policy: transport.MinInflight, MaxReconnectAttempts: -1})
 	if err != nil {
 		return Result{}, err

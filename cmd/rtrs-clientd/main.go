@@ -27,7 +27,7 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
-	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -71,6 +71,7 @@ func run(parent context.Context, args []string) error {
 	recDelay := fs.Duration("reconnect-delay", 0, "delay between reconnect attempts (0: the kernel's)")
 	hbInterval := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	conPerPath := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
+	provName := fs.String("provider", "auto", pick.Usage)
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach stale mounts and exit")
@@ -85,8 +86,13 @@ func run(parent context.Context, args []string) error {
 		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
 	}
 	lg := log.G(ctx).WithField("component", "rtrs-clientd")
+	prov, why, err := pick.Open(*provName)
+	if err != nil {
+		return fmt.Errorf("-provider: %w", err)
+	}
+	lg.Infof("provider %s", why)
 	c := rnbd.NewClient(rnbd.ClientOptions{
-		Session: transport.ClientOptions{Provider: soft.New(soft.Options{}), ConPerPath: *conPerPath,
+		Session: transport.ClientOptions{Provider: prov, ConPerPath: *conPerPath,
 			MaxReconnectAttempts: -1, Policy: transport.MinInflight,
 			Timings: transport.Timings{ReconnectDelay: *recDelay, HeartbeatInterval: *hbInterval}},
 		ReconnectTimeout: *ioTimeout,

@@ -21,7 +21,7 @@ import (
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
-	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -51,6 +51,7 @@ func run(parent context.Context, args []string) error {
 	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs or ramfs export straight from the page cache (off: never)")
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
+	provName := fs.String("provider", "auto", pick.Usage)
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach a stale mount at -mount and exit")
@@ -78,13 +79,18 @@ func run(parent context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("-zero-copy-read-min: %w", err)
 	}
+	prov, why, err := pick.Open(*provName, addr.Addr())
+	if err != nil {
+		return fmt.Errorf("-provider: %w", err)
+	}
+	lg.Infof("provider %s", why)
 	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize, ZeroCopyReadMin: zcMin})
 	if err != nil {
 		return err
 	}
 	defer rs.Close()
 	o := transport.DefaultServerOptions()
-	o.Provider, o.Handler, o.Addr = soft.New(soft.Options{}), rs, addr
+	o.Provider, o.Handler, o.Addr = prov, rs, addr
 	o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = *qd, cs, *inv
 	o.Timings.HeartbeatInterval = *hb
 	srv, err := transport.NewServer(o)

@@ -1,0 +1,272 @@
+//go:build verbs
+
+package verbs
+
+// #include "glue.h"
+import "C"
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// pollBatch is how many completions one ibv_poll_cq call takes.
+const pollBatch = 32
+
+// cq is a completion queue with a completion channel of its own. The channel's descriptor
+// (a duplicate, non-blocking) waits in Go's poller, so a waiting CQ holds no thread.
+type cq struct {
+	dev *device
+	cq  *C.struct_ibv_cq
+	ch  *C.struct_ibv_comp_channel
+	fd  *os.File
+	rc  syscall.RawConn
+
+	// mu guards polling: the C buffers and pending, the completions Wait took out of
+	// the queue before anyone asked for them.
+	mu      sync.Mutex
+	wc      *C.struct_ibv_wc
+	out     *C.struct_gwc
+	pending []rdma.WC
+	dead    bool
+
+	hmu     sync.Mutex // handler changes
+	stop    chan struct{}
+	stopped chan struct{}
+}
+
+func (d *device) CreateCQ(cqe int) (rdma.CQ, error) {
+	if cqe <= 0 || d.attr.MaxCQE > 0 && cqe > d.attr.MaxCQE {
+		return nil, fmt.Errorf("%w: CQ of %d entries (at most %d)", rdma.ErrInvalid, cqe, d.attr.MaxCQE)
+	}
+	ch, err := C.ibv_create_comp_channel(d.ctx)
+	if ch == nil {
+		return nil, fmt.Errorf("verbs: ibv_create_comp_channel: %w", errOr(err))
+	}
+	c := &cq{dev: d, ch: ch}
+	fail := func(err error) (rdma.CQ, error) {
+		if c.fd != nil {
+			_ = c.fd.Close()
+		}
+		if c.cq != nil {
+			C.ibv_destroy_cq(c.cq)
+		}
+		C.ibv_destroy_comp_channel(ch)
+		return nil, err
+	}
+	if rc := C.rtrs_set_nonblock(C.rtrs_comp_fd(ch)); rc != 0 {
+		return fail(fmt.Errorf("verbs: completion channel: %w", syscall.Errno(-rc)))
+	}
+	dup, err := unix.FcntlInt(uintptr(C.rtrs_comp_fd(ch)), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fail(fmt.Errorf("verbs: completion channel: %w", err))
+	}
+	c.fd = os.NewFile(uintptr(dup), "ibv_comp_channel")
+	if c.rc, err = c.fd.SyscallConn(); err != nil {
+		return fail(err)
+	}
+	q, err := C.ibv_create_cq(d.ctx, C.int(cqe), nil, ch, 0)
+	if q == nil {
+		return fail(fmt.Errorf("verbs: ibv_create_cq of %d: %w", cqe, errOr(err)))
+	}
+	c.cq = q
+	c.wc = (*C.struct_ibv_wc)(C.calloc(pollBatch, C.sizeof_struct_ibv_wc))
+	c.out = (*C.struct_gwc)(C.calloc(pollBatch, C.sizeof_struct_gwc))
+	return c, nil
+}
+
+// Poll moves completions into wc: first those Wait took, then the queue's.
+func (c *cq) Poll(wc []rdma.WC) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.dead {
+		return 0
+	}
+	n := copy(wc, c.pending)
+	c.pending = c.pending[:copy(c.pending, c.pending[n:])]
+	for n < len(wc) {
+		got := c.pollLocked(wc[n:])
+		n += got
+		if got == 0 {
+			break
+		}
+	}
+	return n
+}
+
+// pollLocked takes up to min(len(wc), pollBatch) completions from the queue.
+func (c *cq) pollLocked(wc []rdma.WC) int {
+	got := int(C.rtrs_poll(c.cq, c.wc, c.out, C.int(min(len(wc), pollBatch))))
+	if got <= 0 {
+		return 0
+	}
+	for i, g := range unsafe.Slice(c.out, got) {
+		wc[i] = c.dev.completion(&g)
+	}
+	return got
+}
+
+// arm requests an event for the next completion and reports whether the queue already
+// holds one, which the event would not announce.
+func (c *cq) arm() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.dead {
+		return false
+	}
+	if len(c.pending) > 0 {
+		return true
+	}
+	C.rtrs_req_notify(c.cq)
+	var buf [pollBatch]rdma.WC
+	n := c.pollLocked(buf[:])
+	c.pending = append(c.pending, buf[:n]...)
+	return n > 0
+}
+
+// waitEvent blocks until the channel has an event (and takes it), the deadline passes or the
+// descriptor is closed.
+func (c *cq) waitEvent(deadline time.Time) error {
+	if err := c.fd.SetReadDeadline(deadline); err != nil {
+		return err
+	}
+	var cerr error
+	err := c.rc.Read(func(uintptr) bool {
+		rc := C.rtrs_get_cq_event(c.ch)
+		if rc < 0 {
+			cerr = syscall.Errno(-rc)
+		}
+		return rc != 0
+	})
+	if err == nil {
+		err = cerr
+	}
+	return err
+}
+
+func (c *cq) Wait(ctx context.Context) error {
+	for {
+		if c.arm() {
+			return nil
+		}
+		c.mu.Lock()
+		dead := c.dead
+		c.mu.Unlock()
+		if dead {
+			return rdma.ErrClosed
+		}
+		dl, ok := ctx.Deadline()
+		if !ok {
+			// Wake now and then to notice ctx ending without a deadline.
+			dl = time.Now().Add(100 * time.Millisecond)
+		}
+		if err := c.waitEvent(dl); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			if errors.Is(err, os.ErrClosed) {
+				return rdma.ErrClosed
+			}
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+	}
+}
+
+// SetHandler runs fn on a goroutine of the queue's: armed, fn drains, then the goroutine
+// sleeps in the poller until the next completion event.
+func (c *cq) SetHandler(fn func()) {
+	c.hmu.Lock()
+	defer c.hmu.Unlock()
+	if c.stop != nil {
+		close(c.stop)
+		// Wake the goroutine from its wait.
+		_ = c.fd.SetReadDeadline(time.Now())
+		<-c.stopped
+		c.stop, c.stopped = nil, nil
+	}
+	if fn == nil {
+		return
+	}
+	c.mu.Lock()
+	dead := c.dead
+	c.mu.Unlock()
+	if dead {
+		return
+	}
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	c.stop, c.stopped = stop, stopped
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			c.arm()
+			fn()
+			err := c.waitEvent(time.Time{})
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+				return // the queue is gone
+			}
+		}
+	}()
+}
+
+func (c *cq) Destroy() error {
+	c.SetHandler(nil)
+	c.mu.Lock()
+	if c.dead {
+		c.mu.Unlock()
+		return rdma.ErrClosed
+	}
+	c.dead = true
+	c.mu.Unlock()
+	_ = c.fd.Close() // wakes waiters
+	var err error
+	if rc := C.ibv_destroy_cq(c.cq); rc != 0 {
+		err = fmt.Errorf("verbs: ibv_destroy_cq: %w", errnoOf(rc))
+	}
+	if rc := C.ibv_destroy_comp_channel(c.ch); rc != 0 && err == nil {
+		err = fmt.Errorf("verbs: ibv_destroy_comp_channel: %w", errnoOf(rc))
+	}
+	C.free(unsafe.Pointer(c.wc))
+	C.free(unsafe.Pointer(c.out))
+	return err
+}
+
+// completion turns a C completion into the API's, through the QP's records of what it
+// posted.
+func (d *device) completion(g *C.struct_gwc) rdma.WC {
+	w := rdma.WC{Status: rdma.WCStatus(g.status), ByteLen: uint32(g.byte_len), QPNum: uint32(g.qp_num)}
+	if g.flags&C.IBV_WC_WITH_IMM != 0 {
+		w.Flags |= rdma.WCWithImm
+		w.Imm = uint32(g.imm)
+	}
+	if g.flags&C.IBV_WC_WITH_INV != 0 {
+		w.Flags |= rdma.WCWithInv
+		w.InvRKey = uint32(g.imm)
+	}
+	q := d.qp(w.QPNum)
+	if q == nil {
+		w.ID = uint64(g.wr_id)
+		return w
+	}
+	q.complete(&w, uint64(g.wr_id), uint32(g.opcode))
+	return w
+}

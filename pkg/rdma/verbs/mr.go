@@ -1,0 +1,311 @@
+//go:build verbs
+
+package verbs
+
+// #include "glue.h"
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+type pd struct {
+	dev *device
+	pd  *C.struct_ibv_pd
+
+	mu    sync.Mutex
+	freed bool
+	regs  []*mr           // registered regions, for Map to find the one under a buffer
+	byKey map[uint32]*mr // memory windows by their current key, for LOCAL_INV and SEND_WITH_INV
+}
+
+var _ rdma.PD = (*pd)(nil)
+
+func (p *pd) Device() rdma.Device { return p.dev }
+
+const accessAll = rdma.AccessLocalWrite | rdma.AccessRemoteWrite | rdma.AccessRemoteRead
+
+func ibvAccess(a rdma.Access) C.int {
+	var f C.int
+	if a&rdma.AccessLocalWrite != 0 {
+		f |= C.IBV_ACCESS_LOCAL_WRITE
+	}
+	if a&rdma.AccessRemoteWrite != 0 {
+		f |= C.IBV_ACCESS_REMOTE_WRITE
+	}
+	if a&rdma.AccessRemoteRead != 0 {
+		f |= C.IBV_ACCESS_REMOTE_READ
+	}
+	return f
+}
+
+// RegMR registers memory from rdma.Alloc (ibv_reg_mr). Go heap memory is refused: the
+// HCA would hold it while the garbage collector knows nothing of that.
+func (p *pd) RegMR(buf []byte, access rdma.Access) (rdma.MR, error) {
+	if len(buf) == 0 {
+		return nil, fmt.Errorf("%w: MR length 0", rdma.ErrInvalid)
+	}
+	if !rdma.Allocated(buf) {
+		return nil, fmt.Errorf("%w: verbs registers only memory from rdma.Alloc (outside the Go heap)", rdma.ErrInvalid)
+	}
+	return p.reg(buf, access, false)
+}
+
+// AllocMR maps and registers length bytes; Dereg unmaps them.
+func (p *pd) AllocMR(length int, access rdma.Access) (rdma.MR, error) {
+	buf, err := rdma.Alloc(length)
+	if err != nil {
+		return nil, err
+	}
+	m, err := p.reg(buf, access, true)
+	if err != nil {
+		_ = rdma.Free(buf)
+	}
+	return m, err
+}
+
+func (p *pd) reg(buf []byte, access rdma.Access, owned bool) (*mr, error) {
+	if access&^accessAll != 0 {
+		return nil, fmt.Errorf("%w: access %#x", rdma.ErrInvalid, uint32(access))
+	}
+	if access&rdma.AccessRemoteWrite != 0 && access&rdma.AccessLocalWrite == 0 {
+		return nil, fmt.Errorf("%w: REMOTE_WRITE without LOCAL_WRITE", rdma.ErrInvalid)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.freed {
+		return nil, rdma.ErrClosed
+	}
+	f := ibvAccess(access)
+	if p.dev.mw {
+		// Memory windows are bound over registered regions (fast registration).
+		f |= C.IBV_ACCESS_MW_BIND
+	}
+	r, err := C.ibv_reg_mr(p.pd, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), f)
+	if r == nil {
+		return nil, fmt.Errorf("verbs: ibv_reg_mr of %d bytes: %w", len(buf), errOr(err))
+	}
+	m := &mr{pd: p, mr: r, buf: buf, owned: owned, access: access}
+	m.valid.Store(true)
+	p.regs = append(p.regs, m)
+	return m, nil
+}
+
+// RegFileMR is refused: rdma-core registers files only as dma-bufs, which a page-cache file
+// is not. Callers send from memory instead.
+func (p *pd) RegFileMR(f *os.File, off int64, length int, access rdma.Access) (rdma.MR, error) {
+	return nil, fmt.Errorf("%w: verbs has no file regions (ibv_reg_dmabuf_mr takes dma-bufs, not files)", rdma.ErrInvalid)
+}
+
+// AllocFastRegMR allocates a memory window: type 2 (QP-bound, remotely invalidated) with
+// rdma.FastRegRemoteInv, type 1 (every QP of the PD) without.
+func (p *pd) AllocFastRegMR(maxLen int, flags rdma.FastRegFlags) (rdma.MR, error) {
+	if maxLen <= 0 {
+		return nil, fmt.Errorf("%w: fast-reg MR of %d bytes", rdma.ErrInvalid, maxLen)
+	}
+	if flags&^rdma.FastRegRemoteInv != 0 {
+		return nil, fmt.Errorf("%w: fast-reg flags %#x", rdma.ErrInvalid, uint8(flags))
+	}
+	if !p.dev.mw {
+		return nil, fmt.Errorf("%w: %s has no memory windows, which fast registration needs", rdma.ErrInvalid, p.dev.name)
+	}
+	typ := uint32(C.IBV_MW_TYPE_1)
+	if flags&rdma.FastRegRemoteInv != 0 {
+		typ = C.IBV_MW_TYPE_2
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.freed {
+		return nil, rdma.ErrClosed
+	}
+	w, err := C.ibv_alloc_mw(p.pd, typ)
+	if w == nil {
+		return nil, fmt.Errorf("verbs: ibv_alloc_mw: %w", errOr(err))
+	}
+	m := &mr{pd: p, mw: w, maxLen: maxLen, type2: typ == C.IBV_MW_TYPE_2}
+	m.key.Store(uint32(C.rtrs_mw_rkey(w)))
+	return m, nil
+}
+
+func (p *pd) Dealloc() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.freed {
+		return rdma.ErrClosed
+	}
+	if rc := C.ibv_dealloc_pd(p.pd); rc != 0 {
+		return fmt.Errorf("verbs: ibv_dealloc_pd: %w", errnoOf(rc))
+	}
+	p.freed = true
+	return nil
+}
+
+// under returns the registered region of p holding buf.
+func (p *pd) under(buf []byte) *mr {
+	a := uintptr(unsafe.Pointer(&buf[0]))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range p.regs {
+		b := uintptr(unsafe.Pointer(&m.buf[0]))
+		if a >= b && a-b <= uintptr(len(m.buf)) && uintptr(len(buf)) <= uintptr(len(m.buf))-(a-b) {
+			return m
+		}
+	}
+	return nil
+}
+
+// rekey records a window's new key.
+func (p *pd) rekey(m *mr, old, key uint32) {
+	p.mu.Lock()
+	if p.byKey == nil {
+		p.byKey = map[uint32]*mr{}
+	}
+	if p.byKey[old] == m {
+		delete(p.byKey, old)
+	}
+	p.byKey[key] = m
+	p.mu.Unlock()
+}
+
+func (p *pd) window(key uint32) *mr {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.byKey[key]
+}
+
+// mr is a registered region (mr set) or a memory window standing for a fast-registration
+// region (mw set).
+type mr struct {
+	pd     *pd
+	mr     *C.struct_ibv_mr
+	mw     *C.struct_ibv_mw
+	maxLen int
+	type2  bool
+	owned  bool // memory from AllocMR, unmapped at Dereg
+
+	// A window's state as posted: key, validity, and what it is bound over. A consumer
+	// that needs the key dead or alive waits for the work request's completion (the device
+	// executes it later: SyncLocalOps is false).
+	key    atomic.Uint32
+	valid  atomic.Bool
+	mu     sync.Mutex
+	buf    []byte
+	base   *mr
+	access rdma.Access
+	dereg  bool
+}
+
+var _ rdma.MR = (*mr)(nil)
+
+func (m *mr) LKey() uint32 {
+	if m.mr != nil {
+		return uint32(m.mr.lkey)
+	}
+	return m.key.Load()
+}
+
+func (m *mr) RKey() uint32 {
+	if m.mr != nil {
+		return uint32(m.mr.rkey)
+	}
+	return m.key.Load()
+}
+
+func (m *mr) Addr() uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.buf) == 0 {
+		return 0
+	}
+	return uint64(uintptr(unsafe.Pointer(&m.buf[0])))
+}
+
+func (m *mr) Len() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.buf)
+}
+
+func (m *mr) Bytes() []byte {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.buf
+}
+
+func (m *mr) Access() rdma.Access {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.access
+}
+
+func (m *mr) Valid() bool { return m.valid.Load() }
+
+// Map points a window at buf, which must lie in a region of the same PD registered with
+// local write. The window covers buf at buf's own address; iova is not used.
+func (m *mr) Map(buf []byte, iova uint64) error {
+	if m.mw == nil {
+		return fmt.Errorf("%w: map of a registered MR (only fast-reg MRs map memory)", rdma.ErrInvalid)
+	}
+	if len(buf) == 0 || len(buf) > m.maxLen {
+		return fmt.Errorf("%w: map of %d bytes into an MR of at most %d", rdma.ErrInvalid, len(buf), m.maxLen)
+	}
+	base := m.pd.under(buf)
+	if base == nil || base.access&rdma.AccessLocalWrite == 0 {
+		return fmt.Errorf("%w: map of memory outside every region of the PD registered with local write", rdma.ErrInvalid)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	switch {
+	case m.dereg:
+		return rdma.ErrClosed
+	case m.valid.Load():
+		return fmt.Errorf("%w: map of a valid MR (invalidate it first)", rdma.ErrInvalid)
+	}
+	m.buf, m.base = buf, base
+	return nil
+}
+
+func (m *mr) Dereg() error {
+	m.mu.Lock()
+	if m.dereg {
+		m.mu.Unlock()
+		return rdma.ErrClosed
+	}
+	m.dereg = true
+	m.valid.Store(false)
+	m.mu.Unlock()
+	p := m.pd
+	p.mu.Lock()
+	if m.mw != nil {
+		if p.byKey[m.key.Load()] == m {
+			delete(p.byKey, m.key.Load())
+		}
+	} else {
+		for i, r := range p.regs {
+			if r == m {
+				p.regs = append(p.regs[:i], p.regs[i+1:]...)
+				break
+			}
+		}
+	}
+	p.mu.Unlock()
+	if m.mw != nil {
+		if rc := C.ibv_dealloc_mw(m.mw); rc != 0 {
+			return fmt.Errorf("verbs: ibv_dealloc_mw: %w", errnoOf(rc))
+		}
+		return nil
+	}
+	if rc := C.ibv_dereg_mr(m.mr); rc != 0 {
+		return fmt.Errorf("verbs: ibv_dereg_mr: %w", errnoOf(rc))
+	}
+	if m.owned {
+		return rdma.Free(m.buf)
+	}
+	return nil
+}

@@ -1,0 +1,339 @@
+//go:build verbs
+
+package verbs
+
+// #include "glue.h"
+import "C"
+
+import (
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// recvBit marks a receive's wr_id; the rest of every wr_id is the request's sequence number
+// on its queue, which indexes the QP's record of what was posted. A completion's opcode is
+// undefined in verbs when it failed; the record says what the request was, and gives back
+// the caller's ID.
+const recvBit = 1 << 63
+
+// sent is the record of a posted send work request.
+type sent struct {
+	id uint64
+	op rdma.WCOpcode
+	mw *mr // a window this request binds or invalidates
+}
+
+// qp is a reliable-connected queue pair created through its connection identifier.
+type qp struct {
+	id  *connID
+	pd  *pd
+	qp  *C.struct_ibv_qp
+	num uint32
+
+	mu      sync.Mutex
+	dead    bool
+	sq      []sent // ring of MaxSendWR records
+	sqHead  uint64 // sequence number of the next send
+	sqTail  uint64 // oldest send not known complete
+	rq      []uint64
+	rqHead  uint64
+	rqTail  uint64
+	maxSGE  int
+	maxRSGE int
+
+	// C memory for posting, reused under mu.
+	gwr    *C.struct_gwr
+	chain  *C.struct_ibv_send_wr
+	sges   *C.struct_ibv_sge
+	grecv  *C.struct_grecv
+	rchain *C.struct_ibv_recv_wr
+	rsges  *C.struct_ibv_sge
+}
+
+// postBatch is how many work requests one post takes from the C buffers; longer chains go
+// in pieces (each in order on the queue, which is all a chain promises).
+const postBatch = 64
+
+var _ rdma.QP = (*qp)(nil)
+
+func newQP(id *connID, p *pd, c *C.struct_ibv_qp, swr, rwr, ssge, rsge int) *qp {
+	q := &qp{id: id, pd: p, qp: c, num: uint32(c.qp_num), sq: make([]sent, swr), rq: make([]uint64, rwr),
+		maxSGE: ssge, maxRSGE: rsge}
+	q.gwr = (*C.struct_gwr)(C.calloc(postBatch, C.sizeof_struct_gwr))
+	q.chain = (*C.struct_ibv_send_wr)(C.calloc(postBatch, C.sizeof_struct_ibv_send_wr))
+	q.sges = (*C.struct_ibv_sge)(C.calloc(C.size_t(postBatch*max(ssge, 1)), C.sizeof_struct_ibv_sge))
+	q.grecv = (*C.struct_grecv)(C.calloc(postBatch, C.sizeof_struct_grecv))
+	q.rchain = (*C.struct_ibv_recv_wr)(C.calloc(postBatch, C.sizeof_struct_ibv_recv_wr))
+	q.rsges = (*C.struct_ibv_sge)(C.calloc(C.size_t(postBatch*max(rsge, 1)), C.sizeof_struct_ibv_sge))
+	return q
+}
+
+func (q *qp) Num() uint32 { return q.num }
+
+func (q *qp) State() rdma.QPState {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.dead {
+		return rdma.QPSErr
+	}
+	s := C.rtrs_qp_state(q.qp)
+	if s < 0 {
+		return rdma.QPSErr
+	}
+	return rdma.QPState(s)
+}
+
+func (q *qp) ToError() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if !q.dead {
+		C.rtrs_qp_to_error(q.qp)
+	}
+}
+
+var wcOf = [...]rdma.WCOpcode{
+	rdma.OpRDMAWrite: rdma.WCRDMAWrite, rdma.OpRDMAWriteWithImm: rdma.WCRDMAWrite,
+	rdma.OpSend: rdma.WCSend, rdma.OpSendWithImm: rdma.WCSend, rdma.OpSendWithInv: rdma.WCSend,
+	rdma.OpRDMARead: rdma.WCRDMARead, rdma.OpLocalInv: rdma.WCLocalInv, rdma.OpRegMR: rdma.WCRegMR,
+}
+
+// PostSend posts wrs in order. REG_MR binds the region's memory window over the registered
+// region under its memory; LOCAL_INV of a window's key invalidates it (a type 1 window by a
+// bind of length 0, since type 1 windows cannot be invalidated).
+func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.dead {
+		return 0, rdma.ErrClosed
+	}
+	for done := 0; done < len(wrs); {
+		n := min(len(wrs)-done, postBatch)
+		bad, err := q.postLocked(wrs[done:done+n], done)
+		if err != nil {
+			return bad, err
+		}
+		done += n
+	}
+	return len(wrs), nil
+}
+
+// postLocked posts up to postBatch requests; base is the index of wrs[0] in the caller's list.
+func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
+	if free := uint64(len(q.sq)) - (q.sqHead - q.sqTail); uint64(len(wrs)) > free {
+		if free == 0 {
+			return base, fmt.Errorf("%w: send queue of %d full", rdma.ErrNoMem, len(q.sq))
+		}
+		bad, err := q.postLocked(wrs[:free], base)
+		if err != nil {
+			return bad, err
+		}
+		return base + int(free), fmt.Errorf("%w: send queue of %d full", rdma.ErrNoMem, len(q.sq))
+	}
+	g := unsafe.Slice(q.gwr, postBatch)
+	sges := unsafe.Slice(q.sges, postBatch*max(q.maxSGE, 1))
+	ns := 0
+	// What the posted requests do to windows, applied once they are on the queue.
+	type change struct {
+		idx      int
+		m        *mr
+		old, key uint32
+		valid    bool
+	}
+	var changes [postBatch]change
+	nc := 0
+	for i := range wrs {
+		wr := &wrs[i]
+		x := &g[i]
+		*x = C.struct_gwr{}
+		if wr.Opcode > rdma.OpRegMR {
+			return base + i, fmt.Errorf("%w: opcode %v", rdma.ErrInvalid, wr.Opcode)
+		}
+		if len(wr.SGList) > q.maxSGE {
+			return base + i, fmt.Errorf("%w: %d SGEs, at most %d", rdma.ErrInvalid, len(wr.SGList), q.maxSGE)
+		}
+		x.wr_id = C.uint64_t(q.sqHead + uint64(i))
+		x.op = C.uint32_t(wr.Opcode)
+		x.flags = C.uint32_t(wr.Flags)
+		x.imm = C.uint32_t(wr.Imm)
+		x.remote_addr = C.uint64_t(wr.RemoteAddr)
+		x.rkey = C.uint32_t(wr.RKey)
+		x.inv_rkey = C.uint32_t(wr.InvRKey)
+		x.nsge = C.uint32_t(len(wr.SGList))
+		if len(wr.SGList) > 0 {
+			x.sge = &sges[ns]
+			for _, s := range wr.SGList {
+				sges[ns] = C.struct_ibv_sge{addr: C.uint64_t(s.Addr), length: C.uint32_t(s.Length), lkey: C.uint32_t(s.LKey)}
+				ns++
+			}
+		}
+		q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))] = sent{id: wr.ID, op: wcOf[wr.Opcode]}
+		switch wr.Opcode {
+		case rdma.OpRegMR:
+			m, ok := wr.MR.(*mr)
+			if !ok || m.pd != q.pd || m.mw == nil {
+				return base + i, fmt.Errorf("%w: REG_MR of a region that is not a fast-reg region of this PD", rdma.ErrInvalid)
+			}
+			if wr.Access&^accessAll != 0 {
+				return base + i, fmt.Errorf("%w: REG_MR access %#x", rdma.ErrInvalid, uint32(wr.Access))
+			}
+			m.mu.Lock()
+			buf, under, old := m.buf, m.base, m.key.Load()
+			m.mu.Unlock()
+			if under == nil || m.valid.Load() {
+				return base + i, fmt.Errorf("%w: REG_MR of a region that is not mapped, or still valid", rdma.ErrInvalid)
+			}
+			if wr.Key>>8 != old>>8 || !m.type2 && wr.Key != rdma.IncKey(old) {
+				// A type 1 window's next key is the library's: the low byte plus one.
+				return base + i, fmt.Errorf("%w: REG_MR key %#x for a window keyed %#x", rdma.ErrInvalid, wr.Key, old)
+			}
+			x.mw, x.mr = m.mw, under.mr
+			x.addr = C.uint64_t(uintptr(unsafe.Pointer(&buf[0])))
+			x.length = C.uint64_t(len(buf))
+			// Local write is the underlying region's; a window grants remote rights.
+			x.access = C.uint32_t(ibvAccess(wr.Access &^ rdma.AccessLocalWrite))
+			x.new_key = C.uint32_t(wr.Key)
+			changes[nc] = change{idx: i, m: m, old: old, key: wr.Key, valid: true}
+			nc++
+			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
+		case rdma.OpLocalInv:
+			m := q.pd.window(wr.InvRKey)
+			if m == nil {
+				return base + i, fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey)
+			}
+			if !m.type2 {
+				// Unbinding a type 1 window is a bind of length 0, and moves its key on.
+				x.mw = m.mw
+				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)}
+			} else {
+				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: wr.InvRKey}
+			}
+			nc++
+			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
+		}
+	}
+	var bad C.int
+	rc := C.rtrs_post_send(q.qp, q.gwr, C.int(len(wrs)), q.chain, &bad)
+	posted := len(wrs)
+	if rc != 0 {
+		posted = int(bad)
+	}
+	var keyErr error
+	for _, c := range changes[:nc] {
+		if c.idx >= posted {
+			break
+		}
+		if !c.m.type2 {
+			// ibv_bind_mw chose the key; it is the low byte plus one.
+			if k := uint32(C.rtrs_mw_rkey(c.m.mw)); k != c.key && keyErr == nil {
+				keyErr = fmt.Errorf("verbs: type 1 window bound with key %#x, %#x expected", k, c.key)
+				c.key = k
+			}
+		}
+		c.m.valid.Store(c.valid)
+		c.m.key.Store(c.key)
+		q.pd.rekey(c.m, c.old, c.key)
+	}
+	q.sqHead += uint64(posted)
+	if rc != 0 {
+		return base + posted, fmt.Errorf("verbs: ibv_post_send: %w", errnoOf(rc))
+	}
+	return base + posted, keyErr
+}
+
+func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.dead {
+		return 0, rdma.ErrClosed
+	}
+	for done := 0; done < len(wrs); {
+		n := min(len(wrs)-done, postBatch)
+		if free := uint64(len(q.rq)) - (q.rqHead - q.rqTail); uint64(n) > free {
+			n = int(free)
+			if n == 0 {
+				return done, fmt.Errorf("%w: receive queue of %d full", rdma.ErrNoMem, len(q.rq))
+			}
+		}
+		g := unsafe.Slice(q.grecv, postBatch)
+		sges := unsafe.Slice(q.rsges, postBatch*max(q.maxRSGE, 1))
+		ns := 0
+		for i, wr := range wrs[done : done+n] {
+			if len(wr.SGList) > q.maxRSGE {
+				return done + i, fmt.Errorf("%w: %d SGEs, at most %d", rdma.ErrInvalid, len(wr.SGList), q.maxRSGE)
+			}
+			seq := q.rqHead + uint64(i)
+			g[i] = C.struct_grecv{wr_id: C.uint64_t(seq | recvBit), nsge: C.uint32_t(len(wr.SGList))}
+			if len(wr.SGList) > 0 {
+				g[i].sge = &sges[ns]
+			}
+			for _, s := range wr.SGList {
+				sges[ns] = C.struct_ibv_sge{addr: C.uint64_t(s.Addr), length: C.uint32_t(s.Length), lkey: C.uint32_t(s.LKey)}
+				ns++
+			}
+			q.rq[seq%uint64(len(q.rq))] = wr.ID
+		}
+		var bad C.int
+		if rc := C.rtrs_post_recv(q.qp, q.grecv, C.int(n), q.rchain, &bad); rc != 0 {
+			q.rqHead += uint64(bad)
+			return done + int(bad), fmt.Errorf("verbs: ibv_post_recv: %w", errnoOf(rc))
+		}
+		q.rqHead += uint64(n)
+		done += n
+	}
+	return len(wrs), nil
+}
+
+// complete fills in what a completion leaves to the records: the caller's ID and the opcode,
+// and frees the queue slots it accounts for. A receive that invalidated one of our windows
+// marks it invalid.
+func (q *qp) complete(w *rdma.WC, wrID uint64, opcode uint32) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if wrID&recvBit != 0 {
+		seq := wrID &^ recvBit
+		if seq < q.rqTail || seq >= q.rqHead {
+			w.ID = wrID
+			return
+		}
+		w.ID = q.rq[seq%uint64(len(q.rq))]
+		q.rqTail = seq + 1
+		w.Opcode = rdma.WCRecv
+		if w.Status == rdma.WCSuccess && opcode == C.IBV_WC_RECV_RDMA_WITH_IMM {
+			w.Opcode = rdma.WCRecvRDMAWithImm
+		}
+		if w.Flags&rdma.WCWithInv != 0 {
+			if m := q.pd.window(w.InvRKey); m != nil {
+				m.valid.Store(false)
+			}
+		}
+		return
+	}
+	if wrID < q.sqTail || wrID >= q.sqHead {
+		w.ID = wrID
+		return
+	}
+	s := q.sq[wrID%uint64(len(q.sq))]
+	// Send completions come in order: every earlier request is done too.
+	q.sqTail = wrID + 1
+	w.ID, w.Opcode = s.id, s.op
+	if w.Status != rdma.WCSuccess && s.mw != nil && w.Opcode == rdma.WCRegMR {
+		s.mw.valid.Store(false)
+	}
+}
+
+// destroy frees the C buffers; the identifier destroys the QP itself.
+func (q *qp) destroy() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.dead {
+		return
+	}
+	q.dead = true
+	for _, p := range []unsafe.Pointer{unsafe.Pointer(q.gwr), unsafe.Pointer(q.chain), unsafe.Pointer(q.sges),
+		unsafe.Pointer(q.grecv), unsafe.Pointer(q.rchain), unsafe.Pointer(q.rsges)} {
+		C.free(p)
+	}
+}
