@@ -7,11 +7,14 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
 
@@ -75,8 +78,35 @@ func fastTimings() Timings {
 		ReconnectDelay: 50 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond, ZombieTimeout: 5 * time.Second}
 }
 
+// The provider and the two local addresses the engine tests run on: soft over loopback, or
+// what RTRS_TEST_PROVIDER, RTRS_TEST_ADDR1 and RTRS_TEST_ADDR2 name (the VM suite runs
+// them over verbs on rxe: scripts/vmtest.sh verbs).
+func testProvider(t testing.TB) rdma.Provider {
+	t.Helper()
+	name := os.Getenv("RTRS_TEST_PROVIDER")
+	if name == "" {
+		return soft.New(soft.Options{})
+	}
+	p, _, err := pick.Open(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func testAddr(n int) string {
+	if a := os.Getenv(fmt.Sprintf("RTRS_TEST_ADDR%d", n)); a != "" {
+		return a
+	}
+	return fmt.Sprintf("127.0.0.%d", n)
+}
+
+// path1 and path2 are two paths from the two addresses to the server on the first.
+func path1() string { return fmt.Sprintf("ip:%s@ip:%s", testAddr(1), testAddr(1)) }
+func path2() string { return fmt.Sprintf("ip:%s@ip:%s", testAddr(2), testAddr(1)) }
+
 type env struct {
-	prov *soft.Provider
+	prov rdma.Provider
 	srv  *Server
 	disk *memDisk
 	port uint16
@@ -84,10 +114,10 @@ type env struct {
 
 func newEnv(t testing.TB, alwaysInv bool, qd int) *env {
 	t.Helper()
-	e := &env{prov: soft.New(soft.Options{}), disk: newMemDisk(8 << 20)}
+	e := &env{prov: testProvider(t), disk: newMemDisk(8 << 20)}
 	o := DefaultServerOptions()
 	o.Provider, o.Handler, o.Timings = e.prov, e.disk, fastTimings()
-	o.Addr = netip.MustParseAddrPort("127.0.0.1:0")
+	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)
 	o.AlwaysInvalidate = alwaysInv
 	o.QueueDepth = qd
 	srv, err := NewServer(o)
@@ -212,12 +242,12 @@ func TestOpenAndRandomIO(t *testing.T) {
 		t.Run(fmt.Sprintf("always_invalidate=%v", inv), func(t *testing.T) {
 			leakcheck.Check(t)
 			e := newEnv(t, inv, 64)
-			s := e.open(t, "sess1", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
+			s := e.open(t, "sess1", paths(t, path1(), path2()), nil)
 			if s.QueueDepth() != 64 || s.MaxIOSize() != DefaultChunkSize-MaxHdrSize {
 				t.Fatalf("queue depth %d, max io %d", s.QueueDepth(), s.MaxIOSize())
 			}
 			ps := s.Paths()
-			if len(ps) != 2 || ps[0].Name() != "ip:127.0.0.1@ip:127.0.0.1" || ps[1].Name() != "ip:127.0.0.2@ip:127.0.0.1" {
+			if len(ps) != 2 || ps[0].Name() != path1() || ps[1].Name() != path2() {
 				t.Fatalf("paths %v", ps)
 			}
 			for _, p := range ps {

@@ -33,7 +33,7 @@ func TestFailoverMidIO(t *testing.T) {
 	leakcheck.Check(t)
 	e := newEnv(t, true, 64)
 	e.disk.async, e.disk.delay = true, time.Millisecond
-	s := e.open(t, "fo", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
+	s := e.open(t, "fo", paths(t, path1(), path2()), nil)
 	p1, p2 := s.Paths()[0], s.Paths()[1]
 	model := make([]byte, len(e.disk.disk))
 	done := make(chan struct{})
@@ -172,7 +172,7 @@ func TestHeartbeatLoss(t *testing.T) {
 func TestStaleRkeyRefused(t *testing.T) {
 	leakcheck.Check(t)
 	e := newEnv(t, true, 8)
-	s := e.open(t, "stale", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	s := e.open(t, "stale", paths(t, path1()), nil)
 	p := s.Paths()[0]
 	p.mu.Lock()
 	old := p.rbufs[0].rkey.Load()
