@@ -119,7 +119,7 @@ type connID struct {
 	id   *C.struct_rdma_cm_id
 	dev  *device
 
-	evs    chan event         // events during setup, for the call that waits for them
+	evs    chan event        // events during setup, for the call that waits for them
 	events chan rdma.CMEvent // after establishment: DISCONNECTED
 
 	mu          sync.Mutex

@@ -21,7 +21,7 @@ type pd struct {
 
 	mu    sync.Mutex
 	freed bool
-	regs  []*mr           // registered regions, for Map to find the one under a buffer
+	regs  []*mr          // registered regions, for Map to find the one under a buffer
 	byKey map[uint32]*mr // memory windows by their current key, for LOCAL_INV and SEND_WITH_INV
 }
 

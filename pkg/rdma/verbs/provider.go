@@ -136,7 +136,7 @@ func newDevice(c *C.struct_ibv_context) *device {
 
 var _ rdma.Device = (*device)(nil)
 
-func (d *device) Name() string          { return d.name }
+func (d *device) Name() string           { return d.name }
 func (d *device) Query() rdma.DeviceAttr { return d.attr }
 
 func (d *device) QueryPort(port int) (rdma.PortAttr, error) {
