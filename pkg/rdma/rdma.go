@@ -67,6 +67,10 @@ type PortAttr struct {
 	State     PortState
 	LinkLayer string // "Ethernet" or "InfiniBand"
 	MTU       int
+	// GIDs are the port's valid GID table entries (ibv_query_gid), in table order; a RoCE
+	// GID is the IPv6 or IPv4-mapped address of the interface. Empty where the provider has
+	// no GID table.
+	GIDs []netip.Addr
 }
 
 // PortState is a port's logical state.

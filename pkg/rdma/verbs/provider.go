@@ -7,6 +7,7 @@ import "C"
 
 import (
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -150,6 +151,15 @@ func (d *device) QueryPort(port int) (rdma.PortAttr, error) {
 	a := rdma.PortAttr{State: rdma.PortState(pa.state), LinkLayer: "InfiniBand", MTU: 128 << uint(pa.active_mtu)}
 	if pa.link_layer == C.IBV_LINK_LAYER_ETHERNET {
 		a.LinkLayer = "Ethernet"
+	}
+	for i := 0; i < int(pa.gid_tbl_len); i++ {
+		var g C.union_ibv_gid
+		if C.ibv_query_gid(d.ctx, C.uint8_t(port), C.int(i), &g) != 0 {
+			break
+		}
+		if gid := netip.AddrFrom16([16]byte(g[:])); gid != netip.IPv6Unspecified() {
+			a.GIDs = append(a.GIDs, gid)
+		}
 	}
 	return a, nil
 }
