@@ -184,30 +184,33 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	var dataSGE rdma.SGE
 	if len(r.data) > 0 {
 		fr := res.fr[r.permit]
-		if fr.Valid() {
-			// Still registered from a request that failed over: take it back first.
-			if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}}); err != nil {
-				return err
-			}
-		}
 		buf := r.data
 		if res.stage != nil {
 			buf = res.stage.Bytes()[r.permit*s.maxIOSize:][:len(r.data)]
-			if r.dir == Write {
-				copy(buf, r.data)
+		}
+		if res.stage != nil && r.dir == Write {
+			// Staged: the data goes out from registered memory under its own key.
+			copy(buf, r.data)
+			dataSGE = rdma.SGE{Addr: res.stage.Addr() + uint64(r.permit*s.maxIOSize), Length: uint32(len(r.data)), LKey: res.stage.LKey()}
+		} else {
+			if fr.Valid() {
+				// Still registered from a request that failed over: take it back first.
+				if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}}); err != nil {
+					return err
+				}
 			}
+			if err := fr.Map(buf, uint64(r.permit+1)<<32); err != nil {
+				return err
+			}
+			access := rdma.AccessLocalWrite
+			if r.dir == Read {
+				access |= rdma.AccessRemoteWrite
+			}
+			key := rdma.IncKey(fr.LKey())
+			wrs[k] = rdma.SendWR{Opcode: rdma.OpRegMR, MR: fr, Key: key, Access: access}
+			k++
+			dataSGE = rdma.SGE{Addr: fr.Addr(), Length: uint32(len(r.data)), LKey: key}
 		}
-		if err := fr.Map(buf, uint64(r.permit+1)<<32); err != nil {
-			return err
-		}
-		access := rdma.AccessLocalWrite
-		if r.dir == Read {
-			access |= rdma.AccessRemoteWrite
-		}
-		key := rdma.IncKey(fr.LKey())
-		wrs[k] = rdma.SendWR{Opcode: rdma.OpRegMR, MR: fr, Key: key, Access: access}
-		k++
-		dataSGE = rdma.SGE{Addr: fr.Addr(), Length: uint32(len(r.data)), LKey: key}
 	}
 	wr := &wrs[k]
 	k++
@@ -333,7 +336,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	if !r.owner.CompareAndSwap(c, nil) {
 		return // stale: the request was failed over or finished
 	}
-	if len(r.data) > 0 && typ != ImmIORspWInv {
+	if len(r.data) > 0 && typ != ImmIORspWInv && res.fr[r.permit].Valid() {
 		c.sendWR[0] = rdma.SendWR{Opcode: rdma.OpLocalInv, InvRKey: res.fr[r.permit].RKey()}
 		_, _ = c.qp.PostSend(c.sendWR[:])
 	}

@@ -88,8 +88,9 @@ int rtrs_post_send(struct ibv_qp *qp, struct gwr *w, int n, struct ibv_send_wr *
 		memset(&b, 0, sizeof(b));
 		b.wr_id = w[i].wr_id;
 		b.send_flags = gflags(w[i].flags);
+		// A LOCAL_INV is a bind of length 0 (over the window's region: rxe's library reads it).
+		b.bind_info.mr = w[i].mr;
 		if (w[i].op == G_REG_MR) {
-			b.bind_info.mr = w[i].mr;
 			b.bind_info.addr = w[i].addr;
 			b.bind_info.length = w[i].length;
 			b.bind_info.mw_access_flags = w[i].access;

@@ -203,9 +203,18 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 			if m == nil {
 				return base + i, fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey)
 			}
+			m.mu.Lock()
+			under := m.base
+			m.mu.Unlock()
+			if !m.valid.Load() || under == nil {
+				// Invalidating a window that is not bound is an error on an HCA (and has
+				// crashed rxe): refused here.
+				return base + i, fmt.Errorf("%w: LOCAL_INV of key %#x, which is not valid", rdma.ErrInvalid, wr.InvRKey)
+			}
 			if !m.type2 {
 				// Unbinding a type 1 window is a bind of length 0, and moves its key on.
-				x.mw = m.mw
+				// (rxe's library reads the region of the bind even when its length is 0.)
+				x.mw, x.mr = m.mw, under.mr
 				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)}
 			} else {
 				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: wr.InvRKey}

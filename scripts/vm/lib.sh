@@ -1,0 +1,149 @@
+# shellcheck shell=bash
+# Helpers of the VM test bed, sourced by scripts/vmtest.sh on the host, by the guest runner
+# (scripts/vm/guest.sh) and by every suite's shell (host and guest side alike). Functions named
+# vm_* are the suites' API; see scripts/vm/README.md.
+
+vm_log() { printf 'vmtest: %s\n' "$*" >&2; }
+vm_die() { vm_log "error: $*"; exit 1; }
+
+# Seconds since the epoch with microseconds, and a duration since such a stamp, for timings.
+vm_now() { printf '%s' "${EPOCHREALTIME/,/.}"; }
+vm_since() { awk -v a="$1" -v b="$(vm_now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+# apt-get update once per run (the package lists decide which kernel the VM boots).
+vm_apt_update() {
+	[ -n "${RTRS_VM_APT_UPDATED:-}" ] && return 0
+	vm_log "apt-get update"
+	DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -q update >/dev/null
+	export RTRS_VM_APT_UPDATED=1
+}
+
+# vm_apt_install PKG...: install the packages not installed yet, saying which.
+vm_apt_install() {
+	local p missing=()
+	for p in "$@"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
+			missing+=("$p")
+	done
+	[ ${#missing[@]} -eq 0 ] && return 0
+	vm_log "installing: ${missing[*]}"
+	vm_apt_update
+	DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -q -y \
+		--no-install-recommends install "${missing[@]}"
+}
+
+# vm_build_kernel_rtrs: build the kernel's own RTRS (rtrs-core/client/server) and RNBD
+# (rnbd-client/server) as external modules for the VM's kernel, from Debian's linux-source
+# against the matching linux-headers, cached in $RTRS_VM_CACHE/kmod/<kernel+package versions>,
+# and copy the .ko files to $RTRS_VM_WORK/kmod where the guest's vm_load_kernel_rtrs finds
+# them (the cache itself may not be visible in the guest). Debian does not enable RTRS/RNBD.
+vm_build_kernel_rtrs() {
+	local kver=${RTRS_VM_KVER:?} series src hdr key out tmp r n m
+	series=$(printf '%s' "$kver" | cut -d. -f1,2) # 6.1.0-56-amd64 -> 6.1
+	src=linux-source-$series hdr=linux-headers-$kver
+	vm_apt_install "$src" "$hdr" make gcc xz-utils
+	key=$kver-$(dpkg-query -W -f='${Version}' "$hdr")-$(dpkg-query -W -f='${Version}' "$src")
+	out=$RTRS_VM_CACHE/kmod/$key
+	mkdir -p "$RTRS_VM_CACHE/kmod"
+	(
+		# One builder at a time; a second run waits and then finds the cache filled.
+		flock 8
+		[ -f "$out/.ok" ] && exit 0
+		vm_log "building the kernel's RTRS/RNBD modules for $kver"
+		local t0
+		t0=$(vm_now)
+		tmp=$(mktemp -d "$RTRS_VM_CACHE/kmod/build.XXXXXX")
+		trap 'rm -rf "$tmp"' EXIT
+		# Only the two driver folders: the whole tree takes minutes to unpack.
+		tar -C "$tmp" -xJf "/usr/src/$src.tar.xz" --wildcards \
+			"$src/drivers/infiniband/ulp/rtrs/*" "$src/drivers/block/rnbd/*"
+		r=$tmp/$src/drivers/infiniband/ulp/rtrs n=$tmp/$src/drivers/block/rnbd
+		make -s -C "/usr/src/$hdr" M="$r" CONFIG_INFINIBAND_RTRS=m \
+			CONFIG_INFINIBAND_RTRS_CLIENT=m CONFIG_INFINIBAND_RTRS_SERVER=m -j"$(nproc)" modules
+		make -s -C "/usr/src/$hdr" M="$n" CONFIG_BLK_DEV_RNBD_CLIENT=m \
+			CONFIG_BLK_DEV_RNBD_SERVER=m KCFLAGS="-I$r" KBUILD_EXTRA_SYMBOLS="$r/Module.symvers" \
+			-j"$(nproc)" modules
+		rm -rf "$out.new" && mkdir -p "$out.new"
+		for m in "$r"/rtrs-core.ko "$r"/rtrs-client.ko "$r"/rtrs-server.ko \
+			"$n"/rnbd-client.ko "$n"/rnbd-server.ko; do
+			cp "$m" "$out.new/"
+		done
+		touch "$out.new/.ok"
+		rm -rf "$out" && mv "$out.new" "$out"
+		vm_log "kernel RTRS/RNBD modules built in $(vm_since "$t0") s: $out"
+	) 8>"$RTRS_VM_CACHE/kmod/.lock"
+	mkdir -p "$RTRS_VM_WORK/kmod"
+	cp "$out"/*.ko "$RTRS_VM_WORK/kmod/"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Guest side
+
+# The guest's network and Soft-RoCE device; run once by the guest runner before the suites.
+vm_guest_setup() {
+	mountpoint -q /sys/kernel/config || mount -t configfs configfs /sys/kernel/config
+	ip link set lo up
+	ip link add va type veth peer name vb
+	ip link set va up
+	ip link set vb up
+	# Two addresses on one interface give two RDMA paths through one rxe device.
+	ip addr add "$RTRS_VM_ADDR1/24" dev va
+	ip addr add "$RTRS_VM_ADDR2/24" dev va
+	rdma link add "$RTRS_VM_DEV" type rxe netdev va
+	vm_wait 30 vm_port_active "$RTRS_VM_DEV"
+	rdma link show
+	ip -brief addr show
+}
+
+vm_port_active() { ibv_devinfo -d "$1" 2>/dev/null | grep -q PORT_ACTIVE; }
+
+# vm_wait SECONDS CMD...: retry CMD every 0.2 s until it succeeds; fail after SECONDS.
+vm_wait() {
+	local end=$((SECONDS + $1))
+	shift
+	until "$@"; do
+		[ "$SECONDS" -lt "$end" ] || {
+			vm_log "timed out waiting for: $*"
+			return 1
+		}
+		sleep 0.2
+	done
+}
+
+# vm_tcp_listening PORT: something listens on TCP PORT (for servers started in background).
+vm_tcp_listening() { ss -Hltn "sport = :$1" | grep -q .; }
+
+# vm_insmod FILE [PARAM=VALUE...]: load a module unless a module of that name is loaded.
+vm_insmod() {
+	local name
+	name=$(basename "$1")
+	name=${name%%.ko*}
+	[ -d "/sys/module/${name//-/_}" ] && return 0
+	busybox insmod "$@"
+}
+
+# vm_load_kernel_rtrs [NAME...]: load the kernel's RTRS/RNBD modules that the host part built
+# with vm_build_kernel_rtrs, in dependency order (default: all five). For module parameters
+# call vm_insmod "$RTRS_VM_WORK/kmod/NAME.ko" PARAM=VALUE first.
+vm_load_kernel_rtrs() {
+	local m mods=("$@")
+	[ ${#mods[@]} -gt 0 ] || mods=(rtrs-core rtrs-server rtrs-client rnbd-server rnbd-client)
+	for m in "${mods[@]}"; do
+		vm_insmod "$RTRS_VM_WORK/kmod/$m.ko"
+	done
+}
+
+# Run on exit of every suite shell: stop what the suite left running in the background.
+vm_cleanup() {
+	local pids
+	pids=$(jobs -pr)
+	[ -z "$pids" ] && return 0
+	# shellcheck disable=SC2086 # a list of pids
+	kill $pids 2>/dev/null || true
+	sleep 0.2
+	# shellcheck disable=SC2086
+	kill -9 $pids 2>/dev/null || true
+}

@@ -1,0 +1,120 @@
+# shellcheck shell=bash
+# The verbs provider on rxe: the provider conformance suite, the transport's engine tests over
+# verbs, both daemons with -provider verbs over two rxe paths, and rdma-perf beside perftest on
+# the same device (figures into results/verbs-perf.md; reported, not asserted).
+
+# Building the verbs provider needs rdma-core's development files.
+SUITE_PACKAGES="libibverbs-dev librdmacm-dev"
+
+# Host: test binaries and the commands, with the verbs provider (no race detector: the
+# emulated CPU is slow enough; the race detector runs on the host over every package).
+host() {
+	local b=$RTRS_VM_WORK/bin
+	mkdir -p "$b"
+	(
+		cd "$RTRS_VM_REPO"
+		go test -c -tags verbs -o "$b/verbs.test" ./pkg/rdma/verbs
+		go test -c -tags verbs -o "$b/transport.test" ./pkg/transport
+		go test -c -tags verbs -o "$b/pick.test" ./pkg/rdma/pick
+		go build -tags verbs -o "$b/" ./cmd/...
+	)
+}
+
+guest() {
+	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 D=$RTRS_VM_DEV B=$RTRS_VM_WORK/bin
+	export PATH=$B:$PATH
+
+	echo "== conformance over verbs ($D)"
+	RTRS_VERBS_ADDR1=$A1 RTRS_VERBS_ADDR2=$A2 RTRS_VERBS_DEV=$D \
+		verbs.test -test.v -test.timeout 600s -test.count 1 2>&1 | tee /tmp/verbs.out
+	# Every test here has its device: a skip means a piece is missing.
+	! grep -- '--- SKIP' /tmp/verbs.out
+
+	echo "== provider choice"
+	pick.test -test.v -test.count 1
+
+	echo "== transport engine tests over verbs"
+	RTRS_TEST_PROVIDER=verbs RTRS_TEST_ADDR1=$A1 RTRS_TEST_ADDR2=$A2 \
+		transport.test -test.v -test.timeout 600s -test.count 1 \
+		-test.run '^(TestOpenAndRandomIO|TestFailoverMidIO|TestStaleRkeyRefused)$'
+
+	echo "== daemons with -provider verbs"
+	daemons "$A1" "$A2" "$D"
+
+	echo "== rdma-perf beside perftest on $D"
+	perf_compare "$A1" "$D" >"$RTRS_VM_WORK/results/verbs-perf.md"
+	cat "$RTRS_VM_WORK/results/verbs-perf.md"
+}
+
+# daemons A1 A2 DEV: rtrs-serverd and rtrs-clientd over verbs; a session over two rxe paths
+# through ctl/open_session, a device mapped, 16 MiB written and read back through its file.
+daemons() {
+	local A1=$1 A2=$2 D=$3 T=/tmp/daemons
+	mkdir -p $T/exports $T/srv $T/cli $T/dev
+	truncate -s 64M $T/exports/disk
+	: >$T/clientd.conf
+	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:1234" -dev-search-path $T/exports \
+		-mount $T/srv >$T/serverd.log 2>&1 &
+	rtrs-clientd -provider verbs -config $T/clientd.conf -mount $T/cli -dev-mount $T/dev \
+		-nbd-socket $T/nbd.sock >$T/clientd.log 2>&1 &
+	vm_wait 30 mountpoint -q $T/srv || { cat $T/serverd.log; return 1; }
+	vm_wait 30 mountpoint -q $T/dev || { cat $T/clientd.log; return 1; }
+	grep -q "provider verbs" $T/serverd.log
+	grep -q "provider verbs" $T/clientd.log
+	echo "sessname=s1 path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1" >$T/cli/ctl/open_session
+	echo "sessname=s1 device_path=disk access_mode=rw" >$T/dev/ctl/map_device
+	head -c 16M /dev/urandom >$T/pattern
+	dd if=$T/pattern of=$T/dev/s1/disk bs=1M conv=fsync status=none
+	cmp $T/pattern <(head -c 16M $T/exports/disk)
+	cmp $T/pattern <(dd if=$T/dev/s1/disk bs=1M count=16 status=none)
+	local n=0 f
+	for f in $T/cli/s1/paths/*/hca_name $T/srv/s1/paths/*/hca_name; do
+		echo "$f: $(cat "$f")"
+		[ "$(cat "$f")" = "$D" ]
+		n=$((n + 1))
+	done
+	[ "$n" = 4 ] # two paths on each side
+	cat $T/cli/s1/paths/*/state
+	cat $T/cli/s1/paths/*/stats/rdma
+	echo "sessname=s1 device_path=disk" >$T/dev/ctl/unmap_device
+	echo s1 >$T/cli/ctl/close_session
+	kill %2 && wait %2 || true
+	kill %1 && wait %1 || true
+	! mountpoint -q $T/srv
+	! mountpoint -q $T/cli
+}
+
+# perf_compare A1 DEV: markdown table of rdma-perf over verbs and perftest, each run three
+# times alternately on the same device.
+perf_compare() {
+	local A1=$1 D=$2 i
+	rdma-perf -provider verbs -listen "$A1:18600" >/tmp/rdma-perf-server.log 2>&1 &
+	local rp=$!
+	vm_wait 20 vm_tcp_listening 18601
+	echo "| run | rdma-perf write_bw 1 MiB (MB/s) | ib_write_bw 1 MiB (MB/s) | rdma-perf send_lat 8 B p50 (us) | ib_send_lat 8 B t_typical (us) |"
+	echo "|---|---|---|---|---|"
+	for i in 1 2 3; do
+		local ow pw ol pl
+		ow=$(rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 5s -json |
+			sed -n 's/.*"mb_per_s": *\([0-9.]*\).*/\1/p')
+		pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -n 200 | awk '/^ *1048576/ {print $4; exit}')
+		ol=$(rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -duration 5s -json |
+			sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
+		pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '/^ *8 / {print $5; exit}')
+		echo "| $i | $ow | $pw | $ol | $pl |"
+	done
+	kill $rp
+	wait $rp || true
+}
+
+# perftest_pair TOOL ARGS...: a perftest server and client on the first address; the client's
+# output.
+perftest_pair() {
+	"$@" >/tmp/perftest-server.log 2>&1 &
+	local s=$!
+	vm_wait 20 perftest_listening
+	timeout 120 "$@" "$RTRS_VM_ADDR1"
+	wait $s
+}
+# perftest with -R listens through rdma_cm on its port 18515.
+perftest_listening() { rdma res show cm_id | grep LISTEN | grep -q 18515; }

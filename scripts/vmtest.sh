@@ -1,0 +1,294 @@
+#!/usr/bin/env bash
+# The project's VM test bed: real kernel verbs (Soft-RoCE, rxe), rdma_cm and the kernel's own
+# RTRS/RNBD, in a qemu VM booting Debian's kernel with the host's root shared read-only over 9p.
+# See scripts/vm/README.md for how a suite is written.
+#
+# Usage (root, Debian 12): scripts/vmtest.sh [SUITE...]   (no argument: every suite)
+#   SUITE is a name from scripts/vm/suites/NAME.sh, or a path to a suite file.
+# Environment:
+#   RTRS_VM_CACHE          cache of the kernel, initramfs, built modules (/var/cache/rtrs-vmtest)
+#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (900)
+#   RTRS_VM_SUITE_TIMEOUT  seconds for one suite's guest part (default: the whole run's)
+#   RTRS_VM_KEEP=1         keep the work folder even when everything passed
+#   RTRS_VM_RESULTS        copy the guest's results/ (logs, suites' files) and console log here
+#   RTRS_VM_APPEND         extra kernel command line arguments
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/.." && pwd)
+# shellcheck source-path=SCRIPTDIR source=vm/lib.sh
+. "$here/vm/lib.sh"
+
+[ "$(id -u)" = 0 ] || vm_die "run as root (installs packages, boots qemu)"
+export RTRS_VM_CACHE=${RTRS_VM_CACHE:-/var/cache/rtrs-vmtest}
+export RTRS_VM_REPO=$repo
+timeout_s=${RTRS_VM_TIMEOUT:-900}
+t_start=$(vm_now)
+
+# Go for the suites' host parts: the machine image keeps it in /usr/local/go.
+[ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
+
+# ---- suites: names and files -----------------------------------------------------------------
+declare -a names=() files=()
+add_suite() {
+	local f=$1 n
+	n=$(basename "$f" .sh)
+	[[ $n =~ ^[A-Za-z0-9_-]+$ ]] || vm_die "bad suite name: $n"
+	[ -f "$f" ] || vm_die "no suite file $f"
+	names+=("$n")
+	files+=("$(readlink -f "$f")")
+}
+if [ $# -eq 0 ]; then
+	for f in "$here"/vm/suites/*.sh; do add_suite "$f"; done
+else
+	for a in "$@"; do
+		if [[ $a == */* ]]; then add_suite "$a"; else add_suite "$here/vm/suites/$a.sh"; fi
+	done
+fi
+[ ${#names[@]} -gt 0 ] || vm_die "no suites"
+
+# ---- packages ---------------------------------------------------------------------------------
+# A suite may name extra Debian packages in SUITE_PACKAGES (read without running its hooks).
+pkgs=(qemu-system-x86 busybox-static cpio gzip coreutils util-linux iproute2 rdma-core
+	ibverbs-providers ibverbs-utils rdmacm-utils perftest)
+for f in "${files[@]}"; do
+	# shellcheck disable=SC2016,SC2207 # expanded by the child shell; a word list
+	pkgs+=($(bash -c '. "$1"; echo "${SUITE_PACKAGES:-}"' suite "$f"))
+done
+vm_apt_update # always: the package lists decide which kernel the VM boots
+vm_apt_install "${pkgs[@]}"
+
+# ---- kernel: the image linux-image-amd64 depends on, unpacked (never installed) -------------
+mkdir -p "$RTRS_VM_CACHE/kernel" "$RTRS_VM_CACHE/initrd"
+exec 9>"$RTRS_VM_CACHE/.lock"
+flock 9 # concurrent runs share the cache: one fills it, the others wait
+kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+[ -n "$kpkg" ] || vm_die "cannot tell which kernel linux-image-amd64 depends on"
+kpver=$(apt-cache show --no-all-versions "$kpkg" | awk '/^Version:/ {print $2; exit}')
+export RTRS_VM_KVER=${kpkg#linux-image-}
+export RTRS_VM_KDIR=$RTRS_VM_CACHE/kernel/${kpkg}_$kpver
+if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
+	t0=$(vm_now)
+	tmp=$(mktemp -d "$RTRS_VM_CACHE/kernel/dl.XXXXXX")
+	vm_log "downloading $kpkg=$kpver"
+	# APT::Sandbox::User=root: the _apt user may not write into the cache folder.
+	(cd "$tmp" && apt-get -q -o APT::Sandbox::User=root download "$kpkg=$kpver")
+	dpkg-deb -x "$tmp"/*.deb "$tmp/x"
+	# Older kernels' trees are 400 MB each and never booted again.
+	rm -rf "$RTRS_VM_CACHE/kernel/"linux-image-*
+	mv "$tmp/x" "$RTRS_VM_KDIR"
+	rm -rf "$tmp"
+	touch "$RTRS_VM_KDIR/.ok"
+	vm_log "kernel $RTRS_VM_KVER unpacked in $(vm_since "$t0") s"
+fi
+vmlinuz=$RTRS_VM_KDIR/boot/vmlinuz-$RTRS_VM_KVER
+[ -f "$vmlinuz" ] || vm_die "no $vmlinuz"
+
+# ---- initramfs: busybox, /init and the modules, in dependency order -------------------------
+# What the guest needs; each module's dependencies (its depends= field) are added before it.
+want=(virtio_pci 9pnet_virtio 9p crc32_generic ib_core ib_uverbs udp_tunnel ip6_udp_tunnel
+	rdma_rxe ib_cm iw_cm configfs rdma_cm rdma_ucm veth nbd fuse loop)
+mdir=$RTRS_VM_KDIR/lib/modules/$RTRS_VM_KVER
+declare -A modfile=() seen=()
+while IFS= read -r f; do
+	n=${f##*/} # no subshell per file: there are about 4000
+	n=${n%%.ko*}
+	modfile[${n//-/_}]=$f
+done < <(find "$mdir/kernel" -name '*.ko*')
+mod_cat() { # the module's bytes, decompressed (busybox insmod takes plain .ko only)
+	case $1 in
+	*.ko.xz) xz -dc "$1" ;;
+	*.ko.zst) zstd -qdc "$1" ;;
+	*.ko.gz) gzip -dc "$1" ;;
+	*) cat "$1" ;;
+	esac
+}
+order=()
+add_mod() {
+	local n=${1//-/_} f d
+	[ -z "${seen[$n]:-}" ] || return 0
+	seen[$n]=1
+	f=${modfile[$n]:-}
+	if [ -z "$f" ]; then
+		# Built into the kernel: nothing to load.
+		tr '-' '_' <"$mdir/modules.builtin" | grep -q "/$n\.ko$" && return 0
+		vm_die "module $n is in neither $mdir/kernel nor modules.builtin"
+	fi
+	for d in $(mod_cat "$f" | tr '\0' '\n' | sed -n 's/^depends=//p' | tr ',' ' '); do
+		add_mod "$d"
+	done
+	order+=("$n")
+}
+for m in "${want[@]}"; do add_mod "$m"; done
+case " ${modfile[*]} " in *.ko.xz\ *) vm_apt_install xz-utils ;; esac
+case " ${modfile[*]} " in *.ko.zst\ *) vm_apt_install zstd ;; esac
+
+# Rebuilt when the kernel, the module list, /init or busybox change.
+key=$({
+	echo "$RTRS_VM_KDIR ${order[*]}"
+	cat "$here/vm/init.sh" /bin/busybox
+} | sha256sum | cut -c1-16)
+initrd=$RTRS_VM_CACHE/initrd/$RTRS_VM_KVER-$key.gz
+if [ ! -f "$initrd" ]; then
+	t0=$(vm_now)
+	tmp=$(mktemp -d "$RTRS_VM_CACHE/initrd/build.XXXXXX")
+	mkdir -p "$tmp/root/bin" "$tmp/root/modules" "$tmp/root/proc" "$tmp/root/sys" \
+		"$tmp/root/dev" "$tmp/root/newroot"
+	cp /bin/busybox "$tmp/root/bin/busybox"
+	install -m 755 "$here/vm/init.sh" "$tmp/root/init"
+	for n in "${order[@]}"; do
+		mod_cat "${modfile[$n]}" >"$tmp/root/modules/$n.ko"
+		echo "$n.ko" >>"$tmp/root/modules/list"
+	done
+	(cd "$tmp/root" && find . | cpio -o -H newc --quiet | gzip -1) >"$tmp/initrd.gz"
+	rm -f "$RTRS_VM_CACHE/initrd/$RTRS_VM_KVER"-*.gz
+	mv "$tmp/initrd.gz" "$initrd"
+	rm -rf "$tmp"
+	vm_log "initramfs built in $(vm_since "$t0") s: $initrd (modules: ${order[*]})"
+fi
+exec 9>&- # unlock
+
+# ---- the run's work folder --------------------------------------------------------------------
+# Under /tmp so that the guest mounts it at the same path (its /tmp is a tmpfs): paths built on
+# the host (binaries, files) mean the same thing on both sides.
+work=$(mktemp -d /tmp/rtrs-vmtest.XXXXXX)
+export RTRS_VM_WORK=$work
+mkdir -p "$work/bin" "$work/results" "$work/vm/suites"
+cp "$here/vm/lib.sh" "$here/vm/guest.sh" "$work/vm/"
+for i in "${!names[@]}"; do cp "${files[$i]}" "$work/vm/suites/${names[$i]}.sh"; done
+
+# ---- host parts ---------------------------------------------------------------------------------
+declare -A host_rc=() host_time=()
+guest_suites=()
+for n in "${names[@]}"; do
+	t0=$(vm_now)
+	# -e in a fresh shell (it would be off in a function called from a condition).
+	set +e
+	# shellcheck disable=SC2016 # expanded by the child shell
+	RTRS_VM_SUITE=$n bash -c '
+		set -euo pipefail
+		. "$1"
+		. "$2"
+		cd "$RTRS_VM_REPO"
+		if declare -F host >/dev/null; then host; fi' host "$work/vm/lib.sh" \
+		"$work/vm/suites/$n.sh" 2>&1 | tee "$work/results/$n.host.log" | sed "s/^/[host $n] /"
+	host_rc[$n]=${PIPESTATUS[0]}
+	set -e
+	[ "${host_rc[$n]}" != 0 ] || guest_suites+=("$n")
+	host_time[$n]=$(vm_since "$t0")
+	vm_log "suite $n: host part rc=${host_rc[$n]} in ${host_time[$n]} s"
+done
+
+# ---- boot ---------------------------------------------------------------------------------------
+# The guest's own deadline (seconds of its uptime) comes a little before the host's.
+margin=$((timeout_s / 4 < 20 ? timeout_s / 4 : 20))
+guest_timeout=$((timeout_s - margin))
+{
+	printf 'export %s=%q\n' \
+		RTRS_VM_ADDR1 10.99.0.1 RTRS_VM_ADDR2 10.99.0.3 RTRS_VM_DEV rxe0 \
+		RTRS_VM_WORK "$work" RTRS_VM_REPO "$repo" RTRS_VM_KVER "$RTRS_VM_KVER" \
+		RTRS_VM_SUITES "${guest_suites[*]}" RTRS_VM_GUEST_TIMEOUT "$guest_timeout" \
+		RTRS_VM_SUITE_TIMEOUT "${RTRS_VM_SUITE_TIMEOUT:-$guest_timeout}"
+} >"$work/env.sh"
+
+boot_s=- vm_s=-
+if [ ${#guest_suites[@]} -gt 0 ]; then
+	vm_log "booting $RTRS_VM_KVER (timeout ${timeout_s}s), suites: ${guest_suites[*]}, work $work"
+	t_boot=$(vm_now)
+	# TCG's TSC comes from one host clock, so it is synchronised across vCPUs even though the
+	# kernel's check says otherwise; as clocksource it makes gettimeofday a vDSO read instead of
+	# an emulated HPET access, and perftest's clock calibration (r^2 >= 0.9) reliable.
+	tsc="clocksource=tsc tsc=reliable"
+	append="console=ttyS0 quiet panic=-1 $tsc rtrs_work=$work"
+	# The guest's /tmp and /run are its own tmpfs: a repository checked out there is shared on
+	# its own and mounted at the same path.
+	share_repo=()
+	case $repo/ in /tmp/* | /run/*)
+		share_repo=(-virtfs "local,path=$repo,mount_tag=repo,security_model=none,readonly=on")
+		append+=" rtrs_repo=$repo"
+		;;
+	esac
+	append+=" ${RTRS_VM_APPEND:-}"
+	# No network device at all (-nic none): no guest packet may leave the VM.
+	# shellcheck disable=SC2054 # commas inside qemu's options, not between array elements
+	qemu=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 2048 -smp 2
+		-nographic -no-reboot -nic none
+		-kernel "$vmlinuz" -initrd "$initrd"
+		-append "$append"
+		-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap
+		-virtfs "local,path=$work,mount_tag=work,security_model=none" "${share_repo[@]}")
+	while IFS= read -r line || [ -n "$line" ]; do
+		line=${line%$'\r'}
+		printf '%s\n' "$line" >>"$work/console.log"
+		printf '[vm] %s\n' "$line"
+		if [ "$boot_s" = - ] && [[ $line == *"rtrs-vmtest: guest up"* ]]; then
+			boot_s=$(vm_since "$t_boot")
+		fi
+	done < <(
+		{
+			rc=0
+			timeout -k 10 "$timeout_s" "${qemu[@]}" </dev/null 2>&1 || rc=$?
+			echo "$rc" >"$work/qemu.rc"
+		} | sed -u 's/\x1b\[[0-9;?]*[A-Za-z]//g; s/\x1bc//g' # the firmware's screen escapes
+	)
+	vm_s=$(vm_since "$t_boot")
+fi
+
+# ---- report -------------------------------------------------------------------------------------
+R=$work/results
+fail=0
+if [ ${#guest_suites[@]} -gt 0 ]; then
+	qrc=$(cat "$work/qemu.rc" 2>/dev/null || echo missing)
+	if [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
+		vm_log "FAIL: the VM run passed RTRS_VM_TIMEOUT=${timeout_s}s and was killed"
+		fail=1
+	elif [ "$qrc" != 0 ]; then
+		vm_log "FAIL: qemu exited with status $qrc"
+		fail=1
+	fi
+	if [ ! -f "$R/boot-uptime" ]; then
+		vm_log "FAIL: the guest never reached its runner (see the console output above)"
+		fail=1
+	fi
+	if [ -f "$R/setup.log" ]; then
+		echo "==== guest setup (rc $(cat "$R/setup.rc" 2>/dev/null || echo missing))"
+		cat "$R/setup.log"
+	fi
+	[ -f "$R/done" ] || { vm_log "FAIL: the guest runner did not finish"; fail=1; }
+fi
+summary=()
+for n in "${names[@]}"; do
+	if [ "${host_rc[$n]}" != 0 ]; then
+		summary+=("FAIL $n (host part rc ${host_rc[$n]}, ${host_time[$n]} s)")
+		fail=1
+		continue
+	fi
+	rc=$(cat "$R/$n.rc" 2>/dev/null || echo missing)
+	t=$(cat "$R/$n.time" 2>/dev/null || echo -)
+	echo "==== suite $n: guest output (rc $rc, $t s)"
+	cat "$R/$n.log" 2>/dev/null || echo "(no log)"
+	if [ "$rc" = 0 ]; then
+		summary+=("PASS $n (host ${host_time[$n]} s, guest $t s)")
+	else
+		[ "$rc" = missing ] && rc="no result file"
+		[ "$rc" = 124 ] && rc="timed out after RTRS_VM_SUITE_TIMEOUT"
+		summary+=("FAIL $n (guest: $rc)")
+		fail=1
+	fi
+done
+echo "==== summary"
+printf 'vmtest: %s\n' "${summary[@]}"
+echo "vmtest: boot to guest runner ${boot_s} s, VM run ${vm_s} s, whole run $(vm_since "$t_start") s"
+if [ -n "${RTRS_VM_RESULTS:-}" ]; then
+	# For CI artefacts: the logs and whatever the suites wrote into results/.
+	mkdir -p "$RTRS_VM_RESULTS"
+	cp -r "$R"/. "$RTRS_VM_RESULTS"/
+	[ ! -f "$work/console.log" ] || cp "$work/console.log" "$RTRS_VM_RESULTS"/
+	echo "vmtest: results copied to $RTRS_VM_RESULTS"
+fi
+if [ "$fail" = 0 ] && [ -z "${RTRS_VM_KEEP:-}" ]; then
+	rm -rf "$work"
+else
+	echo "vmtest: work folder kept: $work"
+fi
+exit "$fail"
