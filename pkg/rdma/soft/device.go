@@ -406,6 +406,9 @@ type mr struct {
 	mu   sync.Mutex
 	buf  []byte
 	iova uint64
+	// bound is the QP whose REG_MR last made a remoteInv region valid: its peer alone may
+	// name the key (a type 2 memory window is bound to its QP).
+	bound *qp
 }
 
 // The state word: key in bits 0-31, access in 32-39, valid bit 40, deregistered bit 41.
@@ -513,10 +516,12 @@ func (d *device) resolveFile(p *pd, key uint32, addr uint64, n uint32) (s seg, s
 }
 
 // resolve checks that key names a valid region of pd granting need, covering [addr, addr+n),
-// and returns the bytes. It returns the completion status to report when it does not.
-func (d *device) resolve(p *pd, key uint32, addr uint64, n uint32, need rdma.Access, remote bool) ([]byte, rdma.WCStatus) {
+// and returns the bytes. from is the QP executing a peer's request (nil for local access): a
+// remoteInv region serves only the QP it was registered on. It returns the completion status
+// to report when the key does not grant the access.
+func (d *device) resolve(p *pd, from *qp, key uint32, addr uint64, n uint32, need rdma.Access) ([]byte, rdma.WCStatus) {
 	bad := rdma.WCLocProtErr
-	if remote {
+	if from != nil {
 		bad = rdma.WCRemAccessErr
 	}
 	m := d.lookup(key)
@@ -529,7 +534,7 @@ func (d *device) resolve(p *pd, key uint32, addr uint64, n uint32, need rdma.Acc
 	if m.fastReg {
 		m.mu.Lock()
 	}
-	ok := usable(m.st.Load(), key, need) &&
+	ok := usable(m.st.Load(), key, need) && (from == nil || !m.remoteInv || m.bound == from) &&
 		addr >= m.iova && addr-m.iova <= uint64(len(m.buf)) && uint64(n) <= uint64(len(m.buf))-(addr-m.iova)
 	var b []byte
 	if ok {
@@ -562,8 +567,8 @@ func (d *device) invalidate(p *pd, key uint32, remote bool) bool {
 	return true
 }
 
-// register makes region m valid with key and access (a REG_MR work request).
-func (d *device) register(p *pd, m rdma.MR, key uint32, access rdma.Access) bool {
+// register makes region m valid with key and access (a REG_MR work request posted on q).
+func (d *device) register(p *pd, q *qp, m rdma.MR, key uint32, access rdma.Access) bool {
 	sm, ok := m.(*mr)
 	if !ok || sm.pd != p {
 		return false
@@ -578,5 +583,6 @@ func (d *device) register(p *pd, m rdma.MR, key uint32, access rdma.Access) bool
 		return false
 	}
 	sm.setState(key, access, true, false)
+	sm.bound = q
 	return true
 }

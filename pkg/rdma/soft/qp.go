@@ -230,7 +230,7 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			if wr.Opcode == rdma.OpLocalInv {
 				ok = q.dev.invalidate(q.pd, wr.InvRKey, false)
 			} else {
-				ok = q.dev.register(q.pd, wr.MR, wr.Key, wr.Access)
+				ok = q.dev.register(q.pd, q, wr.MR, wr.Key, wr.Access)
 			}
 			if !ok {
 				e.status = rdma.WCLocProtErr
@@ -283,7 +283,7 @@ func (q *qp) queueWire(e *sqEntry, wr *rdma.SendWR, fop frameOp) bool {
 			total += uint64(s.Length)
 			continue
 		}
-		b, st := q.dev.resolve(q.pd, s.LKey, s.Addr, s.Length, need, false)
+		b, st := q.dev.resolve(q.pd, nil, s.LKey, s.Addr, s.Length, need)
 		if st != rdma.WCSuccess {
 			return fail(st)
 		}
@@ -595,7 +595,7 @@ func (q *qp) execute(h *frameHdr) error {
 		var b []byte
 		st := rdma.WCSuccess
 		if h.len > 0 {
-			b, st = q.dev.resolve(q.pd, h.rkey, h.addr, h.len, rdma.AccessRemoteWrite, true)
+			b, st = q.dev.resolve(q.pd, q, h.rkey, h.addr, h.len, rdma.AccessRemoteWrite)
 		}
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("remote write to rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
@@ -611,7 +611,7 @@ func (q *qp) execute(h *frameHdr) error {
 		var b []byte
 		st := rdma.WCSuccess
 		if h.len > 0 {
-			b, st = q.dev.resolve(q.pd, h.rkey, h.addr, h.len, rdma.AccessRemoteRead, true)
+			b, st = q.dev.resolve(q.pd, q, h.rkey, h.addr, h.len, rdma.AccessRemoteRead)
 		}
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("remote read of rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
@@ -691,7 +691,7 @@ func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
 	st := rdma.WCSuccess
 	if h != nil {
 		for _, s := range e.sgl {
-			b, s2 := q.dev.resolve(q.pd, s.LKey, s.Addr, s.Length, rdma.AccessLocalWrite, false)
+			b, s2 := q.dev.resolve(q.pd, nil, s.LKey, s.Addr, s.Length, rdma.AccessLocalWrite)
 			if s2 != rdma.WCSuccess {
 				st = s2
 				break

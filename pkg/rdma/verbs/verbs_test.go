@@ -1,0 +1,172 @@
+//go:build verbs
+
+package verbs
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/rdma/rdmatest"
+)
+
+// The tests run on the RDMA device RTRS_VERBS_DEV with the local addresses RTRS_VERBS_ADDR1
+// and RTRS_VERBS_ADDR2 on its interface (scripts/vmtest.sh verbs: rxe0 in the VM). Without
+// them there is nothing to test on: they are skipped, and the VM suite sets them.
+type testEnv struct {
+	prov         rdma.Provider
+	dev          string
+	addr1, addr2 netip.Addr
+}
+
+func setup(t *testing.T) testEnv {
+	t.Helper()
+	dev := os.Getenv("RTRS_VERBS_DEV")
+	if dev == "" {
+		t.Skip("no RDMA device named in RTRS_VERBS_DEV: these run in scripts/vmtest.sh verbs")
+	}
+	p, err := New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return testEnv{prov: p, dev: dev, addr1: netip.MustParseAddr(os.Getenv("RTRS_VERBS_ADDR1")),
+		addr2: netip.MustParseAddr(os.Getenv("RTRS_VERBS_ADDR2"))}
+}
+
+// TestConformance runs the provider conformance suite, the one the soft provider runs too,
+// from the second address to the first.
+func TestConformance(t *testing.T) {
+	e := setup(t)
+	rdmatest.Run(t, rdmatest.Env{Provider: e.prov, ServerAddr: e.addr1, ClientAddr: e.addr2,
+		AltClientAddr: e.addr1, LeakCheck: leakcheck.Check})
+}
+
+// TestDevice: the device, its limits, its active port and GIDs come from rdma-core, and the
+// interface behind it holds the test addresses.
+func TestDevice(t *testing.T) {
+	e := setup(t)
+	infos, err := e.prov.Devices()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ifname string
+	for _, i := range infos {
+		if i.Name == e.dev {
+			ifname = i.Interface
+		}
+	}
+	if ifname == "" {
+		t.Fatalf("devices %+v: no %s with an interface", infos, e.dev)
+	}
+	d, err := e.prov.OpenDevice(e.dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := d.Query()
+	if a.MaxQPWR < 1024 || a.MaxSGE < 2 || a.MaxCQE < 1024 || a.SyncLocalOps || !a.MapRegisteredOnly || a.MaxMsgSize == 0 {
+		t.Fatalf("device attributes %+v", a)
+	}
+	pa, err := d.QueryPort(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pa.State != rdma.PortActive || pa.LinkLayer != "Ethernet" || pa.MTU < 1024 {
+		t.Fatalf("port %+v", pa)
+	}
+	// RoCE GIDs are the interface's addresses (IPv4 ones mapped).
+	found := 0
+	for _, g := range pa.GIDs {
+		if g.Unmap() == e.addr1 || g.Unmap() == e.addr2 {
+			found++
+		}
+	}
+	if found < 2 {
+		t.Fatalf("GIDs %v lack %v and %v", pa.GIDs, e.addr1, e.addr2)
+	}
+	if _, err := d.QueryPort(0); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("port 0: %v", err)
+	}
+	if _, err := e.prov.OpenDevice("nosuch0"); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("unknown device: %v", err)
+	}
+}
+
+// TestMemory: only memory outside the Go heap registers; fast registration maps only into a
+// registered region; file regions are refused with EINVAL.
+func TestMemory(t *testing.T) {
+	e := setup(t)
+	d, _ := e.prov.OpenDevice(e.dev)
+	pd, err := d.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := pd.Dealloc(); err != nil {
+			t.Error(err)
+		}
+	}()
+	if _, err := pd.RegMR(make([]byte, 4096), rdma.AccessLocalWrite); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("Go heap memory registered: %v", err)
+	}
+	mem, err := rdma.Alloc(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdma.Free(mem)
+	mr, err := pd.RegMR(mem, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mr.Addr() == 0 || mr.Len() != len(mem) || !mr.Valid() || mr.LKey() == 0 {
+		t.Fatalf("MR addr %#x len %d valid %v", mr.Addr(), mr.Len(), mr.Valid())
+	}
+	ro, err := pd.AllocMR(4096, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, flags := range []rdma.FastRegFlags{0, rdma.FastRegRemoteInv} {
+		fr, err := pd.AllocFastRegMR(64<<10, flags)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := fr.Map(make([]byte, 4096), 0); !errors.Is(err, syscall.EINVAL) {
+			t.Fatalf("mapped Go heap memory: %v", err)
+		}
+		if err := fr.Map(ro.Bytes(), 0); !errors.Is(err, syscall.EINVAL) {
+			t.Fatalf("mapped a region without local write: %v", err)
+		}
+		if err := fr.Map(mem[4096:4096+128<<10], 0); !errors.Is(err, syscall.EINVAL) {
+			t.Fatalf("mapped more than the window's size: %v", err)
+		}
+		if err := fr.Map(mem[4096:8192], 0x1000); err != nil {
+			t.Fatal(err)
+		}
+		if fr.Addr() != mr.Addr()+4096 || fr.Valid() {
+			t.Fatalf("window at %#x (region at %#x), valid %v", fr.Addr(), mr.Addr(), fr.Valid())
+		}
+		if err := fr.Dereg(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := os.CreateTemp(t.TempDir(), "file")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := pd.RegFileMR(f, 0, 4096, 0); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("file region: %v", err)
+	}
+	if err := ro.Dereg(); err != nil {
+		t.Fatal(err)
+	}
+	if err := mr.Dereg(); err != nil {
+		t.Fatal(err)
+	}
+	if err := mr.Dereg(); !errors.Is(err, rdma.ErrClosed) {
+		t.Fatalf("second dereg: %v", err)
+	}
+}
