@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs on a fresh Debian machine (as root), then
-# checks formatting, vets, runs every test under the race detector and a short run of each fuzz
+# checks formatting, vets (with and without the verbs provider), runs every test under the race
+# detector, the VM suites over real verbs (scripts/vmtest.sh) and a short run of each fuzz
 # target. Usage: scripts/test.sh [--no-fuzz]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,11 @@ sc_bin="$(go env GOPATH)/bin/staticcheck"
 "$sc_bin" -tags verbs ./...
 echo "== go test -race"
 go test -race -count=1 -timeout 20m ./...
+
+echo "== VM suites (rxe verbs in a qemu VM: scripts/vmtest.sh)"
+# Real RDMA: Debian's kernel with Soft-RoCE in a VM, the verbs provider's conformance and
+# engine tests, both daemons over verbs, rdma-perf beside perftest. Any failure fails the run.
+scripts/vmtest.sh
 
 if [ "$fuzz" = 1 ]; then
 	echo "== fuzz (short runs of every target)"

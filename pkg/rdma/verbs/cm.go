@@ -148,6 +148,9 @@ func (c *connID) onEvent(ev *C.struct_gev) {
 	if up {
 		switch e.typ {
 		case rdma.EventDisconnected, rdma.EventDeviceRemoval:
+			// The peer's DREQ is answered at once (a DREP), so that its side ends without
+			// waiting for the CM's timeouts, as the kernel's ULPs answer from their handler.
+			C.rdma_disconnect(c.id)
 			c.disconnected(nil)
 		}
 		return

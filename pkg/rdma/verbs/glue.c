@@ -126,12 +126,18 @@ int rtrs_poll(struct ibv_cq *cq, struct ibv_wc *wc, struct gwc *out, int n) {
 		out[i].status = wc[i].status;
 		out[i].opcode = wc[i].opcode;
 		out[i].flags = wc[i].wc_flags;
+		// rxe hands the kernel's flags through, where an invalidation is bit 2
+		// (IB_WC_WITH_INVALIDATE), userspace's IBV_WC_IP_CSUM_OK; a checksum flag never
+		// comes on an RC receive, so there it is the invalidation.
+		if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV &&
+		    (wc[i].wc_flags & (IBV_WC_WITH_INV | IBV_WC_IP_CSUM_OK | IBV_WC_WITH_IMM)) == IBV_WC_IP_CSUM_OK)
+			out[i].flags = (wc[i].wc_flags & ~IBV_WC_IP_CSUM_OK) | IBV_WC_WITH_INV;
 		out[i].byte_len = wc[i].byte_len;
 		out[i].qp_num = wc[i].qp_num;
 		out[i].imm = 0;
 		if (wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM))
 			out[i].imm = be32toh(wc[i].imm_data);
-		else if (wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_INV))
+		else if (wc[i].status == IBV_WC_SUCCESS && (out[i].flags & IBV_WC_WITH_INV))
 			out[i].imm = wc[i].invalidated_rkey;
 	}
 	return got;
@@ -258,3 +264,4 @@ const char *rtrs_ctx_name(struct ibv_context *c) { return ibv_get_device_name(c-
 uint32_t rtrs_mw_rkey(struct ibv_mw *mw) { return mw->rkey; }
 int rtrs_ch_fd(struct rdma_event_channel *ch) { return ch->fd; }
 int rtrs_comp_fd(struct ibv_comp_channel *ch) { return ch->fd; }
+void rtrs_set_mw_rkey(struct ibv_mw *mw, uint32_t rkey) { mw->rkey = rkey; }

@@ -84,6 +84,7 @@ int rtrs_id_port(struct rdma_cm_id *id);
 struct ibv_qp *rtrs_id_qp(struct rdma_cm_id *id);
 const char *rtrs_ctx_name(struct ibv_context *c);
 uint32_t rtrs_mw_rkey(struct ibv_mw *mw);
+void rtrs_set_mw_rkey(struct ibv_mw *mw, uint32_t rkey);
 int rtrs_ch_fd(struct rdma_event_channel *ch);
 int rtrs_comp_fd(struct ibv_comp_channel *ch);
 

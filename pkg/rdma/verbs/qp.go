@@ -33,8 +33,10 @@ type qp struct {
 	qp  *C.struct_ibv_qp
 	num uint32
 
-	mu      sync.Mutex
-	dead    bool
+	mu   sync.Mutex
+	dead bool
+	// failed: the QP is in error as far as we know (ToError, or an error completion).
+	failed  bool
 	sq      []sent // ring of MaxSendWR records
 	sqHead  uint64 // sequence number of the next send
 	sqTail  uint64 // oldest send not known complete
@@ -90,6 +92,7 @@ func (q *qp) ToError() {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if !q.dead {
+		q.failed = true
 		C.rtrs_qp_to_error(q.qp)
 	}
 }
@@ -240,6 +243,10 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 				keyErr = fmt.Errorf("verbs: type 1 window bound with key %#x, %#x expected", k, c.key)
 				c.key = k
 			}
+		} else if c.valid {
+			// A type 2 bind posted by work request leaves the library's copy of the key as it
+			// was; the next bind names the window by it, so it must follow.
+			C.rtrs_set_mw_rkey(c.m.mw, C.uint32_t(c.key))
 		}
 		c.m.valid.Store(c.valid)
 		c.m.key.Store(c.key)
@@ -292,6 +299,11 @@ func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
 		q.rqHead += uint64(n)
 		done += n
 	}
+	if q.failed {
+		// Receives posted to a QP in error must flush. An HCA does that at once; rxe flushes
+		// only when its responder runs, which nothing else would make it do now.
+		C.rtrs_qp_to_error(q.qp)
+	}
 	return len(wrs), nil
 }
 
@@ -301,6 +313,9 @@ func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
 func (q *qp) complete(w *rdma.WC, wrID uint64, opcode uint32) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	if w.Status != rdma.WCSuccess {
+		q.failed = true
+	}
 	if wrID&recvBit != 0 {
 		seq := wrID &^ recvBit
 		if seq < q.rqTail || seq >= q.rqHead {
