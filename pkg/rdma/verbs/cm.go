@@ -461,6 +461,7 @@ func (c *connID) Destroy() error {
 	if q != nil {
 		q.ToError()
 		c.dev.removeQP(q)
+		q.pd.release(q)
 		q.destroy()
 		C.rdma_destroy_qp(c.id)
 	}

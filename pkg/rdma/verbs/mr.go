@@ -146,6 +146,38 @@ func (p *pd) Dealloc() error {
 	return nil
 }
 
+// release lets go of the type 2 windows bound to q, before q is destroyed: a bound window
+// holds its QP, and rxe's destroy waits for it (for a minute, then fails). The QP is in error,
+// where no invalidation would execute, so each such window is replaced by a fresh one: its key
+// is dead with the QP anyway.
+func (p *pd) release(q *qp) {
+	p.mu.Lock()
+	var ws []*mr
+	for _, m := range p.byKey {
+		ws = append(ws, m)
+	}
+	p.mu.Unlock()
+	for _, m := range ws {
+		m.mu.Lock()
+		if m.boundQP != q || m.dereg {
+			m.mu.Unlock()
+			continue
+		}
+		old := m.key.Load()
+		w, _ := C.ibv_alloc_mw(p.pd, C.IBV_MW_TYPE_2)
+		if w != nil {
+			C.ibv_dealloc_mw(m.mw)
+			m.mw = w
+		}
+		m.boundQP = nil
+		m.valid.Store(false)
+		key := uint32(C.rtrs_mw_rkey(m.mw))
+		m.key.Store(key)
+		m.mu.Unlock()
+		p.rekey(m, old, key)
+	}
+}
+
 // under returns the registered region of p holding buf.
 func (p *pd) under(buf []byte) *mr {
 	a := uintptr(unsafe.Pointer(&buf[0]))
@@ -192,13 +224,16 @@ type mr struct {
 	// A window's state as posted: key, validity, and what it is bound over. A consumer
 	// that needs the key dead or alive waits for the work request's completion (the device
 	// executes it later: SyncLocalOps is false).
-	key    atomic.Uint32
-	valid  atomic.Bool
-	mu     sync.Mutex
-	buf    []byte
-	base   *mr
-	access rdma.Access
-	dereg  bool
+	key   atomic.Uint32
+	valid atomic.Bool
+	mu    sync.Mutex
+	buf   []byte
+	base  *mr // a window's own region, under what it maps
+	// boundQP: the QP a valid type 2 window is bound to, which holds the QP (rxe waits for
+	// the window before it destroys the QP).
+	boundQP *qp
+	access  rdma.Access
+	dereg   bool
 }
 
 var _ rdma.MR = (*mr)(nil)
@@ -255,8 +290,8 @@ func (m *mr) Map(buf []byte, iova uint64) error {
 	if len(buf) == 0 || len(buf) > m.maxLen {
 		return fmt.Errorf("%w: map of %d bytes into an MR of at most %d", rdma.ErrInvalid, len(buf), m.maxLen)
 	}
-	base := m.pd.under(buf)
-	if base == nil || base.access&rdma.AccessLocalWrite == 0 {
+	under := m.pd.under(buf)
+	if under == nil || under.access&rdma.AccessLocalWrite == 0 {
 		return fmt.Errorf("%w: map of memory outside every region of the PD registered with local write", rdma.ErrInvalid)
 	}
 	m.mu.Lock()
@@ -267,7 +302,31 @@ func (m *mr) Map(buf []byte, iova uint64) error {
 	case m.valid.Load():
 		return fmt.Errorf("%w: map of a valid MR (invalidate it first)", rdma.ErrInvalid)
 	}
-	m.buf, m.base = buf, base
+	// rxe checks an access through a window against the region the window is bound over,
+	// not against the window's own range. So each window is bound over a region of its own
+	// that starts where it maps and spans at most its maximum length: a key then reaches no
+	// further than that, whatever the device. The region is kept while later maps fit in it
+	// (RTRS maps each window at the same place every time).
+	a := uintptr(unsafe.Pointer(&buf[0]))
+	if m.base != nil {
+		b := uintptr(unsafe.Pointer(&m.base.buf[0]))
+		if a != b || len(buf) > len(m.base.buf) {
+			if err := m.base.Dereg(); err != nil {
+				return err
+			}
+			m.base = nil
+		}
+	}
+	if m.base == nil {
+		ub := uintptr(unsafe.Pointer(&under.buf[0]))
+		n := min(m.maxLen, len(under.buf)-int(a-ub))
+		base, err := m.pd.reg(unsafe.Slice(&buf[0], n), rdma.AccessLocalWrite, false)
+		if err != nil {
+			return err
+		}
+		m.base = base
+	}
+	m.buf = buf
 	return nil
 }
 
@@ -298,6 +357,9 @@ func (m *mr) Dereg() error {
 	if m.mw != nil {
 		if rc := C.ibv_dealloc_mw(m.mw); rc != 0 {
 			return fmt.Errorf("verbs: ibv_dealloc_mw: %w", errnoOf(rc))
+		}
+		if m.base != nil {
+			return m.base.Dereg()
 		}
 		return nil
 	}

@@ -183,7 +183,7 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 				return base + i, fmt.Errorf("%w: REG_MR access %#x", rdma.ErrInvalid, uint32(wr.Access))
 			}
 			m.mu.Lock()
-			buf, under, old := m.buf, m.base, m.key.Load()
+			buf, under, old, mw := m.buf, m.base, m.key.Load(), m.mw
 			m.mu.Unlock()
 			if under == nil || m.valid.Load() {
 				return base + i, fmt.Errorf("%w: REG_MR of a region that is not mapped, or still valid", rdma.ErrInvalid)
@@ -192,7 +192,7 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 				// A type 1 window's next key is the library's: the low byte plus one.
 				return base + i, fmt.Errorf("%w: REG_MR key %#x for a window keyed %#x", rdma.ErrInvalid, wr.Key, old)
 			}
-			x.mw, x.mr = m.mw, under.mr
+			x.mw, x.mr = mw, under.mr
 			x.addr = C.uint64_t(uintptr(unsafe.Pointer(&buf[0])))
 			x.length = C.uint64_t(len(buf))
 			// Local write is the underlying region's; a window grants remote rights.
@@ -207,7 +207,7 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 				return base + i, fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey)
 			}
 			m.mu.Lock()
-			under := m.base
+			under, mw := m.base, m.mw
 			m.mu.Unlock()
 			if !m.valid.Load() || under == nil {
 				// Invalidating a window that is not bound is an error on an HCA (and has
@@ -217,7 +217,7 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 			if !m.type2 {
 				// Unbinding a type 1 window is a bind of length 0, and moves its key on.
 				// (rxe's library reads the region of the bind even when its length is 0.)
-				x.mw, x.mr = m.mw, under.mr
+				x.mw, x.mr = mw, under.mr
 				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)}
 			} else {
 				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: wr.InvRKey}
@@ -248,6 +248,12 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 			// was; the next bind names the window by it, so it must follow.
 			C.rtrs_set_mw_rkey(c.m.mw, C.uint32_t(c.key))
 		}
+		c.m.mu.Lock()
+		c.m.boundQP = nil
+		if c.valid && c.m.type2 {
+			c.m.boundQP = q
+		}
+		c.m.mu.Unlock()
 		c.m.valid.Store(c.valid)
 		c.m.key.Store(c.key)
 		q.pd.rekey(c.m, c.old, c.key)
@@ -330,6 +336,9 @@ func (q *qp) complete(w *rdma.WC, wrID uint64, opcode uint32) {
 		}
 		if w.Flags&rdma.WCWithInv != 0 {
 			if m := q.pd.window(w.InvRKey); m != nil {
+				m.mu.Lock()
+				m.boundQP = nil
+				m.mu.Unlock()
 				m.valid.Store(false)
 			}
 		}

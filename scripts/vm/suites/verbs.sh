@@ -4,6 +4,7 @@
 # the same device (figures into results/verbs-perf.md; reported, not asserted).
 
 # Building the verbs provider needs rdma-core's development files.
+# shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev"
 
 # Host: test binaries and the commands, with the verbs provider (no race detector: the
@@ -12,7 +13,7 @@ host() {
 	local b=$RTRS_VM_WORK/bin
 	mkdir -p "$b"
 	(
-		cd "$RTRS_VM_REPO"
+		cd "$RTRS_VM_REPO" || exit
 		go test -c -tags verbs -o "$b/verbs.test" ./pkg/rdma/verbs
 		go test -c -tags verbs -o "$b/transport.test" ./pkg/transport
 		go test -c -tags verbs -o "$b/pick.test" ./pkg/rdma/pick
@@ -21,28 +22,44 @@ host() {
 }
 
 guest() {
-	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 D=$RTRS_VM_DEV B=$RTRS_VM_WORK/bin
+	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 D=$RTRS_VM_DEV B=$RTRS_VM_WORK/bin failed=()
 	export PATH=$B:$PATH
+	# Each part runs even when one before it failed (one VM run shows everything); the suite
+	# fails if any did.
+	part() {
+		local name=$1
+		shift
+		echo "== $name"
+		# In the background, so that errexit holds inside the part (it would not in a
+		# condition) while a failure does not end the suite here.
+		"$@" &
+		if ! wait $!; then
+			echo "== $name: FAILED"
+			failed+=("$name")
+		fi
+	}
+	part "conformance over verbs ($D)" conformance "$A1" "$A2" "$D"
+	part "provider choice" pick.test -test.v -test.count 1
+	part "transport engine tests over verbs" env RTRS_TEST_PROVIDER=verbs RTRS_TEST_ADDR1="$A1" \
+		RTRS_TEST_ADDR2="$A2" transport.test -test.v -test.timeout 600s -test.count 1 \
+		-test.run '^(TestOpenAndRandomIO|TestFailoverMidIO|TestStaleRkeyRefused)$'
+	part "daemons with -provider verbs" daemons "$A1" "$A2" "$D"
+	part "rdma-perf beside perftest on $D" perf "$A1" "$D"
+	if [ ${#failed[@]} -gt 0 ]; then
+		echo "failed: ${failed[*]}"
+		return 1
+	fi
+}
 
-	echo "== conformance over verbs ($D)"
-	RTRS_VERBS_ADDR1=$A1 RTRS_VERBS_ADDR2=$A2 RTRS_VERBS_DEV=$D \
-		verbs.test -test.v -test.timeout 600s -test.count 1 2>&1 | tee /tmp/verbs.out
+conformance() {
+	RTRS_VERBS_ADDR1=$1 RTRS_VERBS_ADDR2=$2 RTRS_VERBS_DEV=$3 \
+		verbs.test -test.v -test.timeout 900s -test.count 1 2>&1 | tee /tmp/verbs.out
 	# Every test here has its device: a skip means a piece is missing.
 	! grep -- '--- SKIP' /tmp/verbs.out
+}
 
-	echo "== provider choice"
-	pick.test -test.v -test.count 1
-
-	echo "== transport engine tests over verbs"
-	RTRS_TEST_PROVIDER=verbs RTRS_TEST_ADDR1=$A1 RTRS_TEST_ADDR2=$A2 \
-		transport.test -test.v -test.timeout 600s -test.count 1 \
-		-test.run '^(TestOpenAndRandomIO|TestFailoverMidIO|TestStaleRkeyRefused)$'
-
-	echo "== daemons with -provider verbs"
-	daemons "$A1" "$A2" "$D"
-
-	echo "== rdma-perf beside perftest on $D"
-	perf_compare "$A1" "$D" >"$RTRS_VM_WORK/results/verbs-perf.md"
+perf() {
+	perf_compare "$1" "$2" >"$RTRS_VM_WORK/results/verbs-perf.md"
 	cat "$RTRS_VM_WORK/results/verbs-perf.md"
 }
 
@@ -55,8 +72,10 @@ daemons() {
 	: >$T/clientd.conf
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:1234" -dev-search-path $T/exports \
 		-mount $T/srv >$T/serverd.log 2>&1 &
+	local spid=$!
 	rtrs-clientd -provider verbs -config $T/clientd.conf -mount $T/cli -dev-mount $T/dev \
 		-nbd-socket $T/nbd.sock >$T/clientd.log 2>&1 &
+	local cpid=$!
 	vm_wait 30 mountpoint -q $T/srv || { cat $T/serverd.log; return 1; }
 	vm_wait 30 mountpoint -q $T/dev || { cat $T/clientd.log; return 1; }
 	grep -q "provider verbs" $T/serverd.log
@@ -68,7 +87,7 @@ daemons() {
 	cmp $T/pattern <(head -c 16M $T/exports/disk)
 	cmp $T/pattern <(dd if=$T/dev/s1/disk bs=1M count=16 status=none)
 	local n=0 f
-	for f in $T/cli/s1/paths/*/hca_name $T/srv/s1/paths/*/hca_name; do
+	for f in "$T"/cli/s1/paths/*/hca_name "$T"/srv/s1/paths/*/hca_name; do
 		echo "$f: $(cat "$f")"
 		[ "$(cat "$f")" = "$D" ]
 		n=$((n + 1))
@@ -78,30 +97,39 @@ daemons() {
 	cat $T/cli/s1/paths/*/stats/rdma
 	echo "sessname=s1 device_path=disk" >$T/dev/ctl/unmap_device
 	echo s1 >$T/cli/ctl/close_session
-	kill %2 && wait %2 || true
-	kill %1 && wait %1 || true
-	! mountpoint -q $T/srv
-	! mountpoint -q $T/cli
+	# SIGTERM: each closes its sessions and unmounts, client first.
+	kill $cpid
+	wait $cpid
+	kill $spid
+	wait $spid
+	if mountpoint -q $T/srv || mountpoint -q $T/cli || mountpoint -q $T/dev; then
+		echo "a tree is still mounted after the daemons stopped"
+		return 1
+	fi
 }
 
-# perf_compare A1 DEV: markdown table of rdma-perf over verbs and perftest, each run three
-# times alternately on the same device.
+# perf_compare A1 DEV: markdown table of rdma-perf over verbs beside perftest, three rounds
+# alternating on the same device. Like with like: RDMA_WRITE 1 MiB with 16 in flight on both
+# (ib_write_bw -t 16), and 8-byte SEND latency with busy polling on both (perftest's default;
+# rdma-perf -mode poll), as one-way latency: perftest reports half the round trip
+# (t_typical), so rdma-perf's round-trip p50 is halved.
 perf_compare() {
 	local A1=$1 D=$2 i
 	rdma-perf -provider verbs -listen "$A1:18600" >/tmp/rdma-perf-server.log 2>&1 &
 	local rp=$!
 	vm_wait 20 vm_tcp_listening 18601
-	echo "| run | rdma-perf write_bw 1 MiB (MB/s) | ib_write_bw 1 MiB (MB/s) | rdma-perf send_lat 8 B p50 (us) | ib_send_lat 8 B t_typical (us) |"
-	echo "|---|---|---|---|---|"
+	echo "| round | rdma-perf write_bw 1 MiB (MB/s) | ib_write_bw 1 MiB (MB/s) | ratio | rdma-perf send_lat 8 B p50/2 (us) | ib_send_lat 8 B t_typical (us) | ratio |"
+	echo "|---|---|---|---|---|---|---|"
 	for i in 1 2 3; do
 		local ow pw ol pl
 		ow=$(rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 5s -json |
 			sed -n 's/.*"mb_per_s": *\([0-9.]*\).*/\1/p')
-		pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -n 200 | awk '/^ *1048576/ {print $4; exit}')
-		ol=$(rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -duration 5s -json |
+		pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 200 | awk '$1 == 1048576 {print $4; exit}')
+		ol=$(rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -duration 5s -json |
 			sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
-		pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '/^ *8 / {print $5; exit}')
-		echo "| $i | $ow | $pw | $ol | $pl |"
+		pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}')
+		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" 'BEGIN {
+			printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", i, ow, pw, (pw > 0 ? ow / pw : 0), ol / 2, pl, (pl > 0 ? ol / 2 / pl : 0) }'
 	done
 	kill $rp
 	wait $rp || true
