@@ -120,7 +120,7 @@ type connID struct {
 	dev  *device
 
 	evs    chan event        // events during setup, for the call that waits for them
-	events chan rdma.CMEvent // after establishment: DISCONNECTED
+	events chan rdma.CMEvent // after establishment: DISCONNECTED; closed by Destroy
 
 	mu          sync.Mutex
 	qp          *qp
@@ -164,16 +164,20 @@ func (c *connID) onEvent(ev *C.struct_gev) {
 // disconnected moves the QP to error (outstanding work flushes) and reports the event once.
 func (c *connID) disconnected(err error) {
 	c.mu.Lock()
-	q, gone := c.qp, c.gone
+	q, skip := c.qp, c.gone || c.destroyed
 	c.gone = true
 	c.mu.Unlock()
-	if gone {
+	if skip {
 		return
 	}
 	if q != nil {
 		q.ToError()
 	}
-	c.events <- rdma.CMEvent{Type: rdma.EventDisconnected, Err: err}
+	c.mu.Lock()
+	if !c.destroyed {
+		c.events <- rdma.CMEvent{Type: rdma.EventDisconnected, Err: err} // room for one, sent once
+	}
+	c.mu.Unlock()
 }
 
 // wait waits for one of the wanted events; another event ends the wait with an error.
@@ -471,6 +475,10 @@ func (c *connID) Destroy() error {
 		err = fmt.Errorf("verbs: rdma_destroy_id: %w", errOr(cerr))
 	}
 	c.ch.close()
+	// Whoever waits for events learns the identifier is gone.
+	c.mu.Lock()
+	close(c.events)
+	c.mu.Unlock()
 	return err
 }
 
