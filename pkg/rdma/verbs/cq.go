@@ -189,9 +189,16 @@ func (c *cq) SetHandler(fn func()) {
 	defer c.hmu.Unlock()
 	if c.stop != nil {
 		close(c.stop)
-		// Wake the goroutine from its wait.
-		_ = c.fd.SetReadDeadline(time.Now())
-		<-c.stopped
+		// Wake the goroutine from its wait. It sets its own (lack of a) deadline each time it
+		// goes to wait, which may be just after this one: so until it is gone.
+		for stopped := false; !stopped; {
+			_ = c.fd.SetReadDeadline(time.Now())
+			select {
+			case <-c.stopped:
+				stopped = true
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
 		c.stop, c.stopped = nil, nil
 	}
 	if fn == nil {
