@@ -52,7 +52,8 @@ func (p params) encode() []byte {
 }
 
 func decodeParams(b []byte) (params, error) {
-	f := strings.Fields(string(b))
+	// Over an IB CM the private data arrives padded with zeros to the CM's size.
+	f := strings.Fields(strings.TrimRight(string(b), "\x00"))
 	if len(f) != 3 {
 		return params{}, errors.New("bad test parameters")
 	}
