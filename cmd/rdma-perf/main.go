@@ -345,7 +345,8 @@ func dial(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params) 
 		s.close()
 		return nil, 0, 0, err
 	}
-	if len(info) != 12 {
+	// (An IB CM pads the answer with zeros to its size.)
+	if len(info) < 12 {
 		s.close()
 		return nil, 0, 0, errors.New("bad server answer")
 	}
