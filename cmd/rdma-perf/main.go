@@ -284,6 +284,7 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	// received it, as a TCP echo server answers from the goroutine that read.
 	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
 	var wc [16]rdma.WC
+	echoes := 0
 	s.cq.SetHandler(func() {
 		for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
 			for _, w := range wc[:n] {
@@ -291,6 +292,12 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 					continue
 				}
 				send[0].Imm = w.Imm
+				// Every 32nd echo is signaled, so that the send queue's slots come back.
+				send[0].Flags = 0
+				if echoes%32 == 0 {
+					send[0].Flags = rdma.SendSignaled
+				}
+				echoes++
 				_, _ = s.qp.PostRecv(recv)
 				_, _ = s.qp.PostSend(send)
 			}
@@ -373,6 +380,12 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 		}
 		t0 = time.Now()
 		send[0].Imm = uint32(i)
+		// Every 32nd SEND is signaled: an unsignaled request keeps its send queue slot until
+		// a later one completes (as on an HCA; perftest does the same).
+		send[0].Flags = 0
+		if i%32 == 0 {
+			send[0].Flags = rdma.SendSignaled
+		}
 		_, err := s.qp.PostSend(send)
 		return err
 	}
