@@ -40,21 +40,28 @@ func main() {
 	}
 }
 
-// params is what a client asks of the server, sent as connect private data.
+// params is what a client asks of the server, sent as connect private data. Poll asks the
+// server to answer a latency test from a busy-polling loop (as perftest's server does) instead
+// of its CQ handler.
 type params struct {
 	Test  string
 	Size  int
 	Depth int
+	Poll  bool
 }
 
 func (p params) encode() []byte {
-	return []byte(fmt.Sprintf("%s %d %d", p.Test, p.Size, p.Depth))
+	mode := "handler"
+	if p.Poll {
+		mode = "poll"
+	}
+	return []byte(fmt.Sprintf("%s %d %d %s", p.Test, p.Size, p.Depth, mode))
 }
 
 func decodeParams(b []byte) (params, error) {
 	// Over an IB CM the private data arrives padded with zeros to the CM's size.
 	f := strings.Fields(strings.TrimRight(string(b), "\x00"))
-	if len(f) != 3 {
+	if len(f) != 4 || f[3] != "poll" && f[3] != "handler" {
 		return params{}, errors.New("bad test parameters")
 	}
 	size, err1 := strconv.Atoi(f[1])
@@ -62,7 +69,7 @@ func decodeParams(b []byte) (params, error) {
 	if err1 != nil || err2 != nil || size < 1 || size > 64<<20 || depth < 1 || depth > 1024 {
 		return params{}, errors.New("test parameters out of range")
 	}
-	return params{Test: f[0], Size: size, Depth: depth}, nil
+	return params{Test: f[0], Size: size, Depth: depth, Poll: f[3] == "poll"}, nil
 }
 
 // Result is one measurement.
@@ -130,7 +137,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	p := params{Test: *test, Size: sz, Depth: *depth}
+	p := params{Test: *test, Size: sz, Depth: *depth, Poll: *mode == "poll"}
 	var r Result
 	switch *test {
 	case "send_lat":
@@ -285,7 +292,7 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
 	var wc [16]rdma.WC
 	echoes := 0
-	s.cq.SetHandler(func() {
+	drain := func() {
 		for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
 			for _, w := range wc[:n] {
 				if w.Status != rdma.WCSuccess || w.Opcode != rdma.WCRecv {
@@ -302,7 +309,21 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 				_, _ = s.qp.PostSend(send)
 			}
 		}
-	})
+	}
+	if p.Poll {
+		// Busy polling, one core, until the client goes.
+		for {
+			select {
+			case <-s.id.Events():
+				return nil
+			case <-ctx.Done():
+				return nil
+			default:
+			}
+			drain()
+		}
+	}
+	s.cq.SetHandler(drain)
 	select {
 	case <-s.id.Events():
 	case <-ctx.Done():

@@ -5,7 +5,7 @@ import "testing"
 // TestParamsRoundTrip: the parameters survive the trip through a connect's private data,
 // also padded with zeros as an IB CM delivers it, and nonsense is refused.
 func TestParamsRoundTrip(t *testing.T) {
-	p := params{Test: "write_bw", Size: 1 << 20, Depth: 16}
+	p := params{Test: "send_lat", Size: 8, Depth: 1, Poll: true}
 	b := p.encode()
 	for _, in := range [][]byte{b, append(append([]byte(nil), b...), make([]byte, 56-len(b))...)} {
 		got, err := decodeParams(in)
@@ -13,7 +13,7 @@ func TestParamsRoundTrip(t *testing.T) {
 			t.Fatalf("decode %q: %+v %v", in, got, err)
 		}
 	}
-	for _, bad := range []string{"", "write_bw 1", "write_bw x 16", "write_bw 0 16", "write_bw 1 2000", "a b c d"} {
+	for _, bad := range []string{"", "write_bw 1", "write_bw x 16", "write_bw 0 16", "write_bw 1 2000 poll", "write_bw 1 16", "write_bw 1 16 spin", "a b c d"} {
 		if _, err := decodeParams([]byte(bad)); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}
