@@ -111,29 +111,48 @@ daemons() {
 	fi
 }
 
-# perf_compare A1 DEV: markdown table of rdma-perf over verbs beside perftest, three rounds
-# alternating on the same device. Like with like: RDMA_WRITE 1 MiB with 16 in flight on both
-# (ib_write_bw -t 16), and 8-byte SEND latency with busy polling on both (perftest's default;
-# rdma-perf -mode poll), as one-way latency: perftest reports half the round trip
-# (t_typical), so rdma-perf's round-trip p50 is halved.
+# perf_compare A1 DEV: markdown table of rdma-perf over verbs beside perftest, five rounds on
+# the same device, which of the two goes first alternating, and the medians. Like with like:
+# RDMA_WRITE 1 MiB with 16 in flight on both (ib_write_bw -t 16), and 8-byte SEND latency with
+# busy polling on both sides (perftest's default; rdma-perf -mode poll, whose server then polls
+# too), as one-way latency: perftest reports half the round trip (t_typical), so rdma-perf's
+# round-trip p50 is halved.
 perf_compare() {
-	local A1=$1 D=$2 i
+	local A1=$1 D=$2 i ow pw ol pl
 	rdma-perf -provider verbs -listen "$A1:18600" >/tmp/rdma-perf-server.log 2>&1 &
 	local rp=$!
 	vm_wait 20 vm_tcp_listening 18601
 	echo "| round | rdma-perf write_bw 1 MiB (MB/s) | ib_write_bw 1 MiB (MB/s) | ratio | rdma-perf send_lat 8 B p50/2 (us) | ib_send_lat 8 B t_typical (us) | ratio |"
 	echo "|---|---|---|---|---|---|---|"
-	for i in 1 2 3; do
-		local ow pw ol pl
-		ow=$(rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 5s -json |
-			sed -n 's/.*"mb_per_s": *\([0-9.]*\).*/\1/p')
-		pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 200 | awk '$1 == 1048576 {print $4; exit}')
-		ol=$(rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -duration 5s -json |
-			sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
-		pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}')
+	for i in 1 2 3 4 5; do
+		ours_bw() {
+			ow=$(rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 3s -json |
+				sed -n 's/.*"mb_per_s": *\([0-9.]*\).*/\1/p')
+		}
+		theirs_bw() {
+			pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 | awk '$1 == 1048576 {print $4; exit}')
+		}
+		ours_lat() {
+			ol=$(rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -duration 3s -json |
+				sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
+		}
+		theirs_lat() { pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}'); }
+		if [ $((i % 2)) = 1 ]; then
+			ours_bw && theirs_bw && ours_lat && theirs_lat
+		else
+			theirs_bw && ours_bw && theirs_lat && ours_lat
+		fi
 		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" 'BEGIN {
 			printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", i, ow, pw, (pw > 0 ? ow / pw : 0), ol / 2, pl, (pl > 0 ? ol / 2 / pl : 0) }'
+	done | tee /tmp/perf-rounds
+	# Medians of each column.
+	local c line="| median |"
+	for c in 3 4 5 6 7 8; do
+		line="$line $(cut -d'|' -f$c /tmp/perf-rounds | sort -g | sed -n 3p | tr -d ' ') |"
 	done
+	echo "$line"
+	echo
+	echo "rdma-perf server CPU (user+sys ticks): $(awk '{print $14 + $15}' /proc/$rp/stat)"
 	kill $rp
 	wait $rp || true
 }
