@@ -459,6 +459,8 @@ func (c *connID) Destroy() error {
 	c.destroyed = true
 	q, up := c.qp, c.established
 	c.mu.Unlock()
+	// The event reader first: it may answer a DREQ, which must not meet a QP going away.
+	c.ch.halt()
 	if up {
 		C.rdma_disconnect(c.id)
 	}
@@ -469,7 +471,6 @@ func (c *connID) Destroy() error {
 		q.destroy()
 		C.rdma_destroy_qp(c.id)
 	}
-	c.ch.halt()
 	var err error
 	if rc, cerr := C.rdma_destroy_id(c.id); rc != 0 {
 		err = fmt.Errorf("verbs: rdma_destroy_id: %w", errOr(cerr))

@@ -70,7 +70,9 @@ daemons() {
 	mkdir -p $T/exports $T/srv $T/cli $T/dev
 	truncate -s 64M $T/exports/disk
 	: >$T/clientd.conf
-	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:1234" -dev-search-path $T/exports \
+	# Not RNBD's port 1234: another suite may have loaded the kernel's rnbd-server, which
+	# listens there.
+	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:11234" -dev-search-path $T/exports \
 		-mount $T/srv >$T/serverd.log 2>&1 &
 	local spid=$!
 	rtrs-clientd -provider verbs -config $T/clientd.conf -mount $T/cli -dev-mount $T/dev \
@@ -80,7 +82,7 @@ daemons() {
 	vm_wait 30 mountpoint -q $T/dev || { cat $T/clientd.log; return 1; }
 	grep -q "provider verbs" $T/serverd.log
 	grep -q "provider verbs" $T/clientd.log
-	echo "sessname=s1 path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1" >$T/cli/ctl/open_session
+	echo "sessname=s1 dest_port=11234 path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1" >$T/cli/ctl/open_session
 	echo "sessname=s1 device_path=disk access_mode=rw" >$T/dev/ctl/map_device
 	head -c 16M /dev/urandom >$T/pattern
 	dd if=$T/pattern of=$T/dev/s1/disk bs=1M conv=fsync status=none
