@@ -321,14 +321,13 @@ func (c *connID) CreateQP(p rdma.PD, attr rdma.QPInitAttr) (rdma.QP, error) {
 	if c.qp != nil {
 		return nil, fmt.Errorf("%w: the identifier has a QP", rdma.ErrInvalid)
 	}
-	var swr, rwr C.int
 	if rc := C.rtrs_create_qp(c.id, vp.pd, scq.cq, rcq.cq, C.int(attr.MaxSendWR), C.int(attr.MaxRecvWR),
-		C.int(ssge), C.int(rsge), &swr, &rwr); rc != 0 {
+		C.int(ssge), C.int(rsge)); rc != 0 {
 		return nil, fmt.Errorf("verbs: rdma_create_qp (%d/%d WRs): %w", attr.MaxSendWR, attr.MaxRecvWR, errnoOf(rc))
 	}
-	// The queues hold what was asked for; a device that gives more is not relied on.
+	// The queues hold what was asked for (the records are that long); a device that gives
+	// more is not relied on.
 	q := newQP(c, vp, C.rtrs_id_qp(c.id), attr.MaxSendWR, attr.MaxRecvWR, ssge, rsge)
-	_, _ = swr, rwr
 	c.qp = q
 	c.dev.addQP(q)
 	return q, nil

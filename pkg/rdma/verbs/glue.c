@@ -239,7 +239,7 @@ int rtrs_accept(struct rdma_cm_id *id, const void *pd, int len, int rnr, int rd_
 }
 
 int rtrs_create_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *scq, struct ibv_cq *rcq,
-			  int swr, int rwr, int ssge, int rsge, int *out_swr, int *out_rwr) {
+			  int swr, int rwr, int ssge, int rsge) {
 	struct ibv_qp_init_attr a;
 	memset(&a, 0, sizeof(a));
 	a.send_cq = scq;
@@ -250,17 +250,12 @@ int rtrs_create_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *scq,
 	a.cap.max_recv_wr = rwr;
 	a.cap.max_send_sge = ssge;
 	a.cap.max_recv_sge = rsge;
-	if (rdma_create_qp(id, pd, &a))
-		return errno;
-	*out_swr = a.cap.max_send_wr;
-	*out_rwr = a.cap.max_recv_wr;
-	return 0;
+	return rdma_create_qp(id, pd, &a) ? errno : 0;
 }
 
 struct ibv_context *rtrs_id_verbs(struct rdma_cm_id *id) { return id->verbs; }
 int rtrs_id_port(struct rdma_cm_id *id) { return id->port_num; }
 struct ibv_qp *rtrs_id_qp(struct rdma_cm_id *id) { return id->qp; }
-const char *rtrs_ctx_name(struct ibv_context *c) { return ibv_get_device_name(c->device); }
 uint32_t rtrs_mw_rkey(struct ibv_mw *mw) { return mw->rkey; }
 int rtrs_ch_fd(struct rdma_event_channel *ch) { return ch->fd; }
 int rtrs_comp_fd(struct ibv_comp_channel *ch) { return ch->fd; }

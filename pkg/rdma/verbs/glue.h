@@ -78,11 +78,10 @@ int rtrs_get_cm_event(struct rdma_event_channel *ch, struct gev *out);
 int rtrs_connect(struct rdma_cm_id *id, const void *pd, int len, int rnr, int retry, int rd_atom);
 int rtrs_accept(struct rdma_cm_id *id, const void *pd, int len, int rnr, int rd_atom);
 int rtrs_create_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *scq, struct ibv_cq *rcq,
-			  int swr, int rwr, int ssge, int rsge, int *out_swr, int *out_rwr);
+			  int swr, int rwr, int ssge, int rsge);
 struct ibv_context *rtrs_id_verbs(struct rdma_cm_id *id);
 int rtrs_id_port(struct rdma_cm_id *id);
 struct ibv_qp *rtrs_id_qp(struct rdma_cm_id *id);
-const char *rtrs_ctx_name(struct ibv_context *c);
 uint32_t rtrs_mw_rkey(struct ibv_mw *mw);
 void rtrs_set_mw_rkey(struct ibv_mw *mw, uint32_t rkey);
 int rtrs_ch_fd(struct rdma_event_channel *ch);
