@@ -42,23 +42,44 @@ func newChannel() (*channel, error) {
 		return nil, fmt.Errorf("verbs: rdma_create_event_channel: %w", errOr(err))
 	}
 	c := &channel{ch: ch, stop: make(chan struct{}), done: make(chan struct{})}
-	fd := C.rtrs_ch_fd(ch)
-	if rc := C.rtrs_set_nonblock(fd); rc != 0 {
-		C.rdma_destroy_event_channel(ch)
-		return nil, fmt.Errorf("verbs: event channel: %w", syscall.Errno(-rc))
-	}
-	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		C.rdma_destroy_event_channel(ch)
-		return nil, fmt.Errorf("verbs: event channel: %w", err)
-	}
-	c.fd = os.NewFile(uintptr(dup), "rdma_event_channel")
-	if c.rc, err = c.fd.SyscallConn(); err != nil {
-		_ = c.fd.Close()
+	if c.fd, c.rc, err = pollable(C.rtrs_ch_fd(ch), "rdma_event_channel"); err != nil {
 		C.rdma_destroy_event_channel(ch)
 		return nil, err
 	}
 	return c, nil
+}
+
+// pollable makes a library's descriptor non-blocking and returns a duplicate of it that waits
+// in Go's poller (the library keeps and closes its own).
+func pollable(fd C.int, name string) (*os.File, syscall.RawConn, error) {
+	if rc := C.rtrs_set_nonblock(fd); rc != 0 {
+		return nil, nil, fmt.Errorf("verbs: %s: %w", name, syscall.Errno(-rc))
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("verbs: %s: %w", name, err)
+	}
+	f := os.NewFile(uintptr(dup), name)
+	rc, err := f.SyscallConn()
+	if err != nil {
+		_ = f.Close()
+		return nil, nil, err
+	}
+	return f, rc, nil
+}
+
+// newID creates an identifier on an event channel of its own.
+func newID() (*channel, *C.struct_rdma_cm_id, error) {
+	ch, err := newChannel()
+	if err != nil {
+		return nil, nil, err
+	}
+	var id *C.struct_rdma_cm_id
+	if rc, err := C.rdma_create_id(ch.ch, &id, nil, C.RDMA_PS_TCP); rc != 0 {
+		ch.close()
+		return nil, nil, fmt.Errorf("verbs: rdma_create_id: %w", errOr(err))
+	}
+	return ch, id, nil
 }
 
 // run calls fn with each event until halt.
@@ -261,14 +282,9 @@ func (p *Provider) ResolveAddr(ctx context.Context, src netip.Addr, dst netip.Ad
 			return nil, err
 		}
 	}
-	ch, err := newChannel()
+	ch, id, err := newID()
 	if err != nil {
 		return nil, err
-	}
-	var id *C.struct_rdma_cm_id
-	if rc, err := C.rdma_create_id(ch.ch, &id, nil, C.RDMA_PS_TCP); rc != 0 {
-		ch.close()
-		return nil, fmt.Errorf("verbs: rdma_create_id: %w", errOr(err))
 	}
 	c := p.newConnID(ch, id)
 	fail := func(err error) (rdma.ConnID, error) {
@@ -503,14 +519,9 @@ func (p *Provider) Listen(addr netip.AddrPort, backlog int) (rdma.Listener, erro
 		return nil, err
 	}
 	backlog = max(backlog, 1)
-	ch, err := newChannel()
+	ch, id, err := newID()
 	if err != nil {
 		return nil, err
-	}
-	var id *C.struct_rdma_cm_id
-	if rc, err := C.rdma_create_id(ch.ch, &id, nil, C.RDMA_PS_TCP); rc != 0 {
-		ch.close()
-		return nil, fmt.Errorf("verbs: rdma_create_id: %w", errOr(err))
 	}
 	fail := func(err error) (rdma.Listener, error) {
 		C.rdma_destroy_id(id)

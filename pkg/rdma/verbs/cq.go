@@ -15,8 +15,6 @@ import (
 	"time"
 	"unsafe"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -64,15 +62,7 @@ func (d *device) CreateCQ(cqe int) (rdma.CQ, error) {
 		C.ibv_destroy_comp_channel(ch)
 		return nil, err
 	}
-	if rc := C.rtrs_set_nonblock(C.rtrs_comp_fd(ch)); rc != 0 {
-		return fail(fmt.Errorf("verbs: completion channel: %w", syscall.Errno(-rc)))
-	}
-	dup, err := unix.FcntlInt(uintptr(C.rtrs_comp_fd(ch)), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return fail(fmt.Errorf("verbs: completion channel: %w", err))
-	}
-	c.fd = os.NewFile(uintptr(dup), "ibv_comp_channel")
-	if c.rc, err = c.fd.SyscallConn(); err != nil {
+	if c.fd, c.rc, err = pollable(C.rtrs_comp_fd(ch), "ibv_comp_channel"); err != nil {
 		return fail(err)
 	}
 	q, err := C.ibv_create_cq(d.ctx, C.int(cqe), nil, ch, 0)

@@ -112,6 +112,7 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 	if q.dead {
 		return 0, rdma.ErrClosed
 	}
+	// In pieces of postBatch, each in order on the queue, which is all a chain promises.
 	for done := 0; done < len(wrs); {
 		n := min(len(wrs)-done, postBatch)
 		bad, err := q.postLocked(wrs[done:done+n], done)
