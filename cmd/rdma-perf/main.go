@@ -197,9 +197,10 @@ func (s *side) close() {
 // next returns the next successful completion.
 func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
 	var wc [1]rdma.WC
-	for s.cq.Poll(wc[:]) == 0 {
+	for spins := 0; s.cq.Poll(wc[:]) == 0; spins++ {
 		if poll {
-			if ctx.Err() != nil {
+			// The context is looked at now and then: a spin should be one poll, not a lock.
+			if spins%1024 == 1023 && ctx.Err() != nil {
 				return wc[0], ctx.Err()
 			}
 			continue
@@ -311,14 +312,16 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 		}
 	}
 	if p.Poll {
-		// Busy polling, one core, until the client goes.
-		for {
-			select {
-			case <-s.id.Events():
-				return nil
-			case <-ctx.Done():
-				return nil
-			default:
+		// Busy polling, one core, until the client goes (looked at now and then).
+		for spins := 0; ; spins++ {
+			if spins%1024 == 0 {
+				select {
+				case <-s.id.Events():
+					return nil
+				case <-ctx.Done():
+					return nil
+				default:
+				}
 			}
 			drain()
 		}
