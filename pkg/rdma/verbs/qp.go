@@ -19,6 +19,14 @@ import (
 // the caller's ID.
 const recvBit = 1 << 63
 
+// windowChange is what a posted request does to a memory window.
+type windowChange struct {
+	idx      int
+	m        *mr
+	old, key uint32
+	valid    bool
+}
+
 // sent is the record of a posted send work request.
 type sent struct {
 	id uint64
@@ -45,6 +53,8 @@ type qp struct {
 	rqTail  uint64
 	maxSGE  int
 	maxRSGE int
+
+	changes []windowChange // scratch of postLocked, under mu
 
 	// C memory for posting, reused under mu.
 	gwr    *C.struct_gwr
@@ -139,24 +149,25 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 	g := unsafe.Slice(q.gwr, postBatch)
 	sges := unsafe.Slice(q.sges, postBatch*max(q.maxSGE, 1))
 	ns := 0
-	// What the posted requests do to windows, applied once they are on the queue.
-	type change struct {
-		idx      int
-		m        *mr
-		old, key uint32
-		valid    bool
-	}
-	var changes [postBatch]change
-	nc := 0
+	// What the posted requests do to windows, applied once they are on the queue (kept in
+	// the QP: a post is on the hot path, and most change nothing).
+	changes := q.changes[:0]
+	// A request found wrong stops the list there: those before it are posted (as a device
+	// refuses at the first bad request of a chain), it and those after it are not.
+	n := len(wrs)
+	var verr error
+build:
 	for i := range wrs {
 		wr := &wrs[i]
 		x := &g[i]
 		*x = C.struct_gwr{}
 		if wr.Opcode > rdma.OpRegMR {
-			return base + i, fmt.Errorf("%w: opcode %v", rdma.ErrInvalid, wr.Opcode)
+			verr, n = fmt.Errorf("%w: opcode %v", rdma.ErrInvalid, wr.Opcode), i
+			break build
 		}
 		if len(wr.SGList) > q.maxSGE {
-			return base + i, fmt.Errorf("%w: %d SGEs, at most %d", rdma.ErrInvalid, len(wr.SGList), q.maxSGE)
+			verr, n = fmt.Errorf("%w: %d SGEs, at most %d", rdma.ErrInvalid, len(wr.SGList), q.maxSGE), i
+			break build
 		}
 		x.wr_id = C.uint64_t(q.sqHead + uint64(i))
 		x.op = C.uint32_t(wr.Opcode)
@@ -178,20 +189,24 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 		case rdma.OpRegMR:
 			m, ok := wr.MR.(*mr)
 			if !ok || m.pd != q.pd || m.mw == nil {
-				return base + i, fmt.Errorf("%w: REG_MR of a region that is not a fast-reg region of this PD", rdma.ErrInvalid)
+				verr, n = fmt.Errorf("%w: REG_MR of a region that is not a fast-reg region of this PD", rdma.ErrInvalid), i
+				break build
 			}
 			if wr.Access&^accessAll != 0 {
-				return base + i, fmt.Errorf("%w: REG_MR access %#x", rdma.ErrInvalid, uint32(wr.Access))
+				verr, n = fmt.Errorf("%w: REG_MR access %#x", rdma.ErrInvalid, uint32(wr.Access)), i
+				break build
 			}
 			m.mu.Lock()
 			buf, under, old, mw := m.buf, m.base, m.key.Load(), m.mw
 			m.mu.Unlock()
 			if under == nil || m.valid.Load() {
-				return base + i, fmt.Errorf("%w: REG_MR of a region that is not mapped, or still valid", rdma.ErrInvalid)
+				verr, n = fmt.Errorf("%w: REG_MR of a region that is not mapped, or still valid", rdma.ErrInvalid), i
+				break build
 			}
 			if wr.Key>>8 != old>>8 || !m.type2 && wr.Key != rdma.IncKey(old) {
 				// A type 1 window's next key is the library's: the low byte plus one.
-				return base + i, fmt.Errorf("%w: REG_MR key %#x for a window keyed %#x", rdma.ErrInvalid, wr.Key, old)
+				verr, n = fmt.Errorf("%w: REG_MR key %#x for a window keyed %#x", rdma.ErrInvalid, wr.Key, old), i
+				break build
 			}
 			x.mw, x.mr = mw, under.mr
 			x.addr = C.uint64_t(uintptr(unsafe.Pointer(&buf[0])))
@@ -199,13 +214,13 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 			// Local write is the underlying region's; a window grants remote rights.
 			x.access = C.uint32_t(ibvAccess(wr.Access &^ rdma.AccessLocalWrite))
 			x.new_key = C.uint32_t(wr.Key)
-			changes[nc] = change{idx: i, m: m, old: old, key: wr.Key, valid: true}
-			nc++
+			changes = append(changes, windowChange{idx: i, m: m, old: old, key: wr.Key, valid: true})
 			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
 		case rdma.OpLocalInv:
 			m := q.pd.window(wr.InvRKey)
 			if m == nil {
-				return base + i, fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey)
+				verr, n = fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey), i
+				break build
 			}
 			m.mu.Lock()
 			under, mw := m.base, m.mw
@@ -213,28 +228,31 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 			if !m.valid.Load() || under == nil {
 				// Invalidating a window that is not bound is an error on an HCA (and has
 				// crashed rxe): refused here.
-				return base + i, fmt.Errorf("%w: LOCAL_INV of key %#x, which is not valid", rdma.ErrInvalid, wr.InvRKey)
+				verr, n = fmt.Errorf("%w: LOCAL_INV of key %#x, which is not valid", rdma.ErrInvalid, wr.InvRKey), i
+				break build
 			}
 			if !m.type2 {
 				// Unbinding a type 1 window is a bind of length 0, and moves its key on.
 				// (rxe's library reads the region of the bind even when its length is 0.)
 				x.mw, x.mr = mw, under.mr
-				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)}
+				changes = append(changes, windowChange{idx: i, m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)})
 			} else {
-				changes[nc] = change{idx: i, m: m, old: wr.InvRKey, key: wr.InvRKey}
+				changes = append(changes, windowChange{idx: i, m: m, old: wr.InvRKey, key: wr.InvRKey})
 			}
-			nc++
 			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
 		}
 	}
 	var bad C.int
-	rc := C.rtrs_post_send(q.qp, q.gwr, C.int(len(wrs)), q.chain, &bad)
-	posted := len(wrs)
+	var rc C.int
+	if n > 0 {
+		rc = C.rtrs_post_send(q.qp, q.gwr, C.int(n), q.chain, &bad)
+	}
+	posted := n
 	if rc != 0 {
 		posted = int(bad)
 	}
 	var keyErr error
-	for _, c := range changes[:nc] {
+	for _, c := range changes {
 		if c.idx >= posted {
 			break
 		}
@@ -259,9 +277,13 @@ func (q *qp) postLocked(wrs []rdma.SendWR, base int) (int, error) {
 		c.m.key.Store(c.key)
 		q.pd.rekey(c.m, c.old, c.key)
 	}
+	q.changes = changes[:0]
 	q.sqHead += uint64(posted)
 	if rc != 0 {
 		return base + posted, fmt.Errorf("verbs: ibv_post_send: %w", errnoOf(rc))
+	}
+	if verr != nil {
+		return base + posted, verr
 	}
 	return base + posted, keyErr
 }
