@@ -1,9 +1,13 @@
 # shellcheck shell=bash
-# Interoperation with the kernel's RTRS/RNBD (issue 12), first part: the kernel's rnbd-client
-# maps a file exported by our rtrs-serverd over verbs, on two rxe paths, with the server's
-# always_invalidate on and off; data written through /dev/rnbd0 reads back and lands in the
-# export, a file system made on it holds files, and our server tree shows the kernel's session
-# and paths.
+# Interoperation with the kernel's RTRS/RNBD (issue 12), first parts, both directions over
+# verbs on two rxe paths:
+# - the kernel's rnbd-client maps a file exported by our rtrs-serverd, with the server's
+#   always_invalidate on and off: data written through /dev/rnbd0 reads back and lands in the
+#   export, a file system made on it holds files, our server tree shows the kernel's session
+#   and paths, and both sides count the same IO;
+# - our rtrs-clientd opens a session to the kernel's rnbd-server (rtrs-server loaded with
+#   always_invalidate Y, then N) and maps a loop device: data written through the device file
+#   reads back and lands on the loop device, and both sides count the same IO.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs"
@@ -17,7 +21,7 @@ host() {
 		cp "$kdir/kernel/$m.ko" "$RTRS_VM_WORK/kmod/"
 	done
 	mkdir -p "$RTRS_VM_WORK/bin"
-	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd)
+	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd)
 }
 
 guest() {
@@ -30,6 +34,51 @@ guest() {
 	done
 	kernel_client_our_server true
 	kernel_client_our_server false
+	# Now the kernel's server takes port 1234.
+	our_client_kernel_server Y
+	our_client_kernel_server N
+}
+
+# our_client_kernel_server INV: rtrs-clientd against rnbd-server over rtrs-server loaded with
+# always_invalidate=INV (a module parameter: read at load).
+our_client_kernel_server() {
+	local inv=$1 A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 T=/tmp/ks-$1 s=ks-$1 f
+	echo "== rtrs-clientd -provider verbs → kernel rnbd-server, rtrs-server always_invalidate=$inv"
+	vm_insmod "$RTRS_VM_WORK/kmod/rtrs-server.ko" always_invalidate="$inv"
+	vm_insmod "$RTRS_VM_WORK/kmod/rnbd-server.ko"
+	grep -q "$inv" /sys/module/rtrs_server/parameters/always_invalidate
+	mkdir -p "$T"/cli "$T"/dev
+	truncate -s 64M "$T"/disk
+	local loop
+	loop=$(losetup -f --show "$T"/disk)
+	: >"$T"/clientd.conf
+	rtrs-clientd -provider verbs -config "$T"/clientd.conf -mount "$T"/cli -dev-mount "$T"/dev \
+		-nbd-socket "$T"/nbd.sock >"$T"/clientd.log 2>&1 &
+	local cpid=$!
+	vm_wait 30 mountpoint -q "$T"/dev || { cat "$T"/clientd.log; return 1; }
+	echo "sessname=$s path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1" >"$T"/cli/ctl/open_session
+	for f in "$T"/cli/"$s"/paths/*/state; do
+		echo "$f: $(cat "$f")"
+		[ "$(cat "$f")" = connected ]
+	done
+	echo "sessname=$s device_path=$loop access_mode=rw" >"$T"/dev/ctl/map_device
+	# The device file is named by device_path without leading '/', each '/' shown as '!'.
+	local dev
+	dev="$T/dev/$s/$(printf '%s' "${loop#/}" | tr / '!')"
+	head -c 16M /dev/urandom >"$T"/pat
+	dd if="$T"/pat of="$dev" bs=1M conv=fsync status=none
+	dd if="$dev" of="$T"/back bs=1M count=16 status=none
+	cmp "$T"/pat "$T"/back
+	dd if="$loop" of="$T"/onloop bs=1M count=16 iflag=direct status=none
+	cmp "$T"/pat "$T"/onloop
+	echo "kernel server stats/rdma: $(cat /sys/class/rtrs-server/"$s"/paths/*/stats/rdma | tr '\n' ' ')"
+	echo "our client stats/rdma:    $(cat "$T"/cli/"$s"/paths/*/stats/rdma | tr '\n' ' ')"
+	echo "sessname=$s device_path=$loop" >"$T"/dev/ctl/unmap_device
+	echo "$s" >"$T"/cli/ctl/close_session
+	kill $cpid
+	wait $cpid
+	busybox rmmod rnbd_server rtrs_server
+	losetup -d "$loop"
 }
 
 # kernel_client_our_server INV: one mapping against rtrs-serverd -always-invalidate=INV.
