@@ -54,7 +54,7 @@ func (p *pd) RegMR(buf []byte, access rdma.Access) (rdma.MR, error) {
 	if !rdma.Allocated(buf) {
 		return nil, fmt.Errorf("%w: verbs registers only memory from rdma.Alloc (outside the Go heap)", rdma.ErrInvalid)
 	}
-	return p.reg(buf, access, false)
+	return p.reg(buf, access, false, true)
 }
 
 // AllocMR maps and registers length bytes; Dereg unmaps them.
@@ -63,14 +63,16 @@ func (p *pd) AllocMR(length int, access rdma.Access) (rdma.MR, error) {
 	if err != nil {
 		return nil, err
 	}
-	m, err := p.reg(buf, access, true)
+	m, err := p.reg(buf, access, true, true)
 	if err != nil {
 		_ = rdma.Free(buf)
 	}
 	return m, err
 }
 
-func (p *pd) reg(buf []byte, access rdma.Access, owned bool) (*mr, error) {
+// reg registers buf; listed regions are the ones Map may find memory in (a window's own
+// region is not: Map looks for the caller's registrations, and on every READ).
+func (p *pd) reg(buf []byte, access rdma.Access, owned, listed bool) (*mr, error) {
 	if access&^accessAll != 0 {
 		return nil, fmt.Errorf("%w: access %#x", rdma.ErrInvalid, uint32(access))
 	}
@@ -93,7 +95,9 @@ func (p *pd) reg(buf []byte, access rdma.Access, owned bool) (*mr, error) {
 	}
 	m := &mr{pd: p, mr: r, buf: buf, owned: owned, access: access}
 	m.valid.Store(true)
-	p.regs = append(p.regs, m)
+	if listed {
+		p.regs = append(p.regs, m)
+	}
 	return m, nil
 }
 
@@ -320,7 +324,7 @@ func (m *mr) Map(buf []byte, iova uint64) error {
 	if m.base == nil {
 		ub := uintptr(unsafe.Pointer(&under.buf[0]))
 		n := min(m.maxLen, len(under.buf)-int(a-ub))
-		base, err := m.pd.reg(unsafe.Slice(&buf[0], n), rdma.AccessLocalWrite, false)
+		base, err := m.pd.reg(unsafe.Slice(&buf[0], n), rdma.AccessLocalWrite, false, false)
 		if err != nil {
 			return err
 		}
