@@ -37,7 +37,12 @@ func Unhex(t testing.TB, s string) []byte {
 // Main runs a package's tests with warnings and errors logged, the rest (expected path
 // up/down messages) not.
 func Main(m *testing.M) {
-	if _, err := log.Setup(log.Options{Level: "warning"}); err != nil {
+	// RTRS_TEST_LOG raises the level where a failure needs the story (debug in the VM bed).
+	level := os.Getenv("RTRS_TEST_LOG")
+	if level == "" {
+		level = "warning"
+	}
+	if _, err := log.Setup(log.Options{Level: level}); err != nil {
 		panic(err)
 	}
 	os.Exit(m.Run())

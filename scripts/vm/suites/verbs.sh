@@ -128,29 +128,42 @@ perf_compare() {
 	echo "|---|---|---|---|---|---|---|"
 	for i in 1 2 3 4 5; do
 		ours_bw() {
-			ow=$(rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 3s -json |
+			ow=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 3s -json |
 				sed -n 's/.*"mb_per_s": *\([0-9.]*\).*/\1/p')
 		}
 		theirs_bw() {
 			pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 | awk '$1 == 1048576 {print $4; exit}')
 		}
 		ours_lat() {
-			ol=$(rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -duration 3s -json |
+			ol=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -duration 3s -json |
 				sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
 		}
 		theirs_lat() { pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}'); }
 		if [ $((i % 2)) = 1 ]; then
-			ours_bw && theirs_bw && ours_lat && theirs_lat
+			ours_bw && theirs_bw && ours_lat && theirs_lat || true
 		else
-			theirs_bw && ours_bw && theirs_lat && ours_lat
+			theirs_bw && ours_bw && theirs_lat && ours_lat || true
 		fi
+		# A round where one of the four did not measure is left out of the medians.
 		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" 'BEGIN {
-			printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", i, ow, pw, (pw > 0 ? ow / pw : 0), ol / 2, pl, (pl > 0 ? ol / 2 / pl : 0) }'
+			if (ow > 0 && pw > 0 && ol > 0 && pl > 0)
+				printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", i, ow, pw, ow / pw, ol / 2, pl, ol / 2 / pl
+			else
+				printf "| %d | %s | %s | - | %s | %s | - |\n", i, ow, pw, ol, pl }'
+		ow= pw= ol= pl=
 	done | tee /tmp/perf-rounds
-	# Medians of each column.
+	grep -v -- '| - |' /tmp/perf-rounds >/tmp/perf-complete || true
+	local n
+	n=$(wc -l </tmp/perf-complete)
+	if [ "$n" -lt 3 ]; then
+		echo "only $n of 5 rounds measured all four figures"
+		kill $rp
+		return 1
+	fi
+	# Medians of each column over the complete rounds.
 	local c line="| median |"
 	for c in 3 4 5 6 7 8; do
-		line="$line $(cut -d'|' -f$c /tmp/perf-rounds | sort -g | sed -n 3p | tr -d ' ') |"
+		line="$line $(cut -d'|' -f$c /tmp/perf-complete | sort -g | sed -n "$(((n + 1) / 2))p" | tr -d ' ') |"
 	done
 	echo "$line"
 	echo
@@ -160,13 +173,27 @@ perf_compare() {
 }
 
 # perftest_pair TOOL ARGS...: a perftest server and client on the first address; the client's
-# output.
+# output. Both sides are bounded in time, and a pair that fails is tried again (up to three
+# times): a perftest client that finds no listener yet is rejected and may crash, and its
+# server then waits for a client forever.
 perftest_pair() {
-	"$@" >/tmp/perftest-server.log 2>&1 &
-	local s=$!
-	vm_wait 20 perftest_listening
-	timeout 120 "$@" "$RTRS_VM_ADDR1"
-	wait $s
+	local try s out
+	for try in 1 2 3; do
+		timeout -k 5 120 "$@" >/tmp/perftest-server.log 2>&1 &
+		s=$!
+		if vm_wait 60 perftest_listening && out=$(timeout -k 5 120 "$@" "$RTRS_VM_ADDR1" 2>&1) && wait $s; then
+			printf '%s\n' "$out"
+			return 0
+		fi
+		echo "perftest $1 failed (try $try):" >&2
+		printf '%s\n' "$out" | tail -5 >&2
+		tail -5 /tmp/perftest-server.log >&2
+		kill $s 2>/dev/null
+		wait $s
+		vm_wait 30 perftest_gone
+	done
+	return 1
 }
 # perftest with -R listens through rdma_cm on its port 18515.
 perftest_listening() { rdma res show cm_id | grep LISTEN | grep -q 18515; }
+perftest_gone() { ! rdma res show cm_id | grep -q 18515; }
