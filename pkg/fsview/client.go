@@ -206,7 +206,8 @@ func (t *ClientTree) pathEntries(p *transport.Path) []Entry {
 // resetStore accepts 1 (the kernel) and 0 (the seed ABI's documentation) and resets.
 func resetStore(reset func()) func(string) error {
 	return func(v string) error {
-		if v != "1" && v != "0" {
+		// The kernel resets on 1 only; 0, which its older docs name, is EINVAL.
+		if v != "1" {
 			return fmt.Errorf("%q: write 1 to reset: %w", v, syscall.EINVAL)
 		}
 		reset()

@@ -49,7 +49,7 @@ func serverPath(p *transport.SrvPath) []Entry {
 		{Name: "stats", Dir: DirFunc(func() []Entry {
 			st := &p.Stats
 			return []Entry{
-				{Name: "rdma", Attr: &Attr{Mode: 0o644, Show: st.RDMAWithInflight, Store: resetStore(st.ResetRDMA)}},
+				{Name: "rdma", Attr: &Attr{Mode: 0o644, Show: st.RDMA, Store: resetStore(st.ResetRDMA)}},
 				{Name: "reset_all", Attr: &Attr{Mode: 0o644, Show: usage(resetAllShow), Store: resetStore(st.ResetAll)}},
 				{Name: "wc_completion", Attr: &Attr{Mode: 0o644, Show: st.WCCompletion, Store: resetStore(st.ResetAll)}},
 			}

@@ -182,7 +182,7 @@ func TestClientServerTrees(t *testing.T) {
 		!strings.Contains(got, "rdma\nreset_all\nwc_completion\n") {
 		t.Errorf("server path dir: %q", got)
 	}
-	if got := mustSh(t, "cat "+spd+"/src_addr "+spd+"/dst_addr "+spd+"/stats/rdma"); got != "ip:127.0.0.2\nip:127.0.0.1\n0 0 0 0 0\n" {
+	if got := mustSh(t, "cat "+spd+"/src_addr "+spd+"/dst_addr "+spd+"/stats/rdma"); got != "ip:127.0.0.2\nip:127.0.0.1\n0 0 0 0\n" {
 		t.Errorf("server path files: %q", got)
 	}
 
@@ -204,10 +204,18 @@ func TestClientServerTrees(t *testing.T) {
 		return strings.HasPrefix(out, "1 ")
 	})
 
-	// Stats resets: 1 and 0 reset, anything else is EINVAL.
+	// Stats resets: 1 resets, anything else (0 too, as in the kernel) is EINVAL and resets
+	// nothing.
+	before := mustSh(t, "cat "+pd+"/stats/reconnects")
 	shErr(t, "echo 2 > "+pd+"/stats/rdma", "Invalid argument")
+	shErr(t, "echo 0 > "+pd+"/stats/reconnects", "Invalid argument")
+	if got := mustSh(t, "cat "+pd+"/stats/reconnects"); got != before {
+		t.Errorf("reconnects after a refused reset: %q, was %q", got, before)
+	}
 	mustSh(t, "echo 1 > "+pd+"/stats/reset_all")
-	mustSh(t, "echo 0 > "+pd+"/stats/reconnects")
+	if got := mustSh(t, "cat "+pd+"/stats/reconnects"); got != "0 0\n" {
+		t.Errorf("reconnects after reset_all: %q", got)
+	}
 
 	// remove_path: the directory goes at once, on both sides.
 	mustSh(t, "echo 1 > "+sd+"/paths/"+p2+"/remove_path")

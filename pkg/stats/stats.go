@@ -363,11 +363,6 @@ func (s *ServerPath) RDMA() string {
 	return fmt.Sprintf("%d %d %d %d\n", s.ReadCnt.Value(), s.ReadBytes.Value(), s.WriteCnt.Value(), s.WriteBytes.Value())
 }
 
-// RDMAWithInflight renders the seed ABI's 5 values (with inflights).
-func (s *ServerPath) RDMAWithInflight() string {
-	return fmt.Sprintf("%d %d %d %d %d\n", s.ReadCnt.Value(), s.ReadBytes.Value(), s.WriteCnt.Value(), s.WriteBytes.Value(), s.Inflight.Load())
-}
-
 // ResetRDMA resets the counts and bytes.
 func (s *ServerPath) ResetRDMA() {
 	for _, c := range []*Sharded{&s.ReadCnt, &s.ReadBytes, &s.WriteCnt, &s.WriteBytes} {
