@@ -170,7 +170,8 @@ type conn struct {
 	wfn  func(fd uintptr) bool
 }
 
-func (s *Server) serveConn(nc net.Conn) {
+// newConn prepares a connection for the handshake or the transmission phase.
+func (s *Server) newConn(nc net.Conn) *conn {
 	c := &conn{s: s, c: nc, r: sockread.New(nc, 64<<10)}
 	// Room for a few whole 1 MiB replies where net.core.wmem_max allows, so that a large
 	// read reply leaves in one write instead of a write per 200 KiB and a wait between each.
@@ -183,6 +184,11 @@ func (s *Server) serveConn(nc net.Conn) {
 			c.wfn = c.writevOnce
 		}
 	}
+	return c
+}
+
+func (s *Server) serveConn(nc net.Conn) {
+	c := s.newConn(nc)
 	lg := s.log.WithField("client", nc.RemoteAddr().String())
 	_ = nc.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
 	ok, err := c.handshake()
