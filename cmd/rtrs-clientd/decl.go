@@ -40,16 +40,16 @@ func (d *clientd) applyOne(ctx context.Context, line string) (done bool, err err
 			}
 		})
 	case "map_device":
-		o, err := fsview.ParseMapDevice(rest)
+		r, err := fsview.ParseMapRequest(rest)
 		if err != nil {
 			return true, err
 		}
 		for _, dev := range d.c.Devices() {
-			if dev.Session() == o.SessName && dev.Path() == o.DevicePath {
+			if dev.Session() == r.SessName && dev.Path() == r.DevicePath {
 				return true, nil
 			}
 		}
-		_, err = d.c.Map(ctx, o)
+		_, err = fsview.MapDevice(ctx, d.c, d.nbd, r)
 		return false, err
 	}
 	return true, fmt.Errorf("unknown declaration %q", verb)
@@ -136,7 +136,11 @@ func (d *clientd) declarations() []string {
 		if dev.State() == rnbd.StateUnmapped || !dev.Opened() {
 			continue
 		}
-		out = append(out, fmt.Sprintf("map_device sessname=%s device_path=%s access_mode=%v", dev.Session(), dev.Path(), dev.AccessMode()))
+		line := fmt.Sprintf("map_device sessname=%s device_path=%s access_mode=%v", dev.Session(), dev.Path(), dev.AccessMode())
+		if tok := d.nbd.token(dev); tok != "" {
+			line += " nbd=" + tok
+		}
+		out = append(out, line)
 	}
 	d.mu.Lock()
 	var pend []string

@@ -1,11 +1,13 @@
 // Command rtrs-clientd is the RTRS client daemon: it opens RTRS sessions to rtrs-serverd,
 // maps remote devices over them (RNBD), and shows them in three places: the rtrs-client tree
-// (/sys/class/rtrs-client's files) and the device view over FUSE, and an NBD socket.
+// (/sys/class/rtrs-client's files) and the device view over FUSE, and an NBD socket; a
+// mapping may also be attached to the kernel's /dev/nbdX (map_device's nbd= token).
 //
 //	rtrs-clientd [-config /etc/rtrs/rtrs-clientd.conf] [-mount /run/rtrs/rtrs-client]
 //	             [-dev-mount /run/rtrs/dev] [-nbd-socket /run/rtrs/nbd.sock] [-nbd-tcp ADDR]
+//	             [-nbd-attach none|auto] [-nbd-conns N] [-nbd-timeout D]
 //	             [-io-timeout 30s] [-reconnect-delay 30s] [-log-level info] [-log-json]
-//	rtrs-clientd -cleanup      (detach stale mounts left by a crash, then exit)
+//	rtrs-clientd -cleanup      (detach stale mounts and NBD devices left by a crash, then exit)
 //
 // The config file holds settings ("key = value", the flags' names) and declarations in the
 // control files' syntax ("open_session sessname=… path=…", "map_device sessname=… device_path=…");
@@ -43,6 +45,7 @@ type clientd struct {
 	cfgPath string
 	c       *rnbd.Client
 	tree    *fsview.ClientTree
+	nbd     *nbdAttacher
 	lg      *log.Entry
 
 	mu           sync.Mutex      // the config file and the fields below
@@ -67,6 +70,9 @@ func run(parent context.Context, args []string) error {
 	devMount := fs.String("dev-mount", "/run/rtrs/dev", "where the device view is mounted")
 	nbdSock := fs.String("nbd-socket", "/run/rtrs/nbd.sock", "unix socket serving the mapped devices over NBD (empty: none)")
 	nbdTCP := fs.String("nbd-tcp", "", "TCP address serving them too (empty: none)")
+	nbdAttach := fs.String("nbd-attach", "none", "attach mappings without an nbd= token to the kernel's /dev/nbdX: none or auto")
+	nbdConns := fs.Int("nbd-conns", 0, "sockets per attached /dev/nbdX (0: the CPUs, at most 4)")
+	nbdTimeout := fs.Duration("nbd-timeout", 0, "the kernel's request timeout on an attached /dev/nbdX (0: -io-timeout plus one minute)")
 	ioTimeout := fs.Duration("io-timeout", rnbd.DefaultReconnectTimeout, "how long IO waits for a session that lost every path before it fails with EIO")
 	recDelay := fs.Duration("reconnect-delay", 0, "delay between reconnect attempts (0: the kernel's)")
 	hbInterval := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
@@ -82,10 +88,24 @@ func run(parent context.Context, args []string) error {
 	if err := daemon.SetupLog(*level, *json); err != nil {
 		return err
 	}
-	if *cleanup {
-		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
+	nbdDef, err := parseNBDDefault(*nbdAttach)
+	if err != nil {
+		return err
+	}
+	if *nbdConns < 0 || *nbdConns > 64 {
+		return fmt.Errorf("-nbd-conns %d: 0 to 64", *nbdConns)
+	}
+	if *nbdTimeout < 0 {
+		return fmt.Errorf("-nbd-timeout %v", *nbdTimeout)
+	}
+	if *nbdTimeout == 0 {
+		*nbdTimeout = *ioTimeout + time.Minute
 	}
 	lg := log.G(ctx).WithField("component", "rtrs-clientd")
+	if *cleanup {
+		disconnectStale(lg)
+		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
+	}
 	prov, why, err := pick.Open(*provName)
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
@@ -104,19 +124,25 @@ func run(parent context.Context, args []string) error {
 	}()
 	d := &clientd{cfgPath: *cfgPath, c: c, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
 	defer d.wg.Wait()
+	ns := nbd.NewServer(nbd.Options{Exports: d.exports})
+	defer ns.Close()
+	// Stale devices first: a restart must find the indexes its declarations name free.
+	disconnectStale(lg)
+	d.nbd = &nbdAttacher{srv: ns, def: nbdDef, conns: *nbdConns, timeout: *nbdTimeout, export: exportOf, lg: lg,
+		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]fsview.NBDAttach{}}
+	// Before the NBD server closes (defers run last first): the kernel is told first.
+	defer d.nbd.detachAll()
 	d.tree = &fsview.ClientTree{C: c, OnChange: d.writeBack}
 	cs, err := fsview.Mount(*mount, d.tree, fsview.MountOptions{Name: "rtrs-client"})
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", *mount, err)
 	}
 	defer unmount(lg, cs, *mount)
-	ds, err := fsview.Mount(*devMount, &fsview.DevTree{C: d.tree, OnChange: d.writeBack}, fsview.MountOptions{Name: "rtrs-dev"})
+	ds, err := fsview.Mount(*devMount, &fsview.DevTree{C: d.tree, OnChange: d.writeBack, NBD: d.nbd}, fsview.MountOptions{Name: "rtrs-dev"})
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", *devMount, err)
 	}
 	defer unmount(lg, ds, *devMount)
-	ns := nbd.NewServer(nbd.Options{Exports: d.exports})
-	defer ns.Close()
 	for _, l := range []struct{ network, addr string }{{"unix", *nbdSock}, {"tcp", *nbdTCP}} {
 		if l.addr == "" {
 			continue
@@ -165,11 +191,16 @@ func (d *clientd) exports() []nbd.Export {
 		if dev.State() == rnbd.StateUnmapped || !dev.Opened() {
 			continue
 		}
-		out = append(out, nbd.Export{Name: dev.Session() + "/" + fsview.DeviceFileName(dev.Path()),
-			Description: fmt.Sprintf("rnbd %s:%s (%v)", dev.Session(), dev.Path(), dev.AccessMode()),
-			Dev:         dev, ReadOnly: dev.AccessMode() == rnbd.AccessRO})
+		out = append(out, exportOf(dev))
 	}
 	return out
+}
+
+// exportOf is a mapped device's NBD export.
+func exportOf(dev *rnbd.Device) nbd.Export {
+	return nbd.Export{Name: dev.Session() + "/" + fsview.DeviceFileName(dev.Path()),
+		Description: fmt.Sprintf("rnbd %s:%s (%v)", dev.Session(), dev.Path(), dev.AccessMode()),
+		Dev:         dev, ReadOnly: dev.AccessMode() == rnbd.AccessRO}
 }
 
 // status is the unit's STATUS= line.
@@ -188,5 +219,9 @@ func (d *clientd) status() string {
 			}
 		}
 	}
-	return fmt.Sprintf("%d sessions, %d/%d paths connected, %d devices mapped", sess, up, all, len(d.c.Devices()))
+	st := fmt.Sprintf("%d sessions, %d/%d paths connected, %d devices mapped", sess, up, all, len(d.c.Devices()))
+	if n := d.nbd.count(); n > 0 {
+		st += fmt.Sprintf(", %d attached to /dev/nbd*", n)
+	}
+	return st
 }

@@ -344,3 +344,39 @@ func KernelStatus(ctx context.Context, index int) ([]DeviceStatus, error) {
 	defer k.Close()
 	return k.status(ctx, index)
 }
+
+// DisconnectStale disconnects the kernel's NBD devices whose backend name stale accepts
+// (those a process that died left connected: the kernel keeps a device configured, its
+// sockets dead, until someone disconnects it). It returns the indexes disconnected; with
+// no NBD device in sysfs it does nothing at all.
+func DisconnectStale(ctx context.Context, stale func(backend string) bool) ([]int, error) {
+	ms, _ := filepath.Glob(filepath.Join(sysBlock, "nbd*", "backend"))
+	var idx []int
+	for _, m := range ms {
+		b, err := os.ReadFile(m)
+		if err != nil || !stale(strings.TrimRight(string(b), "\n")) {
+			continue
+		}
+		if i, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(filepath.Dir(m)), "nbd")); err == nil {
+			idx = append(idx, i)
+		}
+	}
+	if len(idx) == 0 {
+		return nil, nil
+	}
+	k, err := openKernel(ctx, 10*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer k.Close()
+	var done []int
+	var errs []error
+	for _, i := range idx {
+		if err := k.disconnect(ctx, i); err != nil {
+			errs = append(errs, fmt.Errorf("nbd: NBD_CMD_DISCONNECT of /dev/nbd%d: %w", i, err))
+			continue
+		}
+		done = append(done, i)
+	}
+	return done, errors.Join(errs...)
+}

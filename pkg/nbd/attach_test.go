@@ -351,3 +351,24 @@ func TestAttachKernelDrops(t *testing.T) {
 type bigBlocks struct{ memDev }
 
 func (*bigBlocks) BlockSize() int { return 64 << 10 }
+
+// TestDisconnectStale: only the devices the predicate names are disconnected.
+func TestDisconnectStale(t *testing.T) {
+	k := useFakeKernel(t)
+	if got, err := DisconnectStale(context.Background(), func(string) bool { return true }); got != nil || err != nil {
+		t.Fatalf("no devices: %v %v", got, err)
+	}
+	for i, b := range []string{"old 1", "mine", "old 2"} {
+		dir := filepath.Join(k.sys, "nbd"+strconv.Itoa(i))
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "backend"), []byte(b+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := DisconnectStale(context.Background(), func(b string) bool { return strings.HasPrefix(b, "old ") })
+	if err != nil || fmt.Sprint(got) != "[0 2]" || fmt.Sprint(k.disconns) != "[0 2]" {
+		t.Fatalf("%v %v %v", got, err, k.disconns)
+	}
+}
