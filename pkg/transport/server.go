@@ -578,7 +578,7 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 func (p *SrvPath) watch(c *con) {
 	select {
 	case <-c.id.Events():
-		p.lg().Debugf("connection %d disconnected", c.cid)
+		p.lg().Infof("connection %d disconnected", c.cid)
 		p.Close()
 	case <-p.closed:
 	}
@@ -609,6 +609,7 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 func (p *SrvPath) recvImm(c *con, imm uint32) {
 	p.hb.missed.Store(0)
 	if _, err := c.qp.PostRecv(c.recvWR[:]); err != nil {
+		p.lg().WithError(err).Warnf("connection %d: receive not posted, closing the path", c.cid)
 		go p.Close()
 		return
 	}
@@ -649,6 +650,7 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		r.wrs[0].Flags = rdma.SendSignaled
 	}
 	if _, err := c.qp.PostSend(r.wrs[:1]); err != nil {
+		p.lg().WithError(err).Warnf("connection %d: LOCAL_INV of chunk %d not posted, closing the path", c.cid, id)
 		go p.Close()
 		return
 	}
@@ -875,6 +877,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	p.logp.Store(p.lg().WithField("session", m.PathName))
 
 	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
+		p.lg().WithError(err).Warn("receives not posted, closing the path")
 		go p.Close()
 		return
 	}

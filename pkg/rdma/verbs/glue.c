@@ -99,6 +99,9 @@ int rtrs_post_send(struct ibv_qp *qp, struct gwr *w, int n, struct ibv_send_wr *
 			*bad = i;
 			return rc;
 		}
+		// The key the library chose, read now: a bind of the same window from another QP
+		// may follow as soon as this chain reaches the peer.
+		w[i].new_key = w[i].mw->rkey;
 		start = i + 1;
 	}
 	return post_chain(qp, chain, w, start, n, bad);

@@ -33,7 +33,7 @@ struct gwr {
 	uint64_t addr;
 	uint64_t length;
 	uint32_t access;
-	uint32_t new_key;
+	uint32_t new_key; // type 2: the key to bind with; type 1: set to the key bound with
 	struct ibv_sge *sge;
 };
 

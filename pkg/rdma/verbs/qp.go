@@ -27,6 +27,17 @@ type windowChange struct {
 	valid    bool
 }
 
+// setState makes key the window's key (found by it in the PD), valid or not, bound to
+// QP bound (type 2 only).
+func (m *mr) setState(p *pd, valid bool, old, key uint32, bound *qp) {
+	m.mu.Lock()
+	m.boundQP = bound
+	m.mu.Unlock()
+	p.rekey(m, old, key)
+	m.key.Store(key)
+	m.valid.Store(valid)
+}
+
 // sent is the record of a posted send work request.
 type sent struct {
 	id uint64
@@ -242,6 +253,16 @@ build:
 			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
 		}
 	}
+	// A PD-wide (type 1) window serves every QP of the PD, so its new state is taken before
+	// the post: the chain may carry the new key to the peer, whose next request on another
+	// connection can reach that QP's post before this call returns. (Measured: the kernel's
+	// client at QD32 did, and the LOCAL_INV taking the chunk back was refused.) Those that end
+	// up not posted are put back below.
+	for _, c := range changes {
+		if !c.m.type2 {
+			c.m.setState(q.pd, c.valid, c.old, c.key, nil)
+		}
+	}
 	var bad C.int
 	var rc C.int
 	if n > 0 {
@@ -253,29 +274,28 @@ build:
 	}
 	var keyErr error
 	for _, c := range changes {
-		if c.idx >= posted {
-			break
-		}
-		if !c.m.type2 {
-			// ibv_bind_mw chose the key; it is the low byte plus one.
-			if k := uint32(C.rtrs_mw_rkey(c.m.mw)); k != c.key && keyErr == nil {
-				keyErr = fmt.Errorf("verbs: type 1 window bound with key %#x, %#x expected", k, c.key)
-				c.key = k
+		switch {
+		case !c.m.type2 && c.idx >= posted:
+			c.m.setState(q.pd, !c.valid, c.key, c.old, nil)
+		case !c.m.type2:
+			// ibv_bind_mw chose the key (the low byte plus one); the glue kept it.
+			if k := uint32(g[c.idx].new_key); k != c.key {
+				if keyErr == nil {
+					keyErr = fmt.Errorf("verbs: type 1 window bound with key %#x, %#x expected", k, c.key)
+				}
+				c.m.setState(q.pd, c.valid, c.key, k, nil)
 			}
-		} else if c.valid {
-			// A type 2 bind posted by work request leaves the library's copy of the key as it
-			// was; the next bind names the window by it, so it must follow.
-			C.rtrs_set_mw_rkey(c.m.mw, C.uint32_t(c.key))
+		case c.idx < posted:
+			// A QP-bound (type 2) window serves this QP only. Its bind posted by work request
+			// leaves the library's copy of the key as it was; the next bind names the window
+			// by it, so it must follow.
+			var bound *qp
+			if c.valid {
+				C.rtrs_set_mw_rkey(c.m.mw, C.uint32_t(c.key))
+				bound = q
+			}
+			c.m.setState(q.pd, c.valid, c.old, c.key, bound)
 		}
-		c.m.mu.Lock()
-		c.m.boundQP = nil
-		if c.valid && c.m.type2 {
-			c.m.boundQP = q
-		}
-		c.m.mu.Unlock()
-		c.m.valid.Store(c.valid)
-		c.m.key.Store(c.key)
-		q.pd.rekey(c.m, c.old, c.key)
 	}
 	q.changes = changes[:0]
 	q.sqHead += uint64(posted)
