@@ -456,10 +456,12 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	}
 	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD)}
 	c.recvWR[0].ID = wrRecv
+	// Five per request in both modes, as the kernel sizes it: a response is up to four work
+	// requests (data, SEND_WITH_INV, REG_MR, the response) plus the LOCAL_INV taking the
+	// chunk back, and only every signal interval's response is signaled, so up to that many
+	// responses' work requests wait for one completion. (Three per request filled the queue
+	// under the kernel's client at QD32 with always_invalidate off.)
 	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+1
-	if !o.AlwaysInvalidate {
-		sendWR = 3*o.QueueDepth + 1
-	}
 	if cid == 0 {
 		// Connection 0 also carries the chunks' registrations in front of INFO_RSP.
 		sendWR, recvWR = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026)
