@@ -7,7 +7,9 @@
 # (random 4 KiB writes, then sequential 1 MiB) while one of the two paths is disconnected and
 # reconnected: no IO error, verify passes, the path comes back. Then: unmap of a mounted
 # attachment is EBUSY, unmap detaches (/sys/block/nbdX/pid gone, size 0), losetup over the
-# device file in the device view, and a daemon that stops detaches what it attached.
+# device file in the device view, a daemon killed with an attachment is cleaned up after by the
+# next one (which attaches again from its written-back declarations), and a daemon that stops
+# detaches what it attached.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev nbd-client fio e2fsprogs"
@@ -68,19 +70,15 @@ guest() {
 }
 
 suite_body() {
-	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 nbd idx
+	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 nbd idx cpid
 	P1="$T/cli/s1/paths/ip:$A1@ip:$A1"
 	P2="$T/cli/s1/paths/ip:$A2@ip:$A1"
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:$PORT" -dev-search-path $T/exports \
 		-mount $T/srv >$T/serverd.log 2>&1 &
 	echo $! >$T/spid
-	rtrs-clientd -provider verbs -config $T/clientd.conf -mount $T/cli -dev-mount $T/dev \
-		-nbd-socket $T/nbd.sock >$T/clientd.log 2>&1 &
-	echo $! >$T/cpid
+	start_clientd
 	vm_wait 30 mountpoint -q $T/srv
-	vm_wait 30 mountpoint -q $T/dev
 	grep -q "provider verbs" $T/serverd.log
-	grep -q "provider verbs" $T/clientd.log
 	echo "sessname=s1 dest_port=$PORT path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1" >$T/cli/ctl/open_session
 	path_connected "$P1"
 	path_connected "$P2"
@@ -149,13 +147,35 @@ suite_body() {
 	losetup -d "$loop"
 	echo "sessname=s1 device_path=disk3" >$T/dev/ctl/unmap_device
 
-	echo "== a daemon that stops detaches what it attached"
+	echo "== a daemon killed with an attachment; the next one cleans up and attaches again"
 	echo "sessname=s1 device_path=disk4 nbd=auto" >$T/dev/ctl/map_device
 	nbd=$(awk '$1 == "s1/disk4" { print $2 }' $T/dev/ctl/nbd_devices)
 	idx=${nbd#/dev/nbd}
 	test -e /sys/block/nbd"$idx"/pid
-	dd if=/dev/urandom of="$nbd" bs=1M count=4 oflag=direct status=none
-	kill "$(cat $T/cpid)"
+	head -c 4M /dev/urandom >$T/pat4
+	dd if=$T/pat4 of="$nbd" bs=1M oflag=direct status=none
+	grep "map_device sessname=s1 device_path=disk4 .*nbd=auto" $T/clientd.conf
+	kill -9 "$cpid"
+	wait "$cpid" || true
+	# The kernel keeps the device configured, its sockets dead, until someone disconnects it.
+	sleep 1
+	test -e /sys/block/nbd"$idx"/pid
+	echo "$nbd after kill -9: still configured, backend \"$(cat /sys/block/nbd"$idx"/backend)\""
+	start_clientd
+	grep "left attached by an rtrs-clientd that is gone" $T/clientd.log | sed 's/^/clientd: /'
+	# The declarations written back bring the session and the attachment back.
+	# (The old session may hold the device on the server until it notices the kill: the
+	# declarations are retried.)
+	vm_wait 120 grep -q "^s1/disk4 " $T/dev/ctl/nbd_devices
+	nbd=$(awk '$1 == "s1/disk4" { print $2 }' $T/dev/ctl/nbd_devices)
+	idx=${nbd#/dev/nbd}
+	grep -q "^rtrs-clientd\[$cpid\] s1/disk4 " /sys/block/nbd"$idx"/backend
+	dd if="$nbd" of=$T/back4 bs=1M count=4 iflag=direct status=none
+	cmp $T/pat4 $T/back4
+	echo "after the restart: s1/disk4 on $nbd again, the data written before the kill read back"
+
+	echo "== a daemon that stops detaches what it attached"
+	kill "$cpid"
 	vm_wait 30 detached "$idx"
 	vm_wait 30 not_mounted $T/dev
 	echo "$nbd after rtrs-clientd stopped: size $(cat /sys/block/nbd"$idx"/size), no pid file"
@@ -168,6 +188,16 @@ suite_body() {
 		echo "NBD devices left connected"
 		return 1
 	fi
+}
+
+# start_clientd: rtrs-clientd in the background (pid in $cpid and $T/cpid), its tree mounted.
+start_clientd() {
+	rtrs-clientd -provider verbs -config $T/clientd.conf -mount $T/cli -dev-mount $T/dev \
+		-nbd-socket $T/nbd.sock >>$T/clientd.log 2>&1 &
+	cpid=$!
+	echo $cpid >$T/cpid
+	vm_wait 30 test -e $T/dev/ctl/map_device
+	grep -q "provider verbs" $T/clientd.log
 }
 
 path_connected() { vm_wait 60 grep -qx connected "$1/state"; }
