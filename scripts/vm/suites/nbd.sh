@@ -1,6 +1,7 @@
 # shellcheck shell=bash
-# Real block devices (issue 12 §4): rtrs-serverd and rtrs-clientd with -provider verbs over two
-# rxe paths, a mapped device as /dev/nbdX through
+# Real block devices (issue 12 §4): pkg/nbd's Attach against the kernel's NBD (TestKernelAttach);
+# then rtrs-serverd and rtrs-clientd with -provider verbs over two rxe paths, a mapped device as
+# /dev/nbdX through
 # - the kernel's nbd-client against rtrs-clientd's NBD socket, and
 # - rtrs-clientd attaching it itself (map_device nbd=auto, the kernel's NBD netlink family);
 # each time: ext4 made, mounted, files read back after a remount; fio with verify=crc32c
@@ -22,7 +23,11 @@ host() {
 	for m in fs/mbcache fs/jbd2/jbd2 lib/crc16 crypto/crc32c_generic fs/ext4/ext4; do
 		cp "$kdir/kernel/$m.ko" "$RTRS_VM_WORK/kmod/"
 	done
-	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd)
+	(
+		cd "$RTRS_VM_REPO" || exit
+		go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd
+		go test -c -o "$RTRS_VM_WORK/bin/nbd.test" ./pkg/nbd
+	)
 }
 
 T=/tmp/nbd
@@ -73,6 +78,15 @@ suite_body() {
 	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 nbd idx cpid
 	P1="$T/cli/s1/paths/ip:$A1@ip:$A1"
 	P2="$T/cli/s1/paths/ip:$A2@ip:$A1"
+
+	echo "== pkg/nbd's Attach against the kernel (TestKernelAttach)"
+	RTRS_TEST_NBD=1 nbd.test -test.run '^TestKernelAttach$' -test.v -test.count 1 2>&1 | tee $T/kernel-test.out
+	if grep -q -- '--- SKIP' $T/kernel-test.out; then
+		echo "TestKernelAttach skipped"
+		return 1
+	fi
+	grep -q -- '--- PASS: TestKernelAttach' $T/kernel-test.out
+
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:$PORT" -dev-search-path $T/exports \
 		-mount $T/srv >$T/serverd.log 2>&1 &
 	echo $! >$T/spid
