@@ -63,7 +63,9 @@ go test -race -count=1 -timeout 20m ./...
 
 echo "== VM suites (rxe verbs in a qemu VM: scripts/vmtest.sh)"
 # Real RDMA: Debian's kernel with Soft-RoCE in a VM, the verbs provider's conformance and
-# engine tests, both daemons over verbs, rdma-perf beside perftest. Any failure fails the run.
+# engine tests, both daemons over verbs, rdma-perf beside perftest, interoperation with the
+# kernel's RTRS/RNBD, NBD block devices. Any failure fails the run. The interop suite waits out
+# the kernel's 30 s reconnect delay several times (RTRS_VM_TIMEOUT: 40 minutes by default).
 scripts/vmtest.sh
 
 if [ "$fuzz" = 1 ]; then

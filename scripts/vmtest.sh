@@ -7,7 +7,7 @@
 #   SUITE is a name from scripts/vm/suites/NAME.sh, or a path to a suite file.
 # Environment:
 #   RTRS_VM_CACHE          cache of the kernel, initramfs, built modules (/var/cache/rtrs-vmtest)
-#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (900)
+#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (2400: the interop suite waits out the kernel's 30 s reconnect delay several times)
 #   RTRS_VM_SUITE_TIMEOUT  seconds for one suite's guest part (default: the whole run's)
 #   RTRS_VM_KEEP=1         keep the work folder even when everything passed
 #   RTRS_VM_RESULTS        copy the guest's results/ (logs, suites' files) and console log here
@@ -22,7 +22,7 @@ repo=$(cd "$here/.." && pwd)
 [ "$(id -u)" = 0 ] || vm_die "run as root (installs packages, boots qemu)"
 export RTRS_VM_CACHE=${RTRS_VM_CACHE:-/var/cache/rtrs-vmtest}
 export RTRS_VM_REPO=$repo
-timeout_s=${RTRS_VM_TIMEOUT:-900}
+timeout_s=${RTRS_VM_TIMEOUT:-2400}
 t_start=$(vm_now)
 
 # Go for the suites' host parts: the machine image keeps it in /usr/local/go.
