@@ -162,6 +162,8 @@ kernel_client_our_server() {
 	vm_wait 10 test ! -e /dev/rnbd0
 	kill "$SRV_PID"
 	wait "$SRV_PID"
+	# The guest's /tmp is memory, shared with the suites after this one.
+	rm -rf "$T"
 }
 
 # start_our_server T INV: rtrs-serverd on port 1234 exporting T/exports, tree at T/srv; sets
@@ -278,6 +280,7 @@ our_client_kernel_server() {
 	wait $cpid
 	busybox rmmod rnbd_server rtrs_server
 	losetup -d "$loop"
+	rm -rf "$T"
 }
 
 # ks_faults T S INV DEV: faults under fio with our client on the kernel's server.
@@ -466,6 +469,7 @@ figures() {
 	kill $spid
 	wait $spid
 	losetup -d "$loop"
+	rm -rf "$T"
 }
 
 # fig_row LABEL FILE [ARGS...]: one table row.
