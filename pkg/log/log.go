@@ -6,6 +6,8 @@ import (
 	"context"
 	"io"
 	"log"
+	"sync"
+	"time"
 
 	"github.com/sirupsen/logrus"
 )
@@ -74,4 +76,52 @@ func StdLogger(e *Entry, level string) *log.Logger {
 		lvl = logrus.DebugLevel
 	}
 	return log.New(e.WriterLevel(lvl), "", 0)
+}
+
+// Limiter reports refusals once per cause: the first with its peer, then at most one line per
+// interval saying how many more there were and the last peer. Causes are a fixed set of words
+// chosen by the caller, never peer input, so its memory is bounded.
+type Limiter struct {
+	// Every is the least time between two lines of one cause (default one minute).
+	Every time.Duration
+
+	mu     sync.Mutex
+	causes map[string]*limited
+}
+
+type limited struct {
+	last   time.Time
+	missed int
+}
+
+// Warn logs that peer was refused for cause (with detail), unless cause was reported less
+// than Every ago: then it only counts it.
+func (l *Limiter) Warn(e *Entry, cause, peer, detail string) {
+	every := l.Every
+	if every <= 0 {
+		every = time.Minute
+	}
+	l.mu.Lock()
+	if l.causes == nil {
+		l.causes = map[string]*limited{}
+	}
+	c := l.causes[cause]
+	if c == nil {
+		c = &limited{}
+		l.causes[cause] = c
+	}
+	now := time.Now()
+	if !c.last.IsZero() && now.Sub(c.last) < every {
+		c.missed++
+		l.mu.Unlock()
+		return
+	}
+	missed := c.missed
+	c.last, c.missed = now, 0
+	l.mu.Unlock()
+	f := Fields{"peer": peer, "cause": cause}
+	if missed > 0 {
+		f["refused_since_last_report"] = missed
+	}
+	e.WithFields(f).Warn("refused: " + detail)
 }

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/sockread"
+	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -37,6 +38,16 @@ type connID struct {
 	started   bool
 	destroyed bool
 	expire    *time.Timer
+	// free gives back the listener's pending slot of an incoming request, once (nil for an
+	// outgoing identifier).
+	free func()
+}
+
+// freeSlot gives back the request's pending slot (when it is answered or dropped).
+func (c *connID) freeSlot() {
+	if c.free != nil {
+		c.free()
+	}
 }
 
 var _ rdma.ConnID = (*connID)(nil)
@@ -291,6 +302,7 @@ func (c *connID) Accept(ctx context.Context, p rdma.ConnParam) error {
 	if err != nil {
 		return err
 	}
+	defer c.freeSlot()
 	dl := deadline(ctx)
 	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
 	defer stop()
@@ -324,6 +336,7 @@ func (c *connID) Reject(data []byte) error {
 	if err != nil {
 		return err
 	}
+	defer c.freeSlot()
 	_ = conn.SetWriteDeadline(time.Now().Add(discWriteTimeout))
 	err = writeCM(conn, fConnRej, data)
 	_ = conn.Close()
@@ -387,6 +400,7 @@ func (c *connID) Destroy() error {
 	c.mu.Unlock()
 	if pending {
 		_ = conn.Close()
+		c.freeSlot()
 	}
 	if q == nil {
 		return nil
@@ -411,6 +425,47 @@ type listener struct {
 	done chan struct{}
 	wg   sync.WaitGroup
 	once sync.Once
+	log  *log.Entry
+
+	// Unfinished incoming connections, in all and per peer address (Options.MaxPending).
+	mu      sync.Mutex
+	pending int
+	perAddr map[netip.Addr]int
+}
+
+// refusals reports refused connections and exhaustion once per cause (log.Limiter).
+var refusals log.Limiter
+
+// admit takes a pending slot for a connection from peer; the returned function gives it back
+// (once). It returns nil, having logged why, when a bound is reached.
+func (l *listener) admit(peer netip.AddrPort) func() {
+	o := l.prov.opts
+	a := peer.Addr()
+	l.mu.Lock()
+	if l.pending >= o.MaxPending {
+		l.mu.Unlock()
+		refusals.Warn(l.log, "pending connections", peer.String(), fmt.Sprintf("%d unfinished connections (the listener's bound)", o.MaxPending))
+		return nil
+	}
+	if l.perAddr[a] >= o.MaxPendingPerAddr {
+		l.mu.Unlock()
+		refusals.Warn(l.log, "pending connections per address", peer.String(), fmt.Sprintf("%d unfinished connections from this address (the bound per address)", o.MaxPendingPerAddr))
+		return nil
+	}
+	l.pending++
+	l.perAddr[a]++
+	l.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			l.mu.Lock()
+			l.pending--
+			if l.perAddr[a]--; l.perAddr[a] == 0 {
+				delete(l.perAddr, a)
+			}
+			l.mu.Unlock()
+		})
+	}
 }
 
 // Listen listens on addr; "[::]:port" takes IPv4 and IPv6.
@@ -422,7 +477,9 @@ func (p *Provider) Listen(addr netip.AddrPort, backlog int) (rdma.Listener, erro
 	if err != nil {
 		return nil, fmt.Errorf("soft-rdma: listen on %v: %w", addr, err)
 	}
-	l := &listener{prov: p, ln: ln, addr: ln.Addr().(*net.TCPAddr).AddrPort(), reqs: make(chan *rdma.ConnRequest, backlog), done: make(chan struct{})}
+	l := &listener{prov: p, ln: ln, addr: ln.Addr().(*net.TCPAddr).AddrPort(), reqs: make(chan *rdma.ConnRequest, backlog), done: make(chan struct{}),
+		perAddr: map[netip.Addr]int{}}
+	l.log = log.L.WithFields(log.Fields{"component": "soft-rdma", "listen": l.addr.String()})
 	l.wg.Add(1)
 	go l.acceptLoop()
 	return l, nil
@@ -441,6 +498,7 @@ func (l *listener) acceptLoop() {
 			default:
 			}
 			// Out of descriptors and the like: back off instead of spinning.
+			refusals.Warn(l.log, "accept failed", "", err.Error())
 			select {
 			case <-l.done:
 				return
@@ -448,33 +506,49 @@ func (l *listener) acceptLoop() {
 			}
 			continue
 		}
+		remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
+		free := l.admit(netip.AddrPortFrom(remote.Addr().Unmap(), remote.Port()))
+		if free == nil {
+			_ = c.Close()
+			continue
+		}
 		l.wg.Add(1)
-		go l.handshake(c)
+		go l.handshake(c, free)
 	}
 }
 
 // handshake reads a connection request and hands it to Accept's caller.
-func (l *listener) handshake(c net.Conn) {
+func (l *listener) handshake(c net.Conn, free func()) {
 	defer l.wg.Done()
 	tuneConn(c)
+	// The request must come within the handshake timeout; then the user has the CM's
+	// request timer to answer it.
+	_ = c.SetDeadline(time.Now().Add(l.prov.opts.HandshakeTimeout))
 	dl := time.Now().Add(rdma.DefaultConnectTimeout)
-	_ = c.SetDeadline(dl)
 	br := sockread.New(c, l.prov.opts.ReadBufSize)
 	h, data, err := readCM(br)
-	if err != nil || h.op != fConnReq {
+	if err == nil && h.op != fConnReq {
+		err = fmt.Errorf("%w: %v instead of a connection request", errFrame, h.op)
+	}
+	if err != nil {
+		refusals.Warn(l.log, "handshake", c.RemoteAddr().String(), "no connection request: "+err.Error())
 		_ = c.Close()
+		free()
 		return
 	}
+	_ = c.SetDeadline(dl)
 	local := c.LocalAddr().(*net.TCPAddr).AddrPort()
 	remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
 	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
 	remote = netip.AddrPortFrom(remote.Addr().Unmap(), remote.Port())
 	dev, err := l.prov.deviceFor(local.Addr())
 	if err != nil {
+		refusals.Warn(l.log, "no device", remote.String(), err.Error())
 		_ = c.Close()
+		free()
 		return
 	}
-	id := &connID{prov: l.prov, dev: dev, local: local, remote: remote, conn: c, br: br}
+	id := &connID{prov: l.prov, dev: dev, local: local, remote: remote, conn: c, br: br, free: free}
 	// A request nobody answers in time is dropped, as the CM's REQ timer would.
 	id.expire = time.AfterFunc(time.Until(dl), func() {
 		id.mu.Lock()
@@ -483,6 +557,7 @@ func (l *listener) handshake(c net.Conn) {
 		id.mu.Unlock()
 		if drop {
 			_ = c.Close()
+			free()
 		}
 	})
 	select {
@@ -490,6 +565,7 @@ func (l *listener) handshake(c net.Conn) {
 	case <-l.done:
 		id.expire.Stop()
 		_ = c.Close()
+		free()
 	}
 }
 

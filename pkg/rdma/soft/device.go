@@ -46,7 +46,24 @@ type Options struct {
 	// ReadBufSize is the socket read buffer per QP: headers and small payloads that arrive
 	// together are taken from it, larger payloads go straight to MR memory (default 64 KiB).
 	ReadBufSize int
+	// MaxPending bounds a listener's unfinished incoming connections: accepted by TCP, and
+	// not yet accepted or rejected by the listener's user (default 256). Past it new ones are
+	// closed at once.
+	MaxPending int
+	// MaxPendingPerAddr bounds them per peer address (default 32), so one host cannot take
+	// every slot.
+	MaxPendingPerAddr int
+	// HandshakeTimeout is how long a new connection may take to send its connection request
+	// (default 5 s).
+	HandshakeTimeout time.Duration
 }
+
+// Defaults of the listener's admission bounds (Options).
+const (
+	DefaultMaxPending        = 256
+	DefaultMaxPendingPerAddr = 32
+	DefaultHandshakeTimeout  = 5 * time.Second
+)
 
 // New returns a soft provider.
 func New(o Options) *Provider {
@@ -55,6 +72,15 @@ func New(o Options) *Provider {
 	}
 	if o.ReadBufSize <= 0 {
 		o.ReadBufSize = 64 << 10
+	}
+	if o.MaxPending <= 0 {
+		o.MaxPending = DefaultMaxPending
+	}
+	if o.MaxPendingPerAddr <= 0 {
+		o.MaxPendingPerAddr = DefaultMaxPendingPerAddr
+	}
+	if o.HandshakeTimeout <= 0 {
+		o.HandshakeTimeout = DefaultHandshakeTimeout
 	}
 	return &Provider{opts: o, devs: map[string]*device{}}
 }
@@ -550,17 +576,23 @@ func (d *device) resolve(p *pd, from *qp, key uint32, addr uint64, n uint32, nee
 	return b, rdma.WCSuccess
 }
 
-// invalidate invalidates the region of pd named by key. A peer (remote) may invalidate only a
+// invalidate invalidates the region of pd named by key; from is the QP a remote invalidation
+// came in on (nil: a local one). A peer may invalidate only a
 // fast-reg region allocated for it (rdma.FastRegRemoteInv), as a type 2 memory window.
-func (d *device) invalidate(p *pd, key uint32, remote bool) bool {
+func (d *device) invalidate(p *pd, from *qp, key uint32) bool {
 	m := d.lookup(key)
-	if m == nil || remote && !m.remoteInv {
+	if m == nil || from != nil && !m.remoteInv {
 		return false
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	st := m.st.Load()
 	if m.pd != p || uint32(st) != key || st&stDereg != 0 {
+		return false
+	}
+	// A peer invalidates only what it was granted: a valid region with remote access, made
+	// so by a REG_MR on the QP the request came in on (a type 2 window's binding).
+	if from != nil && (st&stValid == 0 || m.access()&(rdma.AccessRemoteWrite|rdma.AccessRemoteRead) == 0 || m.bound != from) {
 		return false
 	}
 	m.setState(key, m.access(), false, false)

@@ -128,5 +128,5 @@ func TestMRValidation(t *testing.T) {
 
 // invalidateKey runs what a LOCAL_INV work request does.
 func invalidateKey(dev rdma.Device, p rdma.PD, key uint32) bool {
-	return dev.(*device).invalidate(p.(*pd), key, false)
+	return dev.(*device).invalidate(p.(*pd), nil, key)
 }

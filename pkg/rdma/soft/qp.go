@@ -20,6 +20,12 @@ const (
 	discLinger       = 2 * time.Second
 )
 
+// maxRdAtomic is the QP's RDMA READ depth both ways, rxe's max_qp_rd_atom: as requester
+// (initiator depth) no more READs than this are on the wire, later requests wait behind the
+// one that would pass it; as responder (responder resources) a peer that has more READ
+// responses waiting for it to read them is in violation and the QP fails, as an HCA NAKs.
+const maxRdAtomic = 128
+
 // sqEntry is one posted send work request.
 type sqEntry struct {
 	id       uint64
@@ -65,6 +71,11 @@ type qp struct {
 	rqAvail  chan struct{}
 	shutOnce sync.Once
 	segTmp   []seg // PostSend scratch for resolved SGEs
+	// Initiator depth: READs on the wire whose response has not arrived, and the frames
+	// waiting in order behind a READ that would pass maxRdAtomic.
+	rdOut   int
+	rdDepth int // maxRdAtomic
+	held    []heldFrame
 
 	// Set when the connection is established.
 	conn   net.Conn
@@ -85,6 +96,13 @@ type qp struct {
 	ackAsked bool          // the peer asked for an ack it has not been sent
 	rdSegs   [][]byte
 	rspSeg   [1]seg // a READ response's payload
+}
+
+// heldFrame is a request frame waiting for the READ depth to allow it on the wire.
+type heldFrame struct {
+	h    frameHdr
+	segs []seg
+	read bool
 }
 
 var (
@@ -110,7 +128,7 @@ func newQP(dev *device, p *pd, attr rdma.QPInitAttr) (*qp, error) {
 		maxSendSGE: max(attr.MaxSendSGE, 1), maxRecvSGE: max(attr.MaxRecvSGE, 1),
 		rnrRetry: 7, rnrTimer: dev.prov.opts.RNRTimer,
 		state: rdma.QPSInit, sq: make([]sqEntry, attr.MaxSendWR), rq: make([]rqEntry, attr.MaxRecvWR),
-		nextSeq: 1, dead: make(chan struct{}), rqAvail: make(chan struct{}, 1),
+		nextSeq: 1, rdDepth: maxRdAtomic, dead: make(chan struct{}), rqAvail: make(chan struct{}, 1),
 		events: make(chan rdma.CMEvent, 2), stop: make(chan struct{}),
 	}
 	for i := range q.sq {
@@ -222,13 +240,13 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 				// complete, and no question asked so far covers all of them. (Unsignaled
 				// ones report nothing; their slots come back with later completions.)
 				q.ackReq = q.nextSeq - 1
-				q.w.add(&frameHdr{op: fAck, flags: flagAckReq}, nil)
+				q.sendLocked(frameHdr{op: fAck, flags: flagAckReq}, nil, false)
 				queued = true
 			}
 			e.done = true
 			ok := false
 			if wr.Opcode == rdma.OpLocalInv {
-				ok = q.dev.invalidate(q.pd, wr.InvRKey, false)
+				ok = q.dev.invalidate(q.pd, nil, wr.InvRKey)
 			} else {
 				ok = q.dev.register(q.pd, q, wr.MR, wr.Key, wr.Access)
 			}
@@ -320,9 +338,39 @@ func (q *qp) queueWire(e *sqEntry, wr *rdma.SendWR, fop frameOp) bool {
 		}
 		segs = segs[:0]
 	}
-	q.w.add(&h, segs)
+	q.sendLocked(h, segs, fop == fReadReq)
 	clear(q.segTmp[:cap(q.segTmp)])
 	return true
+}
+
+// sendLocked queues a request frame, or holds it while the READ depth is reached and behind
+// frames already held; q.mu is held.
+func (q *qp) sendLocked(h frameHdr, segs []seg, read bool) {
+	if len(q.held) == 0 && (!read || q.rdOut < q.rdDepth) {
+		if read {
+			q.rdOut++
+		}
+		q.w.add(&h, segs)
+		return
+	}
+	q.held = append(q.held, heldFrame{h: h, segs: append([]seg(nil), segs...), read: read})
+}
+
+// releaseHeldLocked queues the held frames the READ depth now allows; q.mu is held.
+func (q *qp) releaseHeldLocked() {
+	for len(q.held) > 0 {
+		f := &q.held[0]
+		if f.read && q.rdOut >= q.rdDepth {
+			return
+		}
+		if f.read {
+			q.rdOut++
+		}
+		q.w.add(&f.h, f.segs)
+		q.held[0] = heldFrame{}
+		q.held = q.held[1:]
+	}
+	q.held = nil
 }
 
 // finishPost reports local completions and writes the queued frames; it releases q.mu.
@@ -404,6 +452,10 @@ func (q *qp) errorLocked() {
 	}
 	q.state = rdma.QPSErr
 	close(q.dead)
+	for _, f := range q.held {
+		releaseAll(f.segs)
+	}
+	q.held = nil
 	if !q.placing {
 		q.flushLocked()
 	}
@@ -484,10 +536,8 @@ func (q *qp) readLoop() {
 			q.endBurst()
 			if q.ackAsked {
 				q.ackAsked = false
-				if q.w.ackOwed() {
-					q.w.add(&frameHdr{op: fAck}, nil)
-					q.w.flush()
-				}
+				q.w.requestAck()
+				q.w.flush()
 			}
 		}
 		if err = q.br.ReadFull(hb[:]); err != nil {
@@ -515,6 +565,10 @@ func (q *qp) readLoop() {
 	q.mu.Unlock()
 	q.notify()
 	q.shutdown(nil)
+	// What the peer sent after the frame we failed on is read and dropped until it closes
+	// (or discLinger ends): closing a socket with unread data sends a reset, and a reset can
+	// make the peer's kernel drop our TERMINATE before its reader sees it.
+	_, _ = io.Copy(io.Discard, q.br)
 	close(q.stop)
 	_ = q.conn.Close()
 	var ev rdma.CMEvent
@@ -616,8 +670,11 @@ func (q *qp) execute(h *frameHdr) error {
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("remote read of rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
 		}
+		if q.w.rsp.Load() >= maxRdAtomic {
+			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("%w: READ seq %d with %d responses not yet read by the peer (responder resources %d)", errPeer, h.seq, q.w.rsp.Load(), maxRdAtomic))
+		}
 		q.rspSeg[0] = seg{b: b}
-		q.w.add(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rspSeg[:])
+		q.w.addResponse(&frameHdr{op: fReadResp, len: h.len, seq: h.seq}, q.rspSeg[:])
 		q.rspSeg[0] = seg{}
 		q.w.flush()
 		return nil
@@ -631,7 +688,7 @@ func (q *qp) execute(h *frameHdr) error {
 	case fSendImm:
 		wc.Flags, wc.Imm = rdma.WCWithImm, h.imm
 	case fSendInv:
-		if !q.dev.invalidate(q.pd, h.imm, true) {
+		if !q.dev.invalidate(q.pd, q, h.imm) {
 			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("send with invalidate of rkey %#x, which names no region open to remote invalidation", h.imm))
 		}
 		wc.Flags, wc.InvRKey = rdma.WCWithInv, h.imm
@@ -787,6 +844,8 @@ func (q *qp) readResponse(h *frameHdr) error {
 	}
 	e.done = true
 	q.acked = h.seq
+	q.rdOut--
+	q.releaseHeldLocked()
 	q.drainLocked()
 	return nil
 }

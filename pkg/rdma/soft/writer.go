@@ -24,6 +24,9 @@ type seg struct {
 	f   *fileRef
 	off int64
 	n   int
+	// cnt, when set, counts the frame this header begins until it has been written (the
+	// responder's READ responses: see writer.rsp).
+	cnt *atomic.Int32
 }
 
 func (s *seg) len() int {
@@ -47,6 +50,9 @@ func (s *seg) advance(n int) {
 func (s *seg) release() {
 	if s.f != nil {
 		s.f.put()
+	}
+	if s.cnt != nil {
+		s.cnt.Add(-1)
 	}
 	*s = seg{}
 }
@@ -95,9 +101,16 @@ type writer struct {
 	onFail func(error)
 
 	// ack is the responder's highest executed request; every frame carries it. ackSent is
-	// the highest value queued so far.
+	// the highest value queued so far. wantAck asks for an ACK frame, made when the next
+	// write starts: so a peer that asks for acks and does not read its socket gets one
+	// waiting ACK, not one per request.
 	ack     *atomic.Uint64
 	ackSent uint64
+	wantAck bool
+
+	// rsp counts the READ responses queued and not yet written: the responder resources a
+	// peer holds (an HCA's max_dest_rd_atomic).
+	rsp atomic.Int32
 
 	raceAddr unsafe.Pointer // see race_on.go
 }
@@ -127,8 +140,9 @@ func newWriter(conn net.Conn, ack *atomic.Uint64, onFail func(error)) *writer {
 }
 
 // addLocked queues one frame; w.mu is held. The frame's file pieces pass their references
-// to the queue (released when written or dropped).
-func (w *writer) addLocked(h *frameHdr, payload []seg) {
+// to the queue (released when written or dropped). A frame with cnt set is counted in it
+// until written.
+func (w *writer) addLocked(h *frameHdr, payload []seg, cnt *atomic.Int32) {
 	if w.failed {
 		releaseAll(payload)
 		return
@@ -150,7 +164,10 @@ func (w *writer) addLocked(h *frameHdr, payload []seg) {
 	}
 	h.encode(hb)
 	raceRelease(w.raceAddr)
-	w.pend = append(w.pend, seg{b: hb})
+	if cnt != nil {
+		cnt.Add(1)
+	}
+	w.pend = append(w.pend, seg{b: hb, cnt: cnt})
 	for _, p := range payload {
 		if p.len() > 0 {
 			w.pend = append(w.pend, p)
@@ -171,21 +188,45 @@ const handOff = 64 << 10
 // add queues one frame.
 func (w *writer) add(h *frameHdr, payload []seg) {
 	w.mu.Lock()
-	w.addLocked(h, payload)
+	w.addLocked(h, payload, nil)
 	w.mu.Unlock()
 }
 
-// ackOwed reports whether the peer has not yet been sent an ack of everything executed.
-func (w *writer) ackOwed() bool {
+// addResponse queues a READ response, counted in w.rsp until written.
+func (w *writer) addResponse(h *frameHdr, payload []seg) {
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	return !w.failed && w.ackSent < w.ack.Load()
+	w.addLocked(h, payload, &w.rsp)
+	w.mu.Unlock()
+}
+
+// requestAck asks for an ACK frame if the peer has not been sent an ack of everything
+// executed. The frame is made when the next write starts and carries the ack of that moment;
+// one request stands for any number.
+func (w *writer) requestAck() {
+	w.mu.Lock()
+	if !w.failed && w.ackSent < w.ack.Load() {
+		w.wantAck = true
+	}
+	w.mu.Unlock()
+}
+
+// takeAckLocked turns a requested ACK into a frame at the end of the queue; w.mu is held.
+func (w *writer) takeAckLocked() {
+	if w.wantAck {
+		w.wantAck = false
+		if w.ackSent < w.ack.Load() {
+			w.addLocked(&frameHdr{op: fAck}, nil, nil)
+		}
+	}
 }
 
 // flush writes what is queued without blocking; the rest goes to the flusher goroutine.
 // While the flusher is writing it only leaves the frames to it.
 func (w *writer) flush() {
 	w.mu.Lock()
+	if !w.busy {
+		w.takeAckLocked()
+	}
 	if w.busy || len(w.pend) == 0 || w.failed {
 		w.mu.Unlock()
 		return
@@ -344,7 +385,7 @@ func (w *writer) flushSync() {
 // w.busy set on entry, and busy is cleared on return.
 func (w *writer) flushLocked() error {
 	var err error
-	for len(w.pend) > 0 && !w.failed {
+	for w.takeAckLocked(); len(w.pend) > 0 && !w.failed; w.takeAckLocked() {
 		w.batch, w.pend = w.pend, w.spend[:0]
 		w.large = false
 		barena := w.arena
@@ -405,7 +446,7 @@ func (w *writer) run(done <-chan struct{}) {
 		select {
 		case <-w.kick:
 			w.mu.Lock()
-			if w.busy || w.failed || len(w.pend) == 0 {
+			if w.busy || w.failed || len(w.pend) == 0 && !w.wantAck {
 				w.mu.Unlock()
 				continue
 			}

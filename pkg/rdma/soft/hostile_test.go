@@ -1,0 +1,314 @@
+package soft
+
+import (
+	"bytes"
+	"errors"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/sockread"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// acceptOne accepts one connection on a fresh listener, with a QP of testQD, and returns the
+// server end and the listener's address.
+func acceptOne(t *testing.T, p *Provider) (<-chan *end, netip.AddrPort) {
+	t.Helper()
+	ln, err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0"), 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	out := make(chan *end, 1)
+	go func() {
+		ctx := ctxT(t, 10*time.Second)
+		req, err := ln.Accept(ctx)
+		if err != nil {
+			close(out)
+			return
+		}
+		e := &end{id: req.ID, dev: req.ID.Device()}
+		e.pd, _ = e.dev.AllocPD()
+		e.cq, _ = e.dev.CreateCQ(4 * testQD)
+		if e.qp, err = req.ID.CreateQP(e.pd, qpAttr(e.cq)); err != nil || req.ID.Accept(ctx, rdma.ConnParam{RNRRetryCount: 7}) != nil {
+			close(out)
+			return
+		}
+		t.Cleanup(func() { _ = e.id.Destroy(); _ = e.cq.Destroy() })
+		out <- e
+	}()
+	return out, ln.Addr()
+}
+
+// rawConnect connects to a soft listener with hand-made CM frames, as a hostile peer would.
+func rawConnect(t *testing.T, to netip.AddrPort) *net.TCPConn {
+	t.Helper()
+	c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(to))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := writeCM(c, fConnReq, []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	h, _, err := readCM(sockread.New(c, hdrLen+rdma.MaxPrivateData))
+	if err != nil || h.op != fConnAcc {
+		t.Fatalf("answer %v: %v", h.op, err)
+	}
+	if err := writeCM(c, fConnRTU, nil); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetDeadline(time.Time{})
+	return c
+}
+
+// A peer that sends zero-length READ requests and never reads its socket gets its QP failed
+// once it holds more READ responses than the responder resources, instead of making the
+// responder queue responses without bound.
+func TestReadFloodBounded(t *testing.T) {
+	p := New(Options{})
+	srv, addr := acceptOne(t, p)
+	c := rawConnect(t, addr)
+	_ = c.SetReadBuffer(4096)
+	s := <-srv
+	if s == nil {
+		t.Fatal("server did not accept")
+	}
+	sq := s.qp.(*qp)
+	var b [hdrLen]byte
+	batch := make([]byte, 0, 512*hdrLen)
+	sent := 0
+	_ = c.SetWriteDeadline(time.Now().Add(20 * time.Second))
+	var werr error
+	for seq := uint64(1); werr == nil && seq < 20_000_000; {
+		batch = batch[:0]
+		for range 512 {
+			(&frameHdr{op: fReadReq, seq: seq}).encode(b[:])
+			batch = append(batch, b[:]...)
+			seq++
+		}
+		_, werr = c.Write(batch)
+		sent += 512
+		if n := sq.w.rsp.Load(); n > maxRdAtomic {
+			t.Fatalf("%d READ responses queued, responder resources are %d", n, maxRdAtomic)
+		}
+	}
+	// The responder failed the QP: the disconnect is reported, and the frames it
+	// would have queued were never made.
+	ev := s.expectEvent(t, rdma.EventDisconnected)
+	if ev.Err == nil {
+		t.Fatal("the flood ended as an orderly disconnect")
+	}
+	if n := sq.w.rsp.Load(); n > maxRdAtomic {
+		t.Fatalf("%d READ responses queued after the failure", n)
+	}
+	t.Logf("flood of %d READ requests ended by the responder: %v", sent, ev.Err)
+}
+
+// A requester keeps at most its READ depth on the wire; what is posted behind waits in order
+// and every request completes.
+func TestInitiatorDepth(t *testing.T) {
+	p := New(Options{})
+	pr := connect(t, p, &pair{cliRNR: 7, srvRNR: 7, beforeConn: func(e *end) { e.qp.(*qp).rdDepth = 4 }}, "", "127.0.0.1:0")
+	const n = 24
+	remote := pr.srv.reg(t, n*256, rdma.AccessLocalWrite|rdma.AccessRemoteRead|rdma.AccessRemoteWrite)
+	fill(remote.Bytes(), 3)
+	local := pr.cli.reg(t, n*256, rdma.AccessLocalWrite)
+	src := pr.cli.reg(t, 64, rdma.AccessLocalWrite)
+	fill(src.Bytes(), 9)
+	var wrs []rdma.SendWR
+	for i := range n {
+		wrs = append(wrs, rdma.SendWR{ID: uint64(i), Opcode: rdma.OpRDMARead, Flags: rdma.SendSignaled,
+			SGList: []rdma.SGE{rdma.SGEOf(local, i*256, 128)}, RemoteAddr: remote.Addr() + uint64(i*256), RKey: remote.RKey()})
+		// A WRITE behind each READ waits with it and completes after it.
+		wrs = append(wrs, rdma.SendWR{ID: uint64(100 + i), Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled,
+			SGList: []rdma.SGE{rdma.SGEOf(src, 0, 64)}, RemoteAddr: remote.Addr() + uint64(i*256+128), RKey: remote.RKey()})
+	}
+	cq := pr.cli.qp.(*qp)
+	if _, err := pr.cli.qp.PostSend(wrs); err != nil {
+		t.Fatal(err)
+	}
+	cq.mu.Lock()
+	held, out := len(cq.held), cq.rdOut
+	cq.mu.Unlock()
+	if out > 4 {
+		t.Fatalf("%d READs on the wire, depth 4", out)
+	}
+	if held == 0 {
+		t.Log("every request went out before the post returned (responses were fast)")
+	}
+	for i := range wrs {
+		want := wrs[i]
+		op := rdma.WCRDMARead
+		if want.Opcode == rdma.OpRDMAWrite {
+			op = rdma.WCRDMAWrite
+		}
+		pr.cli.expect(t, want.ID, op, rdma.WCSuccess)
+	}
+	for i := range n {
+		if !bytes.Equal(local.Bytes()[i*256:i*256+128], remote.Bytes()[i*256:i*256+128]) {
+			t.Fatalf("read %d placed the wrong data", i)
+		}
+		if !bytes.Equal(remote.Bytes()[i*256+128:i*256+192], src.Bytes()) {
+			t.Fatalf("write %d did not land", i)
+		}
+	}
+}
+
+// A remote access error reaches the requester as such even when the refused WRITE's payload
+// and more requests behind it are still unread in the responder's socket.
+func TestTerminateBehindPayload(t *testing.T) {
+	for round := range 5 {
+		p := New(Options{})
+		pr := newPair(t, p)
+		local := pr.cli.reg(t, 1<<20, rdma.AccessLocalWrite)
+		ro := pr.srv.reg(t, 1<<20, rdma.AccessLocalWrite|rdma.AccessRemoteRead)
+		var wrs []rdma.SendWR
+		wrs = append(wrs, rdma.SendWR{ID: 1, Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled,
+			SGList: []rdma.SGE{rdma.SGEOf(local, 0, 1<<20)}, RemoteAddr: ro.Addr(), RKey: ro.RKey()})
+		for i := range 8 {
+			wrs = append(wrs, rdma.SendWR{ID: uint64(2 + i), Opcode: rdma.OpRDMAWrite,
+				SGList: []rdma.SGE{rdma.SGEOf(local, 0, 1<<20)}, RemoteAddr: ro.Addr(), RKey: ro.RKey()})
+		}
+		if _, err := pr.cli.qp.PostSend(wrs); err != nil {
+			t.Fatal(err)
+		}
+		wc := pr.cli.wait(t)
+		if wc.ID != 1 || wc.Status != rdma.WCRemAccessErr {
+			t.Fatalf("round %d: first completion id %d %v, want id 1 remote access error", round, wc.ID, wc.Status)
+		}
+	}
+}
+
+// SEND_WITH_INV invalidates only a region the peer was granted: a fast-reg region open to
+// remote invalidation, registered with remote access on the QP the request comes in on.
+func TestRemoteInvalidateNeedsGrant(t *testing.T) {
+	cases := []struct {
+		name string
+		prep func(t *testing.T, e *end) uint32
+	}{
+		{"registered region", func(t *testing.T, e *end) uint32 {
+			return e.reg(t, 4096, rdma.AccessLocalWrite|rdma.AccessRemoteWrite).RKey()
+		}},
+		{"fast-reg without remote invalidation", func(t *testing.T, e *end) uint32 {
+			return fastReg(t, e, 0, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
+		}},
+		{"fast-reg with local access only", func(t *testing.T, e *end) uint32 {
+			return fastReg(t, e, rdma.FastRegRemoteInv, rdma.AccessLocalWrite)
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			pr := newPair(t, New(Options{}))
+			key := tc.prep(t, &pr.srv)
+			buf := pr.srv.reg(t, 64, rdma.AccessLocalWrite)
+			pr.srv.recv(t, 7, buf, 0, 64)
+			local := pr.cli.reg(t, 64, rdma.AccessLocalWrite)
+			pr.cli.post(t, rdma.SendWR{ID: 1, Opcode: rdma.OpSendWithInv, Flags: rdma.SendSignaled, InvRKey: key,
+				SGList: []rdma.SGE{rdma.SGEOf(local, 0, 8)}})
+			pr.cli.expect(t, 1, rdma.WCSend, rdma.WCRemInvReqErr)
+			m := pr.srv.dev.(*device).lookup(key)
+			if m == nil || m.st.Load()&stValid == 0 {
+				t.Fatal("the refused invalidation invalidated the region")
+			}
+		})
+	}
+}
+
+// fastReg allocates a fast-reg region with flags and registers it with access on e's QP.
+func fastReg(t *testing.T, e *end, flags rdma.FastRegFlags, access rdma.Access) uint32 {
+	t.Helper()
+	backing := e.reg(t, 4096, rdma.AccessLocalWrite)
+	m, err := e.pd.AllocFastRegMR(4096, flags)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Map(backing.Bytes(), backing.Addr()); err != nil {
+		t.Fatal(err)
+	}
+	key := rdma.IncKey(m.RKey())
+	e.post(t, rdma.SendWR{ID: 99, Opcode: rdma.OpRegMR, Flags: rdma.SendSignaled, MR: m, Key: key, Access: access})
+	e.expect(t, 99, rdma.WCRegMR, rdma.WCSuccess)
+	return key
+}
+
+// Silent connections (TCP only, no connection request) hold at most the per-address bound of
+// a listener's pending slots and only for the handshake timeout; a client from another
+// address connects meanwhile, and one from the same address after they are dropped.
+func TestSilentConnectionsBounded(t *testing.T) {
+	p := New(Options{MaxPending: 16, MaxPendingPerAddr: 8, HandshakeTimeout: 700 * time.Millisecond})
+	ln, err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0"), 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	var silent []*net.TCPConn
+	for range 40 {
+		c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(ln.Addr()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		silent = append(silent, c)
+	}
+	held := func() int {
+		n := 0
+		for _, c := range silent {
+			_ = c.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+			var b [1]byte
+			if _, err := c.Read(b[:]); err != nil {
+				var ne net.Error
+				if errors.As(err, &ne) && ne.Timeout() {
+					n++
+				}
+			}
+		}
+		return n
+	}
+	if n := held(); n != 8 {
+		t.Fatalf("%d silent connections held, the bound per address is 8", n)
+	}
+	// Another address gets a slot while they are held.
+	ctx := ctxT(t, 10*time.Second)
+	acc := make(chan error, 1)
+	go func() {
+		req, err := ln.Accept(ctx)
+		if err == nil {
+			err = req.ID.Reject([]byte("no"))
+		}
+		acc <- err
+	}()
+	id, err := p.ResolveAddr(ctx, netip.MustParseAddr("127.0.0.2"), ln.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := end{id: id, dev: id.Device()}
+	e.pd, _ = e.dev.AllocPD()
+	e.cq, _ = e.dev.CreateCQ(4 * testQD)
+	if e.qp, err = id.CreateQP(e.pd, qpAttr(e.cq)); err != nil {
+		t.Fatal(err)
+	}
+	var rej *rdma.RejectError
+	if _, err := id.Connect(ctx, rdma.ConnParam{}); !errors.As(err, &rej) {
+		t.Fatalf("connect from another address: %v, want the listener's reject", err)
+	}
+	if err := <-acc; err != nil {
+		t.Fatal(err)
+	}
+	_ = id.Destroy()
+	// After the handshake timeout every silent connection is gone and the slots are back.
+	time.Sleep(time.Second)
+	if n := held(); n != 0 {
+		t.Fatalf("%d silent connections still held after the handshake timeout", n)
+	}
+	l := ln.(*listener)
+	l.mu.Lock()
+	pending := l.pending
+	l.mu.Unlock()
+	if pending != 0 {
+		t.Fatalf("%d pending slots taken with no connection left", pending)
+	}
+}
