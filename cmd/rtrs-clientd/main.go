@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
@@ -78,6 +79,7 @@ func run(parent context.Context, args []string) error {
 	hbInterval := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	conPerPath := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
 	provName := fs.String("provider", "auto", pick.Usage)
+	maxMem := fs.String("max-chunk-memory", "256M", "the most chunk memory (queue depth × chunk size) a server may make a session allocate")
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach stale mounts and exit")
@@ -106,6 +108,10 @@ func run(parent context.Context, args []string) error {
 		disconnectStale(lg)
 		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
 	}
+	chunkMem, err := size.Parse(*maxMem)
+	if err != nil || chunkMem < 1 {
+		return fmt.Errorf("-max-chunk-memory %q: want a size such as 256M", *maxMem)
+	}
 	prov, why, err := pick.Open(*provName)
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
@@ -113,7 +119,7 @@ func run(parent context.Context, args []string) error {
 	lg.Infof("provider %s", why)
 	c := rnbd.NewClient(rnbd.ClientOptions{
 		Session: transport.ClientOptions{Provider: prov, ConPerPath: *conPerPath,
-			MaxReconnectAttempts: -1, Policy: transport.MinInflight,
+			MaxReconnectAttempts: -1, Policy: transport.MinInflight, MaxChunkMemory: int64(chunkMem),
 			Timings: transport.Timings{ReconnectDelay: *recDelay, HeartbeatInterval: *hbInterval}},
 		ReconnectTimeout: *ioTimeout,
 	})

@@ -22,6 +22,7 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -52,6 +53,15 @@ func run(parent context.Context, args []string) error {
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
 	provName := fs.String("provider", "auto", pick.Usage)
+	maxSess := fs.Int("max-sessions", 256, "sessions the server holds at most, established or not")
+	maxMem := fs.String("max-chunk-memory", "", "chunk memory of all sessions at most (e.g. 8G; empty: half the machine's memory)")
+	maxCons := fs.Int("max-conns-per-path", 257, "connections a path may have (its cid_num)")
+	maxConnecting := fs.Int("max-connecting", 2048, "connections of paths not yet established, in all")
+	maxConnectingAddr := fs.Int("max-connecting-per-addr", 514, "connections of paths not yet established, per client address")
+	establish := fs.Duration("establish-timeout", 30*time.Second, "how long a path may take from its first connection to INFO_REQ")
+	maxPending := fs.Int("max-pending", soft.DefaultMaxPending, "soft provider: connections not yet past the connection request, in all")
+	maxPendingAddr := fs.Int("max-pending-per-addr", soft.DefaultMaxPendingPerAddr, "soft provider: the same, per client address")
+	handshake := fs.Duration("handshake-timeout", soft.DefaultHandshakeTimeout, "soft provider: how long a new connection may take to send its connection request")
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach a stale mount at -mount and exit")
@@ -79,7 +89,25 @@ func run(parent context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("-zero-copy-read-min: %w", err)
 	}
-	prov, why, err := pick.Open(*provName, addr.Addr())
+	lim := transport.ServerLimits{MaxSessions: *maxSess, MaxConnsPerPath: *maxCons,
+		MaxConnecting: *maxConnecting, MaxConnectingPerAddr: *maxConnectingAddr}
+	if *maxMem != "" {
+		n, err := size.Parse(*maxMem)
+		if err != nil {
+			return fmt.Errorf("-max-chunk-memory: %w", err)
+		}
+		lim.MaxChunkMemory = int64(n)
+	}
+	for name, v := range map[string]int{"max-sessions": *maxSess, "max-conns-per-path": *maxCons, "max-connecting": *maxConnecting,
+		"max-connecting-per-addr": *maxConnectingAddr, "max-pending": *maxPending, "max-pending-per-addr": *maxPendingAddr} {
+		if v < 1 {
+			return fmt.Errorf("-%s %d: must be at least 1", name, v)
+		}
+	}
+	if *establish <= 0 || *handshake <= 0 {
+		return fmt.Errorf("-establish-timeout and -handshake-timeout must be positive")
+	}
+	prov, why, err := pick.OpenSoft(*provName, soft.Options{MaxPending: *maxPending, MaxPendingPerAddr: *maxPendingAddr, HandshakeTimeout: *handshake}, addr.Addr())
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
 	}
@@ -93,6 +121,8 @@ func run(parent context.Context, args []string) error {
 	o.Provider, o.Handler, o.Addr = prov, rs, addr
 	o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = *qd, cs, *inv
 	o.Timings.HeartbeatInterval = *hb
+	o.Timings.ZombieTimeout = *establish
+	o.Limits = lim
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err

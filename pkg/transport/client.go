@@ -66,7 +66,14 @@ type ClientOptions struct {
 	// of completions it handled (request callbacks included), so that a user can gather what
 	// those callbacks produced and send it once. It must not block.
 	AfterCompletions func()
+	// MaxChunkMemory bounds what a server can make the session allocate: a path whose server
+	// offers queue depth × chunk size above it is refused (default DefaultClientChunkMemory).
+	MaxChunkMemory int64
 }
+
+// DefaultClientChunkMemory is ClientOptions.MaxChunkMemory's default: four times the
+// kernel server's defaults (512 chunks of 128 KiB).
+const DefaultClientChunkMemory = 4 * DefaultQueueDepth * DefaultChunkSize
 
 // Session is a client session: a name, paths to one server session, and one pool of permits.
 type Session struct {
@@ -119,6 +126,9 @@ func Open(ctx context.Context, opts ClientOptions) (*Session, error) {
 		opts.ConPerPath = runtime.NumCPU() + 1
 	}
 	opts.Timings = opts.Timings.withDefaults()
+	if opts.MaxChunkMemory <= 0 {
+		opts.MaxChunkMemory = DefaultClientChunkMemory
+	}
 	s := &Session{opts: opts, pathsUUID: uuid.New(), log: logger(log.Fields{"session": opts.SessName})}
 	s.policy.Store(int32(opts.Policy))
 	s.maxReconnect.Store(int32(opts.MaxReconnectAttempts))
@@ -530,6 +540,9 @@ func (s *Session) takeLimits(p *Path, rsp *MsgConnRsp) error {
 	}
 	if err := CheckImmBits(qd, chunk); err != nil {
 		return fmt.Errorf("%w: %w", err, syscall.EINVAL)
+	}
+	if lim := s.opts.MaxChunkMemory; int64(qd)*int64(chunk) > lim {
+		return fmt.Errorf("rtrs: server offers queue depth %d × chunk %d, more than the %d bytes allowed (MaxChunkMemory): %w", qd, chunk, lim, syscall.EINVAL)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

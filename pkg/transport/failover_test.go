@@ -172,24 +172,35 @@ func TestHeartbeatLoss(t *testing.T) {
 func TestStaleRkeyRefused(t *testing.T) {
 	leakcheck.Check(t)
 	e := newEnv(t, true, 8)
-	s := e.open(t, "stale", paths(t, path1()), nil)
-	p := s.Paths()[0]
-	p.mu.Lock()
-	old := p.rbufs[0].rkey.Load()
-	addr := p.rbufs[0].addr
-	p.mu.Unlock()
+	// Two paths: the other one keeps the session (and its chunks) while this one is down.
+	s := e.open(t, "stale", paths(t, path1(), path2()), nil)
+	olds := map[*Path]uint32{}
+	for _, q := range s.Paths() {
+		q.mu.Lock()
+		olds[q] = q.rbufs[0].rkey.Load()
+		q.mu.Unlock()
+	}
 	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
 		t.Fatal(err)
 	}
-	p.mu.Lock()
-	fresh := p.rbufs[0].rkey.Load()
-	c, res := p.cons[1], p.res
-	p.mu.Unlock()
-	if fresh == old {
+	// The path the write went on is the one whose key for chunk 0 changed.
+	var p *Path
+	var old, fresh uint32
+	var addr uint64
+	var c *con
+	var res *pathRes
+	for _, q := range s.Paths() {
+		q.mu.Lock()
+		if k := q.rbufs[0].rkey.Load(); k != olds[q] {
+			p, old, fresh, addr, c, res = q, olds[q], k, q.rbufs[0].addr, q.cons[1], q.res
+		}
+		q.mu.Unlock()
+	}
+	if p == nil || fresh == old {
 		t.Fatal("the chunk key did not change")
 	}
 	ss := e.srv.Sessions()[0]
-	chunk := ss.chunk(0)
+	chunk := ss.Paths()[0].chunk(0) // one per session, whichever path
 	// The handler took the disk lock after the chunk was filled: holding it orders this read.
 	e.disk.mu.Lock()
 	before := string(chunk[:64])

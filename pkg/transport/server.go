@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -34,6 +35,57 @@ type ServerOptions struct {
 	AlwaysInvalidate bool
 	Handler          Handler
 	Timings          Timings
+	// Limits bound what clients can make the server hold; zero fields take the defaults.
+	Limits ServerLimits
+}
+
+// ServerLimits bound the resources clients can make a server hold. The kernel trusts its
+// fabric and has none of these; a server on a routable network needs them.
+type ServerLimits struct {
+	// MaxSessions bounds the sessions, established or not (default 256).
+	MaxSessions int
+	// MaxChunkMemory bounds the chunk memory of all sessions in bytes (queue depth × chunk
+	// size each, allocated when a session's first path sends INFO_REQ; default half the
+	// machine's memory). A session past it is refused.
+	MaxChunkMemory int64
+	// MaxConnsPerPath bounds a path's connections, its cid_num (default 257: the kernel
+	// client opens one per CPU and one more).
+	MaxConnsPerPath int
+	// MaxConnecting bounds the connections of paths not yet established (default 2048), and
+	// MaxConnectingPerAddr those from one client address (default 514: two paths of the
+	// largest cid_num). Timings.ZombieTimeout bounds how long one may stay so.
+	MaxConnecting        int
+	MaxConnectingPerAddr int
+}
+
+// withDefaults fills in the zero fields.
+func (l ServerLimits) withDefaults() ServerLimits {
+	if l.MaxSessions <= 0 {
+		l.MaxSessions = 256
+	}
+	if l.MaxChunkMemory <= 0 {
+		l.MaxChunkMemory = physMemory() / 2
+	}
+	if l.MaxConnsPerPath <= 0 {
+		l.MaxConnsPerPath = 257
+	}
+	l.MaxConnsPerPath = min(l.MaxConnsPerPath, MaxConnsPerPath)
+	if l.MaxConnecting <= 0 {
+		l.MaxConnecting = 2048
+	}
+	if l.MaxConnectingPerAddr <= 0 {
+		l.MaxConnectingPerAddr = 514
+	}
+	return l
+}
+
+// physMemory is the machine's memory in bytes (1 GiB if it cannot be read).
+func physMemory() int64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil || si.Totalram == 0 {
+		return 1 << 30
+	}
+	return int64(si.Totalram) * int64(si.Unit)
 }
 
 // DefaultServerOptions are the kernel module's defaults.
@@ -79,6 +131,13 @@ type Server struct {
 	mu       sync.Mutex
 	sessions map[uuid.UUID]*SrvSess
 	closed   bool
+	// Connections of paths not yet established, in all and per client address, and the
+	// chunk memory of all sessions (ServerLimits).
+	connecting     int
+	connectingFrom map[netip.Addr]int
+	chunkMemory    int64
+
+	refusals log.Limiter
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -100,11 +159,12 @@ func NewServer(opts ServerOptions) (*Server, error) {
 		return nil, fmt.Errorf("%w: %w", err, syscall.EINVAL)
 	}
 	opts.Timings = opts.Timings.withDefaults()
+	opts.Limits = opts.Limits.withDefaults()
 	ln, err := opts.Provider.Listen(opts.Addr, 64)
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{opts: opts, ln: ln, sessions: map[uuid.UUID]*SrvSess{},
+	s := &Server{opts: opts, ln: ln, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{},
 		log: logger(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
@@ -181,14 +241,15 @@ func reject(req *rdma.ConnRequest, errno syscall.Errno) {
 
 // connect handles one connection request (rtrs_rdma_connect).
 func (s *Server) connect(req *rdma.ConnRequest) {
+	peer := req.ID.RemoteAddr()
 	var m MsgConnReq
 	if err := m.Unmarshal(req.PrivateData); err != nil {
-		s.log.WithError(err).Warn("connection request refused")
+		s.refuse(peer, "malformed connection request", err.Error())
 		reject(req, syscall.ECONNRESET)
 		return
 	}
-	if m.CidNum == 0 || int(m.CidNum) > MaxConnsPerPath || m.Cid >= m.CidNum {
-		s.log.Warnf("connection request with cid %d of %d refused", m.Cid, m.CidNum)
+	if m.CidNum == 0 || int(m.CidNum) > s.opts.Limits.MaxConnsPerPath || m.Cid >= m.CidNum {
+		s.refuse(peer, "connections per path", fmt.Sprintf("connection %d of %d (at most %d per path)", m.Cid, m.CidNum, s.opts.Limits.MaxConnsPerPath))
 		reject(req, syscall.ECONNRESET)
 		return
 	}
@@ -212,21 +273,26 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 	if s.closed {
 		return nil, syscall.ECONNRESET
 	}
+	peer := id.RemoteAddr()
+	lim := s.opts.Limits
+	if s.connecting >= lim.MaxConnecting {
+		s.refuse(peer, "unfinished connections", fmt.Sprintf("%d connections of paths not yet established (the server's bound)", lim.MaxConnecting))
+		return nil, syscall.ECONNRESET
+	}
+	if s.connectingFrom[peer.Addr()] >= lim.MaxConnectingPerAddr {
+		s.refuse(peer, "unfinished connections per address", fmt.Sprintf("%d connections of paths not yet established from this address (the bound per address)", lim.MaxConnectingPerAddr))
+		return nil, syscall.ECONNRESET
+	}
 	ss := s.sessions[m.PathsUUID]
 	if ss == nil {
 		if !m.FirstConn {
 			return nil, syscall.ENXIO
 		}
-		mem, err := rdma.Alloc(s.opts.QueueDepth * s.opts.ChunkSize)
-		if err != nil {
-			s.log.WithError(err).Warn("no memory for a new session's chunks")
-			return nil, syscall.ENOMEM
+		if len(s.sessions) >= s.opts.Limits.MaxSessions {
+			s.refuse(peer, "sessions", fmt.Sprintf("%d sessions (the server's bound)", s.opts.Limits.MaxSessions))
+			return nil, syscall.ECONNRESET
 		}
-		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, mem: mem}
-		// The chunks are unmapped once nothing can touch them: every path has deregistered
-		// them before it lets go of the session, and a handler still answering a request
-		// holds the session through the request.
-		runtime.AddCleanup(ss, func(mem []byte) { _ = rdma.Free(mem) }, mem)
+		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}}
 		s.sessions[m.PathsUUID] = ss
 	}
 	ss.mu.Lock()
@@ -241,6 +307,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 			return nil, syscall.ECONNRESET
 		}
 		p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
+		s.pendLocked(p, 1)
 		return p, 0
 	}
 	if len(ss.paths) >= MaxPathsNum {
@@ -258,7 +325,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 			return nil, syscall.EEXIST
 		}
 	}
-	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, created: time.Now(),
+	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: peer.Addr(), created: time.Now(),
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
 	p.name = PathName(src, dst)
 	p.logp.Store(s.log.WithField("path", p.name))
@@ -276,16 +343,43 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 	})
 	ss.paths[m.SessUUID] = p
 	ss.live++
+	s.pendLocked(p, 1)
 	return p, 0
+}
+
+// pendLocked counts n more (or, negative, fewer) unfinished connections of path p, in all and
+// for its client's address; s.mu is held.
+func (s *Server) pendLocked(p *SrvPath, n int) {
+	p.pending += n
+	s.connecting += n
+	a := p.peer
+	if s.connectingFrom[a] += n; s.connectingFrom[a] <= 0 {
+		delete(s.connectingFrom, a)
+	}
+}
+
+// established stops counting p's connections as unfinished (INFO_REQ came, or p closes).
+func (s *Server) established(p *SrvPath) {
+	s.mu.Lock()
+	s.pendLocked(p, -p.pending)
+	s.mu.Unlock()
+}
+
+// refuse logs a refusal of peer for cause, once per cause and interval.
+func (s *Server) refuse(peer netip.AddrPort, cause, detail string) {
+	s.refusals.Warn(s.log, cause, peer.String(), detail)
 }
 
 // SrvSess is a server session: the chunks its paths share, keyed by the client's session uuid.
 type SrvSess struct {
 	srv  *Server
 	uuid uuid.UUID
-	mem  []byte
 
 	mu          sync.Mutex
+	mem         []byte // the chunks, from the first INFO_REQ on
+	memCleanup  runtime.Cleanup
+	stuck       bool // a path closed with requests still handed up: the chunks may be in use
+	gone        bool // the last path closed: no chunks are allocated any more
 	name        string
 	paths       map[uuid.UUID]*SrvPath
 	established int
@@ -345,10 +439,77 @@ func (ss *SrvSess) pathList() []*SrvPath {
 	return out
 }
 
-// chunk returns chunk id's memory.
-func (ss *SrvSess) chunk(id int) []byte {
-	cs := ss.srv.opts.ChunkSize
-	return ss.mem[id*cs : (id+1)*cs : (id+1)*cs]
+// chunk returns chunk id's memory; the path's chunks are registered (regChunks).
+func (p *SrvPath) chunk(id int) []byte {
+	cs := p.sess.srv.opts.ChunkSize
+	return p.mem[id*cs : (id+1)*cs : (id+1)*cs]
+}
+
+// chunkMem returns the session's chunks, allocating them the first time within the server's
+// MaxChunkMemory.
+func (ss *SrvSess) chunkMem() ([]byte, error) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if ss.mem != nil {
+		return ss.mem, nil
+	}
+	if ss.gone {
+		return nil, fmt.Errorf("rtrs: session closed: %w", syscall.ECONNRESET)
+	}
+	srv := ss.srv
+	n := int64(srv.opts.QueueDepth) * int64(srv.opts.ChunkSize)
+	srv.mu.Lock()
+	if srv.chunkMemory+n > srv.opts.Limits.MaxChunkMemory {
+		used := srv.chunkMemory
+		srv.mu.Unlock()
+		return nil, fmt.Errorf("rtrs: chunk memory of %d bytes for the session: %d of %d in use: %w", n, used, srv.opts.Limits.MaxChunkMemory, syscall.ENOMEM)
+	}
+	srv.chunkMemory += n
+	srv.mu.Unlock()
+	mem, err := rdma.Alloc(int(n))
+	if err != nil {
+		srv.unchargeMem(n)
+		return nil, fmt.Errorf("rtrs: chunk memory for the session: %w", err)
+	}
+	ss.mem = mem
+	// Normally freed when the last path has closed (freeMem); if a handler still held a
+	// request then, only once nothing can reach the session any more.
+	ss.memCleanup = runtime.AddCleanup(ss, func(mem []byte) {
+		_ = rdma.Free(mem)
+		srv.unchargeMem(int64(len(mem)))
+	}, mem)
+	return mem, nil
+}
+
+// freeMem returns the chunks to the system when the session has gone and no handler holds a
+// request of it; called once, after the last path closed.
+func (ss *SrvSess) freeMem() {
+	ss.mu.Lock()
+	mem, stuck := ss.mem, ss.stuck
+	if mem != nil && !stuck {
+		ss.memCleanup.Stop()
+		ss.mem = nil
+	}
+	ss.mu.Unlock()
+	if mem == nil || stuck {
+		return
+	}
+	_ = rdma.Free(mem)
+	ss.srv.unchargeMem(int64(len(mem)))
+}
+
+// unchargeMem takes n bytes of chunk memory off the server's account.
+func (s *Server) unchargeMem(n int64) {
+	s.mu.Lock()
+	s.chunkMemory -= n
+	s.mu.Unlock()
+}
+
+// ChunkMemory is the chunk memory the server's sessions hold, in bytes.
+func (s *Server) ChunkMemory() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.chunkMemory
 }
 
 type srvPathState int
@@ -366,7 +527,9 @@ type SrvPath struct {
 	uuid    uuid.UUID
 	src     Addr // client
 	dst     Addr // server
+	peer    netip.Addr
 	created time.Time
+	pending int // connections reserved while the path is being established; Server.mu
 	hcaName string
 	hcaPort int
 	name    string
@@ -384,6 +547,7 @@ type SrvPath struct {
 
 	pd        rdma.PD
 	syncLocal bool                    // the device's LOCAL_INV takes effect when posted
+	mem       []byte                  // the session's chunks, set with chunkMR at INFO_REQ
 	chunkMR   []rdma.MR               // one per chunk with always_invalidate, else one for all
 	localMR   rdma.MR                 // all chunks, local access: the source of READ data
 	ctlMR     rdma.MR                 // info request/response and rkey response buffers
@@ -443,14 +607,23 @@ func (p *SrvPath) opDone() {
 // ctl buffer layout: [info request 272][info response][rkey responses qd*8].
 func (p *SrvPath) ctlInfoRsp() int { return infoReqSize }
 func (p *SrvPath) ctlRkey(id int) int {
-	return infoReqSize + InfoRspSize(len(p.chunkMR)) + rkeyRspSize*id
+	return infoReqSize + InfoRspSize(p.nChunkMR()) + rkeyRspSize*id
+}
+
+// nChunkMR is how many regions the chunks are registered as: one per chunk with
+// always_invalidate, else one for all.
+func (p *SrvPath) nChunkMR() int {
+	if o := p.sess.srv.opts; o.AlwaysInvalidate {
+		return o.QueueDepth
+	}
+	return 1
 }
 
 // addCon creates the QP of connection cid and accepts it.
 func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	srv := p.sess.srv
 	o := srv.opts
-	if err := p.setupMem(req.ID.Device()); err != nil {
+	if err := p.setupPath(req.ID.Device()); err != nil {
 		reject(req, syscall.ENOMEM)
 		return err
 	}
@@ -516,8 +689,9 @@ func postEmptyRecvs(qp rdma.QP, n int) error {
 	return err
 }
 
-// setupMem registers the session's chunks for this path, once.
-func (p *SrvPath) setupMem(dev rdma.Device) error {
+// setupPath allocates the path's protection domain and control buffer, once. The chunks
+// come at INFO_REQ (regChunks): a connection request costs no chunk memory.
+func (p *SrvPath) setupPath(dev rdma.Device) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.pd != nil {
@@ -531,8 +705,32 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 	if err != nil {
 		return err
 	}
+	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(p.nChunkMR())+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	p.pd, p.ctlMR = pd, ctl
+	p.syncLocal = dev.Query().SyncLocalOps
+	p.reqs = make([]srvReq, o.QueueDepth)
+	for i := range p.reqs {
+		p.reqs[i].r.path, p.reqs[i].r.slot, p.reqs[i].id = p, &p.reqs[i], i
+	}
+	return nil
+}
+
+// regChunks registers the session's chunks for this path (at its INFO_REQ), allocating them
+// if the session has none yet.
+func (p *SrvPath) regChunks() error {
 	ss := p.sess
-	local, err := pd.RegMR(ss.mem, rdma.AccessLocalWrite)
+	mem, err := ss.chunkMem()
+	if err != nil {
+		return err
+	}
+	o := ss.srv.opts
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pd := p.pd
+	local, err := pd.RegMR(mem, rdma.AccessLocalWrite)
 	if err != nil {
 		return err
 	}
@@ -545,7 +743,7 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 			m, err := pd.AllocFastRegMR(o.ChunkSize, 0)
 			if err == nil {
 				mrs = append(mrs, m)
-				err = m.Map(ss.chunk(i), local.Addr()+uint64(i*o.ChunkSize))
+				err = m.Map(mem[i*o.ChunkSize:(i+1)*o.ChunkSize], local.Addr()+uint64(i*o.ChunkSize))
 			}
 			if err != nil {
 				for _, m := range mrs {
@@ -556,23 +754,14 @@ func (p *SrvPath) setupMem(dev rdma.Device) error {
 			}
 		}
 	} else {
-		m, err := pd.RegMR(ss.mem, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
+		m, err := pd.RegMR(mem, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
 		if err != nil {
 			_ = local.Dereg()
 			return err
 		}
 		mrs = append(mrs, m)
 	}
-	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(len(mrs))+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
-	if err != nil {
-		return err
-	}
-	p.pd, p.chunkMR, p.localMR, p.ctlMR = pd, mrs, local, ctl
-	p.syncLocal = dev.Query().SyncLocalOps
-	p.reqs = make([]srvReq, o.QueueDepth)
-	for i := range p.reqs {
-		p.reqs[i].r.path, p.reqs[i].r.slot, p.reqs[i].id = p, &p.reqs[i], i
-	}
+	p.chunkMR, p.localMR, p.mem = mrs, local, mem
 	return nil
 }
 
@@ -627,6 +816,17 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 	default:
 		p.lg().Warnf("unknown immediate %#x", imm)
 		go p.Close()
+		return
+	}
+	if !p.live.Load() {
+		// Before INFO_RSP there are no chunks to name; while closing, requests are dropped.
+		p.mu.Lock()
+		early := p.state == srvConnecting
+		p.mu.Unlock()
+		if early {
+			p.lg().Warn("IO request before INFO_REQ, closing the path")
+			go p.Close()
+		}
 		return
 	}
 	o := p.sess.srv.opts
@@ -712,7 +912,7 @@ func (r *SrvRequest) ID() int { return r.slot.id }
 // dispatch parses the RTRS header at the request's offset and hands the request up.
 func (p *SrvPath) dispatch(c *con, id int) {
 	r := &p.reqs[id]
-	chunk := p.sess.chunk(id)
+	chunk := p.chunk(id)
 	hdr := chunk[r.off:]
 	if len(hdr) < writeHdrSize {
 		p.badRequest(id, "header beyond the chunk")
@@ -878,6 +1078,11 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	srv.mu.Unlock()
 	p.logp.Store(p.lg().WithField("session", m.PathName))
 
+	if err := p.regChunks(); err != nil {
+		srv.refuse(c.id.RemoteAddr(), "chunk memory", err.Error())
+		go p.Close()
+		return
+	}
 	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
 		p.lg().WithError(err).Warn("receives not posted, closing the path")
 		go p.Close()
@@ -893,6 +1098,7 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	p.listed = true
 	p.mu.Unlock()
 	p.zombie.Stop()
+	srv.established(p)
 	ss.mu.Lock()
 	ss.established++
 	first := ss.established == 1
@@ -968,6 +1174,7 @@ func (p *SrvPath) Close() {
 			p.opsIdle.Wait()
 		}
 		deadline.Stop()
+		stuck := p.Stats.Inflight.Load() > 0
 		p.mu.Unlock()
 		for _, c := range cons {
 			if c != nil {
@@ -976,27 +1183,39 @@ func (p *SrvPath) Close() {
 		}
 		ss, srv := p.sess, p.sess.srv
 		srv.mu.Lock()
+		srv.pendLocked(p, -p.pending)
 		ss.mu.Lock()
+		ss.stuck = ss.stuck || stuck
 		delete(ss.paths, p.uuid)
 		last := false
 		if wasConnected {
 			ss.established--
 			last = ss.established == 0
 		}
-		if len(ss.paths) == 0 {
+		gone := len(ss.paths) == 0
+		if gone {
 			delete(srv.sessions, ss.uuid)
+			ss.gone = true
 		}
 		ss.mu.Unlock()
 		srv.mu.Unlock()
 		if last {
 			srv.opts.Handler.LinkEvent(ss, LinkDisconnected)
 		}
-		for _, mr := range append(p.chunkMR, p.localMR, p.ctlMR) {
+		p.mu.Lock()
+		mrs := append(p.chunkMR, p.localMR, p.ctlMR)
+		p.mu.Unlock()
+		for _, mr := range mrs {
 			if mr != nil {
 				_ = mr.Dereg()
 			}
 		}
 		p.dropFileMRs()
+		if gone {
+			// Every path has deregistered the chunks: nothing but a stuck handler can
+			// touch them now.
+			ss.freeMem()
+		}
 		p.mu.Lock()
 		p.state = srvClosed
 		p.mu.Unlock()

@@ -20,9 +20,14 @@ const Usage = "RDMA provider: auto (verbs when this binary has it and an RDMA de
 // addrs are the local addresses the program will use; none, or only unspecified ones, mean
 // any device will do.
 func Open(name string, addrs ...netip.Addr) (rdma.Provider, string, error) {
+	return OpenSoft(name, soft.Options{}, addrs...)
+}
+
+// OpenSoft is Open with the options the soft provider gets if it is chosen.
+func OpenSoft(name string, so soft.Options, addrs ...netip.Addr) (rdma.Provider, string, error) {
 	switch name {
 	case "soft":
-		return soft.New(soft.Options{}), "soft: asked for", nil
+		return soft.New(so), "soft: asked for", nil
 	case "verbs":
 		p, err := verbs.New()
 		if err != nil {
@@ -31,15 +36,15 @@ func Open(name string, addrs ...netip.Addr) (rdma.Provider, string, error) {
 		return p, "verbs: asked for", nil
 	case "auto", "":
 		if !verbs.Built {
-			return soft.New(soft.Options{}), "soft: this binary was built without verbs", nil
+			return soft.New(so), "soft: this binary was built without verbs", nil
 		}
 		p, err := verbs.New()
 		if err != nil {
-			return soft.New(soft.Options{}), fmt.Sprintf("soft: no RDMA device (%v)", err), nil
+			return soft.New(so), fmt.Sprintf("soft: no RDMA device (%v)", err), nil
 		}
 		dev, why := serving(p, addrs)
 		if dev == "" {
-			return soft.New(soft.Options{}), "soft: " + why, nil
+			return soft.New(so), "soft: " + why, nil
 		}
 		return p, fmt.Sprintf("verbs: %s serves %s", dev, why), nil
 	}

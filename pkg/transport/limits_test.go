@@ -1,0 +1,237 @@
+package transport
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// newLimitedEnv is newEnv with the server's options changed by mod.
+func newLimitedEnv(t *testing.T, mod func(*ServerOptions)) *env {
+	t.Helper()
+	e := &env{prov: testProvider(t), disk: newMemDisk(8 << 20)}
+	o := DefaultServerOptions()
+	o.Provider, o.Handler, o.Timings = e.prov, e.disk, fastTimings()
+	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)
+	o.QueueDepth = 16
+	mod(&o)
+	srv, err := NewServer(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.srv, e.port = srv, srv.Addr().Port()
+	t.Cleanup(func() { _ = srv.Close() })
+	return e
+}
+
+// connectFrom sends connection request m from src and returns the errno of the answer (0:
+// accepted). The identifier lives until the test ends.
+func connectFrom(t *testing.T, e *env, src netip.Addr, m MsgConnReq) int16 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	id, err := e.prov.ResolveAddr(ctx, src, e.srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pd, _ := id.Device().AllocPD()
+	cq, _ := id.Device().CreateCQ(8)
+	t.Cleanup(func() { _ = id.Destroy(); _ = cq.Destroy() })
+	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := id.Connect(ctx, rdma.ConnParam{PrivateData: m.Marshal()}); err != nil {
+		r, ok := rdma.IsReject(err)
+		if !ok {
+			t.Fatalf("connect: %v", err)
+		}
+		var rsp MsgConnRsp
+		if rsp.Unmarshal(r.PrivateData) != nil {
+			t.Fatalf("reject without conn_rsp: %x", r.PrivateData)
+		}
+		return rsp.Errno
+	}
+	return 0
+}
+
+// silentPath is the first connection of a new session's path that will never send INFO_REQ.
+func silentPath(cidNum uint16) MsgConnReq {
+	return MsgConnReq{Cid: 0, CidNum: cidNum, SessUUID: uuid.New(), PathsUUID: uuid.New(), FirstConn: true}
+}
+
+// Connection requests that never finish (no INFO_REQ) cost no chunk memory, are bounded in all
+// and per client address, and give their slots back at the zombie timeout; a client that is
+// already connected keeps doing verified IO meanwhile.
+func TestUnfinishedConnectionsBounded(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) {
+		o.Limits = ServerLimits{MaxConnecting: 10, MaxConnectingPerAddr: 6, MaxConnsPerPath: 4}
+		o.Timings.ZombieTimeout = 1500 * time.Millisecond
+	})
+	s := e.open(t, "healthy", paths(t, path1()), nil)
+	model := make([]byte, len(e.disk.disk))
+	copy(model, e.disk.disk)
+	a1, a2, a3 := netip.MustParseAddr(testAddr(1)), netip.MustParseAddr(testAddr(2)), netip.MustParseAddr(testAddr(3))
+	for i := range 6 {
+		if got := connectFrom(t, e, a1, silentPath(2)); got != 0 {
+			t.Fatalf("unfinished connection %d from %v refused: %d", i, a1, got)
+		}
+	}
+	if got := connectFrom(t, e, a1, silentPath(2)); got != -int16(syscall.ECONNRESET) {
+		t.Fatalf("7th unfinished connection from one address: errno %d, want ECONNRESET", got)
+	}
+	for i := range 4 {
+		if got := connectFrom(t, e, a2, silentPath(2)); got != 0 {
+			t.Fatalf("unfinished connection %d from %v refused: %d", i, a2, got)
+		}
+	}
+	if got := connectFrom(t, e, a3, silentPath(2)); got != -int16(syscall.ECONNRESET) {
+		t.Fatalf("11th unfinished connection: errno %d, want ECONNRESET", got)
+	}
+	if got := connectFrom(t, e, a3, silentPath(5)); got != -int16(syscall.ECONNRESET) {
+		t.Fatalf("cid_num 5 with at most 4 per path: errno %d", got)
+	}
+	if n := e.srv.ChunkMemory(); n != int64(16*DefaultChunkSize) {
+		t.Fatalf("chunk memory %d with one established session of %d", n, 16*DefaultChunkSize)
+	}
+	randomIO(t, s, model, 300, 8, 1)
+	// The zombie timeout closes them and the slots come back.
+	testutil.WaitFor(t, 10*time.Second, "unfinished paths closed", func() bool {
+		e.srv.mu.Lock()
+		defer e.srv.mu.Unlock()
+		return e.srv.connecting == 0 && len(e.srv.connectingFrom) == 0
+	})
+	if got := connectFrom(t, e, a1, silentPath(2)); got != 0 {
+		t.Fatalf("after the zombie timeout: errno %d", got)
+	}
+	randomIO(t, s, model, 300, 8, 2)
+}
+
+// rss is the process's resident memory in bytes.
+func rss(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/statm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b))
+	pages, err := strconv.ParseInt(f[1], 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pages * int64(os.Getpagesize())
+}
+
+// A storm of clients, each opening its own session, stays inside the chunk memory bound:
+// sessions past it are refused, the healthy session's verified IO has no error, and the
+// memory of the sessions that closed goes back to the system.
+func TestSessionStormWithinChunkMemory(t *testing.T) {
+	const qd, chunk = 16, 512 << 10
+	const per = qd * chunk
+	e := newLimitedEnv(t, func(o *ServerOptions) {
+		o.QueueDepth, o.ChunkSize = qd, chunk
+		o.Limits = ServerLimits{MaxChunkMemory: 4 * per}
+	})
+	s := e.open(t, "healthy", paths(t, path1()), nil)
+	model := make([]byte, len(e.disk.disk))
+	copy(model, e.disk.disk)
+	rss0 := rss(t)
+
+	var peak atomic.Int64
+	stop := make(chan struct{})
+	var watch sync.WaitGroup
+	watch.Add(1)
+	go func() {
+		defer watch.Done()
+		for {
+			peak.Store(max(peak.Load(), e.srv.ChunkMemory()))
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Millisecond):
+			}
+		}
+	}()
+	ioDone := make(chan struct{})
+	go func() {
+		defer close(ioDone)
+		randomIO(t, s, model, 2000, 8, 3)
+	}()
+	var mu sync.Mutex
+	var opened []*Session
+	var wg sync.WaitGroup
+	for i := range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			o := ClientOptions{Provider: e.prov, SessName: fmt.Sprintf("storm%d", i), Paths: paths(t, path2()), Port: e.port,
+				ConPerPath: 2, MaxReconnectAttempts: 0, Timings: fastTimings()}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if ss, err := Open(ctx, o); err == nil {
+				mu.Lock()
+				opened = append(opened, ss)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	<-ioDone
+	close(stop)
+	watch.Wait()
+	if peak.Load() > 4*per {
+		t.Fatalf("chunk memory peaked at %d, bound %d", peak.Load(), 4*per)
+	}
+	if len(opened) != 3 {
+		t.Fatalf("%d storm sessions opened, room for 3", len(opened))
+	}
+	// Touch the storm sessions' chunks so they are resident, then close them.
+	for _, ss := range e.srv.Sessions() {
+		if ss.Name() != "healthy" {
+			m := ss.Paths()[0].mem
+			for i := 0; i < len(m); i += 4096 {
+				m[i] = 1
+			}
+		}
+	}
+	rss1 := rss(t)
+	for _, ss := range opened {
+		_ = ss.Close()
+	}
+	testutil.WaitFor(t, 10*time.Second, "storm sessions gone", func() bool { return e.srv.ChunkMemory() == per })
+	rss2 := rss(t)
+	t.Logf("RSS: %d MiB before the storm, %d MiB with it, %d MiB after it", rss0>>20, rss1>>20, rss2>>20)
+	if rss1-rss2 < 3*per*3/4 {
+		t.Fatalf("RSS went from %d to %d after 3 sessions of %d bytes closed", rss1, rss2, per)
+	}
+	// The healthy client is still fine, and a new session fits again.
+	randomIO(t, s, model, 300, 8, 4)
+	e.open(t, "late", paths(t, path2()), nil)
+}
+
+// A client refuses a server that offers more chunk memory than it allows.
+func TestClientRefusesOversizedServer(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.QueueDepth, o.ChunkSize = 16, 512<<10 })
+	o := ClientOptions{Provider: e.prov, SessName: "small", Paths: paths(t, path1()), Port: e.port,
+		ConPerPath: 2, MaxReconnectAttempts: 0, Timings: fastTimings(), MaxChunkMemory: 4 << 20}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if s, err := Open(ctx, o); err == nil {
+		_ = s.Close()
+		t.Fatal("a server offering 8 MiB of chunks was taken with a 4 MiB bound")
+	} else if !strings.Contains(err.Error(), "MaxChunkMemory") {
+		t.Fatalf("refused for another reason: %v", err)
+	}
+}
