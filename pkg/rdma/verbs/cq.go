@@ -3,6 +3,8 @@
 package verbs
 
 // #include "glue.h"
+// #cgo noescape rtrs_poll
+// #cgo nocallback rtrs_poll
 import "C"
 
 import (
@@ -37,6 +39,10 @@ type cq struct {
 	out     *C.struct_gwc
 	pending []rdma.WC
 	dead    bool
+	// The QP of the last completion and the device's QP generation it was found in: a CQ
+	// mostly serves one QP, whose completions then skip the device's lock and map.
+	lastQP  *qp
+	lastGen uint64
 
 	hmu     sync.Mutex // handler changes
 	stop    chan struct{}
@@ -85,9 +91,12 @@ func (c *cq) Poll(wc []rdma.WC) int {
 	n := copy(wc, c.pending)
 	c.pending = c.pending[:copy(c.pending, c.pending[n:])]
 	for n < len(wc) {
-		got := c.pollLocked(wc[n:])
+		want := min(len(wc)-n, pollBatch)
+		got := c.pollLocked(wc[n : n+want])
 		n += got
-		if got == 0 {
+		// Fewer than asked for: the queue was empty, and another ibv_poll_cq now would
+		// only find it so again (one more cgo call per Poll that found work).
+		if got < want {
 			break
 		}
 	}
@@ -101,9 +110,21 @@ func (c *cq) pollLocked(wc []rdma.WC) int {
 		return 0
 	}
 	for i, g := range unsafe.Slice(c.out, got) {
-		wc[i] = c.dev.completion(&g)
+		wc[i] = c.dev.completion(&g, c.qpFor(uint32(g.qp_num)))
 	}
 	return got
+}
+
+// qpFor is the QP of number num, nil if the device has none (under c.mu).
+func (c *cq) qpFor(num uint32) *qp {
+	// The generation is read before the lookup: a QP removed after it moves it on.
+	gen := c.dev.qpGen.Load()
+	if q := c.lastQP; q != nil && q.num == num && c.lastGen == gen {
+		return q
+	}
+	q := c.dev.qp(num)
+	c.lastQP, c.lastGen = q, gen
+	return q
 }
 
 // arm requests an event for the next completion and reports whether the queue already
@@ -247,9 +268,9 @@ func (c *cq) Destroy() error {
 	return err
 }
 
-// completion turns a C completion into the API's, through the QP's records of what it
-// posted.
-func (d *device) completion(g *C.struct_gwc) rdma.WC {
+// completion turns a C completion into the API's, through the records of what q (the QP
+// of its number, nil if none) posted.
+func (d *device) completion(g *C.struct_gwc, q *qp) rdma.WC {
 	w := rdma.WC{Status: rdma.WCStatus(g.status), ByteLen: uint32(g.byte_len), QPNum: uint32(g.qp_num)}
 	if g.flags&C.IBV_WC_WITH_IMM != 0 {
 		w.Flags |= rdma.WCWithImm
@@ -259,7 +280,6 @@ func (d *device) completion(g *C.struct_gwc) rdma.WC {
 		w.Flags |= rdma.WCWithInv
 		w.InvRKey = uint32(g.imm)
 	}
-	q := d.qp(w.QPNum)
 	if q == nil {
 		w.ID = uint64(g.wr_id)
 		return w

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -109,6 +110,9 @@ type device struct {
 
 	mu  sync.Mutex
 	qps map[uint32]*qp // by QP number, for completions
+	// qpGen moves on whenever a QP leaves qps (before its number can be reused): a CQ's
+	// cached QP (cq.qpFor) is good while the generation it was found in is current.
+	qpGen atomic.Uint64
 }
 
 func newDevice(c *C.struct_ibv_context) *device {
@@ -184,6 +188,7 @@ func (d *device) removeQP(q *qp) {
 	d.mu.Lock()
 	if d.qps[q.num] == q {
 		delete(d.qps, q.num)
+		d.qpGen.Add(1)
 	}
 	d.mu.Unlock()
 }
