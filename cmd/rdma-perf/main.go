@@ -93,6 +93,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	sizeF := fs.String("size", "64", "message size (K and M suffixes)")
 	depth := fs.Int("depth", 16, "operations in flight (bandwidth tests)")
 	dur := fs.Duration("duration", 5*time.Second, "how long to measure")
+	iters := fs.Int("iters", 0, "send_lat: measure this many round trips instead of -duration (as perftest's -n)")
 	mode := fs.String("mode", "handler", "how the latency client takes completions: handler (CQ handler, the provider's poll context), wait (CQ.Wait) or poll (busy Poll)")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
 	suiteReps := fs.Int("suite", 0, "run the whole comparison this many times against a server it starts itself, print markdown")
@@ -142,7 +143,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	switch *test {
 	case "send_lat":
 		p.Depth = 1
-		r, err = sendLat(ctx, prov, ap, p, *dur, *mode)
+		r, err = sendLat(ctx, prov, ap, p, *dur, *iters, *mode)
 	case "write_bw", "read_bw":
 		r, err = bandwidth(ctx, prov, ap, p, *dur)
 	case "tcp_lat":
@@ -174,6 +175,7 @@ type side struct {
 	pd rdma.PD
 	cq rdma.CQ
 	qp rdma.QP
+	wc [1]rdma.WC // next's, kept here: on its stack it would be a heap allocation per call
 }
 
 func newSide(id rdma.ConnID, depth int) (*side, error) {
@@ -196,7 +198,7 @@ func (s *side) close() {
 
 // next returns the next successful completion.
 func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
-	var wc [1]rdma.WC
+	wc := &s.wc
 	for spins := 0; s.cq.Poll(wc[:]) == 0; spins++ {
 		if poll {
 			// The context is looked at now and then: a spin should be one poll, not a lock.
@@ -384,7 +386,9 @@ func dial(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params) 
 	return s, binary.LittleEndian.Uint64(info), binary.LittleEndian.Uint32(info[8:]), nil
 }
 
-func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params, dur time.Duration, mode string) (Result, error) {
+// sendLat measures SEND round trips for dur, or iters of them when iters > 0 (perftest's
+// ib_send_lat measures a count, -n, 1000 by default).
+func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params, dur time.Duration, iters int, mode string) (Result, error) {
 	s, _, _, err := dial(ctx, prov, ap, p)
 	if err != nil {
 		return Result{}, err
@@ -396,8 +400,15 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 	}
 	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
 	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
-	lat := make([]time.Duration, 0, 1<<20)
+	lat := make([]time.Duration, 0, max(iters, 1<<20))
 	var t0 time.Time
+	start := time.Now()
+	more := func(i int) bool { // (i round trips are done)
+		if iters > 0 {
+			return i < iters
+		}
+		return time.Since(start) < dur
+	}
 	ping := func(i int) error {
 		if _, err := s.qp.PostRecv(recv); err != nil {
 			return err
@@ -413,7 +424,6 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 		_, err := s.qp.PostSend(send)
 		return err
 	}
-	start := time.Now()
 	if mode == "handler" {
 		// The next ping leaves from the handler that took the pong.
 		done := make(chan error, 1)
@@ -434,7 +444,7 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 						done <- fmt.Errorf("echo %d for %d", w.Imm, i)
 						return
 					}
-					if i++; time.Since(start) >= dur {
+					if i++; !more(i) {
 						done <- nil
 						return
 					}
@@ -459,7 +469,7 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 		}
 		return latResult(p, lat, time.Since(start), mode), nil
 	}
-	for i := 0; time.Since(start) < dur; i++ {
+	for i := 0; more(i); i++ {
 		if err := ping(i); err != nil {
 			return Result{}, err
 		}

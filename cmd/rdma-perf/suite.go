@@ -49,7 +49,7 @@ func suite(ctx context.Context, ap netip.AddrPort, reps int, dur time.Duration, 
 		switch test {
 		case "send_lat":
 			p.Depth = 1
-			r, err = sendLat(ctx, prov, ap, p, dur, mode)
+			r, err = sendLat(ctx, prov, ap, p, dur, 0, mode)
 			test += "/" + mode
 		case "tcp_lat":
 			p.Depth = 1

@@ -118,7 +118,8 @@ daemons() {
 # RDMA_WRITE 1 MiB with 16 in flight on both (ib_write_bw -t 16), and 8-byte SEND latency with
 # busy polling on both sides (perftest's default; rdma-perf -mode poll, whose server then polls
 # too), as one-way latency: perftest reports half the round trip (t_typical), so rdma-perf's
-# round-trip p50 is halved.
+# round-trip p50 is halved; 2000 round trips on both (ib_send_lat -n 2000, rdma-perf -iters
+# 2000), not a count against a duration.
 perf_compare() {
 	local A1=$1 D=$2 i ow pw ol pl
 	rdma-perf -provider verbs -listen "$A1:18600" >/tmp/rdma-perf-server.log 2>&1 &
@@ -135,7 +136,7 @@ perf_compare() {
 			pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 | awk '$1 == 1048576 {print $4; exit}')
 		}
 		ours_lat() {
-			ol=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -duration 3s -json |
+			ol=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -iters 2000 -json |
 				sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
 		}
 		theirs_lat() { pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}'); }
