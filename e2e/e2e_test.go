@@ -218,7 +218,7 @@ func startCluster(t *testing.T) *cluster {
 		t.Fatal(err)
 	}
 	c.srvd = startDaemon(t, c.net.srv, "rtrs-serverd", "-config=/dev/null", "-listen=[::]:1234",
-		"-dev-search-path="+c.exports, "-mount="+c.srvMnt, "-heartbeat-interval=200ms")
+		"-dev-search-path="+c.exports, "-mount="+c.srvMnt, "-heartbeat-interval=200ms", "-names-file="+filepath.Join(dir, "names.json"))
 	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", "-config="+c.cliConf, "-mount="+c.cliMnt,
 		"-dev-mount="+c.devMnt, "-nbd-socket="+filepath.Join(dir, "nbd.sock"), fastCli, fastRec, "-con-per-path=3")
 	c.nbdSock = filepath.Join(dir, "nbd.sock")
@@ -427,7 +427,7 @@ func TestNotifyAndSignals(t *testing.T) {
 	if err := os.MkdirAll(exports, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	srvd := startDaemon(t, n.srv, "rtrs-serverd", "-config=/dev/null", "-dev-search-path="+exports, "-mount="+dir+"/srv")
+	srvd := startDaemon(t, n.srv, "rtrs-serverd", "-config=/dev/null", "-dev-search-path="+exports, "-mount="+dir+"/srv", "-names-file=")
 	_ = srvd
 	sock := filepath.Join(dir, "notify.sock")
 	ln, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})

@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -53,6 +55,9 @@ func run(parent context.Context, args []string) error {
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
 	provName := fs.String("provider", "auto", pick.Usage)
+	allow := fs.String("allow", "", "client networks that may connect, comma-separated (10.0.0.0/24,fd00::/64; empty: any)")
+	aclPath := fs.String("acl", "", "export ACL file: lines of <export pattern> <client> <modes> (empty: everyone ro or rw, nobody migration)")
+	namesFile := fs.String("names-file", "/var/lib/rtrs/sessions.json", "where the owner of each session name is kept across restarts (empty: memory only)")
 	maxSess := fs.Int("max-sessions", 256, "sessions the server holds at most, established or not")
 	maxMem := fs.String("max-chunk-memory", "", "chunk memory of all sessions at most (e.g. 8G; empty: half the machine's memory)")
 	maxCons := fs.Int("max-conns-per-path", 257, "connections a path may have (its cid_num)")
@@ -107,12 +112,25 @@ func run(parent context.Context, args []string) error {
 	if *establish <= 0 || *handshake <= 0 {
 		return fmt.Errorf("-establish-timeout and -handshake-timeout must be positive")
 	}
+	allowList, err := parseAllow(*allow)
+	if err != nil {
+		return fmt.Errorf("-allow: %w", err)
+	}
+	acl, err := loadACL(*aclPath)
+	if err != nil {
+		return fmt.Errorf("-acl: %w", err)
+	}
+	if *namesFile != "" {
+		if err := os.MkdirAll(filepath.Dir(*namesFile), 0o700); err != nil {
+			return fmt.Errorf("-names-file: %w", err)
+		}
+	}
 	prov, why, err := pick.OpenSoft(*provName, soft.Options{MaxPending: *maxPending, MaxPendingPerAddr: *maxPendingAddr, HandshakeTimeout: *handshake}, addr.Addr())
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
 	}
 	lg.Infof("provider %s", why)
-	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize, ZeroCopyReadMin: zcMin})
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize, ZeroCopyReadMin: zcMin, ACL: acl})
 	if err != nil {
 		return err
 	}
@@ -123,6 +141,7 @@ func run(parent context.Context, args []string) error {
 	o.Timings.HeartbeatInterval = *hb
 	o.Timings.ZombieTimeout = *establish
 	o.Limits = lim
+	o.Allow, o.NamesFile = allowList, *namesFile
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err
@@ -152,6 +171,16 @@ func run(parent context.Context, args []string) error {
 			} else {
 				lg.Infof("reload: exports under %s", v)
 			}
+		}
+		aclFile := *aclPath
+		if v, ok := cfg.Settings["acl"]; ok && !onCmdLine["acl"] {
+			aclFile = v
+		}
+		if acl, err := loadACL(aclFile); err != nil {
+			lg.WithError(err).Warn("reload: ACL kept as it was")
+		} else {
+			rs.SetACL(acl)
+			lg.Infof("reload: ACL from %q", aclFile)
 		}
 		if v, ok := cfg.Settings["log-level"]; ok && !onCmdLine["log-level"] {
 			if err := daemon.SetupLog(v, *json); err != nil {
@@ -183,4 +212,37 @@ func status(srv *transport.Server) string {
 		paths += len(s.Paths())
 	}
 	return fmt.Sprintf("%d sessions, %d paths connected", sess, paths)
+}
+
+// parseAllow reads -allow: networks or addresses, comma-separated.
+func parseAllow(v string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, f := range strings.Split(v, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(f)
+		if err != nil {
+			a, aerr := netip.ParseAddr(f)
+			if aerr != nil {
+				return nil, fmt.Errorf("%q is not a network or an address", f)
+			}
+			p = netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen())
+		}
+		out = append(out, p.Masked())
+	}
+	return out, nil
+}
+
+// loadACL reads the export ACL file ("": none, the default rules).
+func loadACL(path string) (*rnbd.ACL, error) {
+	if path == "" {
+		return nil, nil
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return rnbd.ParseACL(f, path)
 }

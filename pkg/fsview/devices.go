@@ -282,6 +282,9 @@ func parseMap(v string, withNBD bool) (MapRequest, error) {
 	if o.SessName == "" || o.DevicePath == "" || !ValidName(o.SessName) || strings.Contains(o.SessName, ".") || o.SessName == "ctl" {
 		return r, fmt.Errorf("sessname= and device_path= are required: %w", syscall.EINVAL)
 	}
+	if err := transport.CheckText(o.DevicePath); err != nil {
+		return r, fmt.Errorf("device_path: %w", err)
+	}
 	if !portSet {
 		o.Port = port
 	}
@@ -302,6 +305,9 @@ func parseUnmap(v string) (sess, dev string, err error) {
 	}
 	if sess == "" || dev == "" {
 		return "", "", fmt.Errorf("sessname= and device_path= are required: %w", syscall.EINVAL)
+	}
+	if !ValidName(sess) || transport.CheckText(dev) != nil {
+		return "", "", fmt.Errorf("sessname %q device_path %q: %w", sess, dev, syscall.EINVAL)
 	}
 	return sess, dev, nil
 }

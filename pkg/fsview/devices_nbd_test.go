@@ -169,3 +169,26 @@ func TestDeviceViewNBD(t *testing.T) {
 	}
 	mustSh(t, "echo 'sessname=n device_path=disk' > "+tr.dev+"/ctl/unmap_device")
 }
+
+// Names a config file could not carry back are refused before anything is done with them:
+// "disk#x" written to the config would come back as "disk" after a restart.
+func TestControlFileNamesRefused(t *testing.T) {
+	for _, v := range []string{
+		"sessname=s device_path=disk#x path=ip:10.0.0.1 access_mode=ro",
+		"sessname=s#1 device_path=disk path=ip:10.0.0.1",
+		"sessname=s device_path=disk\x01 path=ip:10.0.0.1",
+		"sessname=s device_path=d\xffisk path=ip:10.0.0.1",
+	} {
+		if _, err := ParseMapRequest(v); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("map_device %q: %v, want EINVAL", v, err)
+		}
+	}
+	for _, v := range []string{"sessname=s#1 path=ip:10.0.0.1", "sessname=s\x7f path=ip:10.0.0.1"} {
+		if _, _, _, err := ParseOpenSession(v); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("open_session %q: %v, want EINVAL", v, err)
+		}
+	}
+	if _, _, err := parseUnmap("sessname=s device_path=disk#x"); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("unmap of disk#x: %v", err)
+	}
+}

@@ -10,6 +10,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // Attr is one file of a directory (the kernel's DEVICE_ATTR).
@@ -77,9 +79,10 @@ func Errno(err error) syscall.Errno {
 	return syscall.EIO
 }
 
-// ValidName says whether a user- or peer-supplied name can be a path component.
+// ValidName says whether a user- or peer-supplied name can be a path component (and a word
+// of a config file: transport.CheckText).
 func ValidName(name string) bool {
-	if name == "" || name == "." || name == ".." || len(name) > 255 {
+	if name == "" || name == "." || name == ".." || len(name) > 255 || transport.CheckText(name) != nil {
 		return false
 	}
 	for i := 0; i < len(name); i++ {

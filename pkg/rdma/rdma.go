@@ -431,6 +431,12 @@ type ConnParam struct {
 // MaxPrivateData is the most private data a provider must carry in connect, accept and reject.
 const MaxPrivateData = 196
 
+// Authenticated is implemented by a connection identifier whose provider authenticated the
+// peer (the soft provider with TLS); PeerSubject is the subject of the peer's certificate.
+type Authenticated interface {
+	PeerSubject() string
+}
+
 // ConnID is a connection identifier (rdma_cm_id).
 type ConnID interface {
 	// Device is the local device this identifier is bound to.

@@ -81,6 +81,9 @@ func (c *Client) Map(ctx context.Context, o MapOptions) (*Device, error) {
 	if o.DevicePath == "" || len(o.DevicePath) >= NameMax {
 		return nil, fmt.Errorf("rnbd: device path of %d bytes: %w", len(o.DevicePath), syscall.EINVAL)
 	}
+	if err := transport.CheckText(o.DevicePath); err != nil {
+		return nil, fmt.Errorf("rnbd: device path: %w", err)
+	}
 	if o.AccessMode > AccessMigration {
 		return nil, fmt.Errorf("rnbd: access mode %d: %w", o.AccessMode, syscall.EINVAL)
 	}

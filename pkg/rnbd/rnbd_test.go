@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -422,6 +423,15 @@ func TestAccessModes(t *testing.T) {
 	if _, err := ro.WriteAt(make([]byte, 512), 0); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("write to a ro mapping: %v", err)
 	}
+	// Migration is a second writer: refused unless the ACL allows it.
+	if _, err := e.mapDev(t, c, "m", "disk", AccessMigration); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("migration without an ACL allowing it: %v", err)
+	}
+	acl, err := ParseACL(strings.NewReader("disk * ro,rw,migration\n"), "acl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.server().SetACL(acl)
 	mig := mustMap(t, e, c, "m", "disk", AccessMigration)
 	if _, err := e.mapDev(t, c, "n", "disk", AccessMigration); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("third writer: %v", err)
@@ -793,5 +803,102 @@ func TestPopulate(t *testing.T) {
 	var st unix.Stat_t
 	if err := unix.Fstat(b.fd, &st); err != nil || st.Blocks*512 != 128*page {
 		t.Fatalf("%d bytes allocated after the open, want %d (%v)", st.Blocks*512, 128*page, err)
+	}
+}
+
+// rawOpen sends an OPEN for name in mode through session s, as a client that does not use
+// the API would, and returns the answer.
+func rawOpen(s *transport.Session, name string, mode AccessMode) (MsgOpenRsp, error) {
+	var usr [OpenSize]byte
+	var rsp MsgOpenRsp
+	if err := (MsgOpen{AccessMode: mode, DevName: name}).Put(usr[:]); err != nil {
+		return rsp, err
+	}
+	var buf [OpenRspSize]byte
+	if err := s.DoAdmin(context.Background(), transport.Read, usr[:], buf[:]); err != nil {
+		return rsp, err
+	}
+	return rsp, rsp.Unmarshal(buf[:])
+}
+
+// An ro OPEN of a device the session holds rw is refused instead of answered with the rw
+// handle; the same mode is answered again (a remap after a reconnect).
+func TestOpenROOfHeldRWDevice(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "holder", "disk", AccessRW)
+	s := c.Session("holder")
+	if rsp, err := rawOpen(s, "disk", AccessRO); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("ro open of the session's rw device: handle %d, %v; want EEXIST", rsp.DeviceID, err)
+	}
+	rsp, err := rawOpen(s, "disk", AccessRW)
+	if err != nil || rsp.DeviceID != d.ID() {
+		t.Fatalf("rw open again: handle %d (mapped %d), %v", rsp.DeviceID, d.ID(), err)
+	}
+}
+
+// The export ACL admits and refuses by export, client and mode, and a reload takes effect for
+// the opens after it.
+func TestExportACL(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "db1", 1<<20)
+	e.file(t, "scratch", 1<<20)
+	acl, err := ParseACL(strings.NewReader(`
+# export  client        modes
+db*       127.0.0.0/8   ro     # everyone local reads the databases
+db1       127.0.0.1     rw
+scratch   10.0.0.0/8    rw     # not us
+`), "test.acl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.server().SetACL(acl)
+	c := e.client(t, time.Second)
+	if _, err := e.mapDev(t, c, "a", "db1", AccessRO); err != nil {
+		t.Fatalf("ro of db1: %v", err)
+	}
+	if _, err := e.mapDev(t, c, "b", "db1", AccessRW); err != nil {
+		t.Fatalf("rw of db1 from 127.0.0.1: %v", err)
+	}
+	if _, err := e.mapDev(t, c, "c", "db1", AccessMigration); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("migration of db1: %v, want EACCES", err)
+	}
+	if _, err := e.mapDev(t, c, "d", "scratch", AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("scratch, which no rule gives us: %v, want EACCES", err)
+	}
+	open, err := ParseACL(strings.NewReader("* * ro,rw\n"), "open.acl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.server().SetACL(open)
+	if _, err := e.mapDev(t, c, "d", "scratch", AccessRW); err != nil {
+		t.Fatalf("scratch after the reload: %v", err)
+	}
+	for _, bad := range []string{"db1 127.0.0.1", "db1 127.0.0.1 rw,wr", "[ * rw", "db1 nothost rw", "db1 subject= rw"} {
+		if _, err := ParseACL(strings.NewReader(bad), "bad.acl"); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("ACL line %q: %v", bad, err)
+		}
+	}
+}
+
+// Device paths that a config file or a tree could not carry are refused by the client before
+// they are sent and by the server when a client sends them anyway.
+func TestDevicePathText(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	e.file(t, "disk#x", 1<<20)
+	c := e.client(t, time.Second)
+	if _, err := e.mapDev(t, c, "s", "disk#x", AccessRO); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("map of disk#x: %v, want EINVAL", err)
+	}
+	mustMap(t, e, c, "s", "disk", AccessRO)
+	for _, bad := range []string{"disk#x", "disk x", "disk\x01", "d\xffisk"} {
+		if _, err := rawOpen(c.Session("s"), bad, AccessRO); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("raw OPEN of %q: %v, want EINVAL", bad, err)
+		}
 	}
 }

@@ -33,6 +33,9 @@ type ServerOptions struct {
 	// (transport.SrvRequest.RespondFile). 0 takes DefaultZeroCopyReadMin; a negative value
 	// turns it off.
 	ZeroCopyReadMin int
+	// ACL says who may open which export in which mode (nil: everyone ro or rw, nobody
+	// migration). SetACL replaces it.
+	ACL *ACL
 }
 
 // DefaultZeroCopyReadMin is the default ServerOptions.ZeroCopyReadMin. Below it a READ is
@@ -64,6 +67,7 @@ type Server struct {
 	// copy rebuilt under s.mu whenever a device opens or closes.
 	ioDevs   atomic.Pointer[map[ioKey]*sessDev]
 	shutdown atomic.Bool
+	refusals log.Limiter
 }
 
 type ioKey struct {
@@ -297,6 +301,13 @@ func (s *Server) searchRoot(sessName string) string {
 }
 
 // SetSearchPath changes where later OPENs look (a reloaded config); devices open stay open.
+// SetACL replaces the export ACL (nil: the default); opens from then on follow it.
+func (s *Server) SetACL(a *ACL) {
+	s.mu.Lock()
+	s.opts.ACL = a
+	s.mu.Unlock()
+}
+
 func (s *Server) SetSearchPath(p string) error {
 	if p == "" {
 		return fmt.Errorf("rnbd: empty search path: %w", syscall.EINVAL)
@@ -315,13 +326,28 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	if r.Dir != transport.Read || len(r.Data) < OpenRspSize {
 		return fmt.Errorf("rnbd: OPEN needs a %d-byte READ buffer: %w", OpenRspSize, syscall.EINVAL)
 	}
+	if err := transport.CheckText(m.DevName); err != nil {
+		return fmt.Errorf("rnbd: device path: %w", err)
+	}
 	ts := r.Session()
-	// A device the session has open already is answered again (a client remapping after a
-	// reconnect the server did not notice).
+	s.mu.Lock()
+	acl := s.opts.ACL
+	s.mu.Unlock()
+	if who := ts.Owner(); !acl.allows(m.DevName, who, m.AccessMode) {
+		s.refusals.Warn(s.log.WithField("session", ts.Name()), "export access", who.String(),
+			fmt.Sprintf("open of %q %v is not allowed for this client", m.DevName, m.AccessMode))
+		return fmt.Errorf("rnbd: %q %v not allowed for %v: %w", m.DevName, m.AccessMode, who, syscall.EACCES)
+	}
+	// A device the session has open already in the same mode is answered again (a client
+	// remapping after a reconnect the server did not notice); in another mode it is refused,
+	// so an ro open never returns a handle that writes.
 	s.mu.Lock()
 	for _, d := range s.sess(ts).devs {
 		if d.name == m.DevName {
 			s.mu.Unlock()
+			if d.mode != m.AccessMode {
+				return fmt.Errorf("rnbd: %q is open %v in this session, not %v: %w", m.DevName, d.mode, m.AccessMode, syscall.EEXIST)
+			}
 			return s.openRsp(r.Data, d)
 		}
 	}

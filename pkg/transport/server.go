@@ -37,6 +37,14 @@ type ServerOptions struct {
 	Timings          Timings
 	// Limits bound what clients can make the server hold; zero fields take the defaults.
 	Limits ServerLimits
+	// Allow, when not empty, are the client networks that may connect; AllowSubjects the
+	// certificate subjects that may (with an authenticating provider). A session is bound to
+	// the identity that created it (Identity.Key): paths from another are refused.
+	Allow         []netip.Prefix
+	AllowSubjects []string
+	// NamesFile keeps which identity owns which session name across restarts ("": memory
+	// only). A name owned by another identity is refused with EPERM.
+	NamesFile string
 }
 
 // ServerLimits bound the resources clients can make a server hold. The kernel trusts its
@@ -138,6 +146,7 @@ type Server struct {
 	chunkMemory    int64
 
 	refusals log.Limiter
+	names    *nameStore
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -160,11 +169,15 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	}
 	opts.Timings = opts.Timings.withDefaults()
 	opts.Limits = opts.Limits.withDefaults()
+	names, err := loadNames(opts.NamesFile)
+	if err != nil {
+		return nil, err
+	}
 	ln, err := opts.Provider.Listen(opts.Addr, 64)
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{opts: opts, ln: ln, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{},
+	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{},
 		log: logger(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
@@ -253,7 +266,13 @@ func (s *Server) connect(req *rdma.ConnRequest) {
 		reject(req, syscall.ECONNRESET)
 		return
 	}
-	p, errno := s.findPath(&m, req.ID)
+	ident, ok := s.identify(req.ID)
+	if !ok {
+		s.refuse(peer, "not allowed", fmt.Sprintf("%v is not in the allowlist", ident))
+		reject(req, syscall.EPERM)
+		return
+	}
+	p, errno := s.findPath(&m, req.ID, ident)
 	if errno != 0 {
 		reject(req, errno)
 		return
@@ -267,7 +286,7 @@ func (s *Server) connect(req *rdma.ConnRequest) {
 
 // findPath finds or creates the session and path a request belongs to, applying the kernel's
 // reject rules; it reserves the request's connection slot.
-func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errno) {
+func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPath, syscall.Errno) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -292,8 +311,13 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID) (*SrvPath, syscall.Errn
 			s.refuse(peer, "sessions", fmt.Sprintf("%d sessions (the server's bound)", s.opts.Limits.MaxSessions))
 			return nil, syscall.ECONNRESET
 		}
-		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}}
+		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, owner: ident}
 		s.sessions[m.PathsUUID] = ss
+	} else if ss.owner.Key() != ident.Key() {
+		// The session's paths_uuid is in every connection request it makes: knowing it is
+		// no proof of being its client.
+		s.refuse(peer, "session of another identity", fmt.Sprintf("%v asked to join a session of %v", ident, ss.owner))
+		return nil, syscall.EPERM
 	}
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
@@ -372,8 +396,9 @@ func (s *Server) refuse(peer netip.AddrPort, cause, detail string) {
 
 // SrvSess is a server session: the chunks its paths share, keyed by the client's session uuid.
 type SrvSess struct {
-	srv  *Server
-	uuid uuid.UUID
+	srv   *Server
+	uuid  uuid.UUID
+	owner Identity
 
 	mu          sync.Mutex
 	mem         []byte // the chunks, from the first INFO_REQ on
@@ -385,6 +410,9 @@ type SrvSess struct {
 	established int
 	live        int // paths not closing: a session without any does not hold its name
 }
+
+// Owner is the identity of the client that created the session.
+func (ss *SrvSess) Owner() Identity { return ss.owner }
 
 // Name is the client's session name (empty until a path has sent INFO_REQ).
 func (ss *SrvSess) Name() string {
@@ -1068,6 +1096,21 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 			p.lg().Warnf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM)
 			go p.Close()
 			return
+		}
+	}
+	ss.mu.Lock()
+	named := ss.name != ""
+	ss.mu.Unlock()
+	if !named {
+		ok, err := srv.names.claim(m.PathName, ss.owner.Key())
+		if !ok {
+			srv.mu.Unlock()
+			srv.refuse(c.id.RemoteAddr(), "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, m.PathName, syscall.EPERM))
+			go p.Close()
+			return
+		}
+		if err != nil {
+			p.lg().WithError(err).Warn("session name not saved")
 		}
 	}
 	ss.mu.Lock()

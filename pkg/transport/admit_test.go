@@ -1,0 +1,112 @@
+package transport
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+func prefixes(t *testing.T, s ...string) []netip.Prefix {
+	t.Helper()
+	var out []netip.Prefix
+	for _, p := range s {
+		out = append(out, netip.MustParsePrefix(p))
+	}
+	return out
+}
+
+// tryOpen opens session name over ps and reports the error (the session is closed at once).
+func tryOpen(e *env, name string, ps []PathAddrs) error {
+	o := ClientOptions{Provider: e.prov, SessName: name, Paths: ps, Port: e.port, ConPerPath: 2,
+		MaxReconnectAttempts: 0, Timings: fastTimings()}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := Open(ctx, o)
+	if err == nil {
+		_ = s.Close()
+	}
+	return err
+}
+
+// The allowlist admits the networks it names and refuses the others at the connection request.
+func TestAllowlist(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.Allow = prefixes(t, testAddr(1)+"/32") })
+	if err := tryOpen(e, "inside", paths(t, path1())); err != nil {
+		t.Fatalf("client in the allowlist: %v", err)
+	}
+	if err := tryOpen(e, "outside", paths(t, path2())); err == nil {
+		t.Fatal("a client outside the allowlist opened a session")
+	}
+	if got := connectFrom(t, e, netip.MustParseAddr(testAddr(2)), silentPath(1)); got != -int16(syscall.EPERM) {
+		t.Fatalf("connection request from outside the allowlist: errno %d, want EPERM", got)
+	}
+}
+
+// A path that names another client's paths_uuid (it is in every connection request that
+// client sends) is refused when it comes from another identity, and the victim's IO goes on.
+func TestStolenPathsUUIDRefused(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.Allow = prefixes(t, testAddr(1)+"/32", testAddr(2)+"/32") })
+	s := e.open(t, "victim", paths(t, path1()), nil)
+	model := make([]byte, len(e.disk.disk))
+	copy(model, e.disk.disk)
+	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s.pathsUUID, FirstConn: true}
+	if got := connectFrom(t, e, netip.MustParseAddr(testAddr(2)), steal); got != -int16(syscall.EPERM) {
+		t.Fatalf("path with a stolen paths_uuid from another identity: errno %d, want EPERM", got)
+	}
+	if ss := e.srv.Sessions(); len(ss) != 1 || len(ss[0].Paths()) != 1 {
+		t.Fatalf("the victim's session changed: %v", ss)
+	}
+	randomIO(t, s, model, 300, 8, 5)
+}
+
+// A session name belongs to the identity that first used it, across a server restart: a
+// squatter gets EPERM, and the owner gets its name back.
+func TestSessionNameKeptAcrossRestart(t *testing.T) {
+	names := filepath.Join(t.TempDir(), "sessions.json")
+	allow := prefixes(t, testAddr(1)+"/32", testAddr(2)+"/32")
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.Allow, o.NamesFile = allow, names })
+	if err := tryOpen(e, "tenant", paths(t, path1())); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(names)
+	if err != nil || !strings.Contains(string(b), `"tenant"`) {
+		t.Fatalf("names file after the first server: %q, %v", b, err)
+	}
+	e2 := newLimitedEnv(t, func(o *ServerOptions) { o.Allow, o.NamesFile = allow, names })
+	if err := tryOpen(e2, "tenant", paths(t, path2())); err == nil {
+		t.Fatal("a squatter from another identity took the name after the restart")
+	}
+	if err := tryOpen(e2, "squatter", paths(t, path2())); err != nil {
+		t.Fatalf("the other client with a name of its own: %v", err)
+	}
+	if err := tryOpen(e2, "tenant", paths(t, path1())); err != nil {
+		t.Fatalf("the owner after the restart: %v", err)
+	}
+}
+
+// Names the config files or the trees could not carry are refused.
+func TestCheckText(t *testing.T) {
+	for _, bad := range []string{"disk#x", "a b", "tab\tx", "nl\n", "\x7f", "bad\xffutf8", "nbsp\u00a0x"} {
+		if CheckText(bad) == nil {
+			t.Errorf("%q accepted", bad)
+		}
+		if validName(bad) == nil {
+			t.Errorf("session name %q accepted", bad)
+		}
+	}
+	for _, good := range []string{"disk", "vol-1_a", "Ω"} {
+		if err := CheckText(good); err != nil {
+			t.Errorf("%q refused: %v", good, err)
+		}
+	}
+}
