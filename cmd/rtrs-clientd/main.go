@@ -70,7 +70,11 @@ func run(parent context.Context, args []string) error {
 	mount := fs.String("mount", "/run/rtrs/rtrs-client", "where the rtrs-client tree is mounted")
 	devMount := fs.String("dev-mount", "/run/rtrs/dev", "where the device view is mounted")
 	nbdSock := fs.String("nbd-socket", "/run/rtrs/nbd.sock", "unix socket serving the mapped devices over NBD (empty: none)")
-	nbdTCP := fs.String("nbd-tcp", "", "TCP address serving them too (empty: none)")
+	nbdGroup := fs.String("nbd-socket-group", "", "group that may use the NBD socket too (mode 0660; empty: root only, mode 0600)")
+	nbdTCP := fs.String("nbd-tcp", "", "TCP address serving them too (empty: none); beyond loopback only with TLS")
+	nbdCert := fs.String("nbd-tls-cert", "", "certificate of the NBD TCP listener (clients must then STARTTLS)")
+	nbdKey := fs.String("nbd-tls-key", "", "its private key")
+	nbdCA := fs.String("nbd-tls-ca", "", "CA the NBD clients' certificates must come from")
 	nbdAttach := fs.String("nbd-attach", "none", "attach mappings without an nbd= token to the kernel's /dev/nbdX: none or auto")
 	nbdConns := fs.Int("nbd-conns", 0, "sockets per attached /dev/nbdX (0: the CPUs, at most 4)")
 	nbdTimeout := fs.Duration("nbd-timeout", 0, "the kernel's request timeout on an attached /dev/nbdX (0: -io-timeout plus one minute)")
@@ -107,6 +111,19 @@ func run(parent context.Context, args []string) error {
 	if *cleanup {
 		disconnectStale(lg)
 		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
+	}
+	nbdGID, err := lookupGroup(*nbdGroup)
+	if err != nil {
+		return fmt.Errorf("-nbd-socket-group: %w", err)
+	}
+	nbdTLS, err := nbdTLSConfig(*nbdCert, *nbdKey, *nbdCA)
+	if err != nil {
+		return fmt.Errorf("NBD TLS: %w", err)
+	}
+	if *nbdTCP != "" {
+		if err := checkNBDTCP(*nbdTCP, nbdTLS); err != nil {
+			return err
+		}
 	}
 	chunkMem, err := size.Parse(*maxMem)
 	if err != nil || chunkMem < 1 {
@@ -149,18 +166,24 @@ func run(parent context.Context, args []string) error {
 		return fmt.Errorf("mount %s: %w", *devMount, err)
 	}
 	defer unmount(lg, ds, *devMount)
-	for _, l := range []struct{ network, addr string }{{"unix", *nbdSock}, {"tcp", *nbdTCP}} {
-		if l.addr == "" {
-			continue
-		}
-		if l.network == "unix" {
-			_ = os.Remove(l.addr)
-		}
-		ln, err := net.Listen(l.network, l.addr)
+	if *nbdSock != "" {
+		ln, err := listenUnix(*nbdSock, nbdGID)
 		if err != nil {
-			return fmt.Errorf("NBD on %s: %w", l.addr, err)
+			return fmt.Errorf("NBD on %s: %w", *nbdSock, err)
 		}
+		defer os.Remove(*nbdSock)
 		go func() { _ = ns.Serve(ln) }()
+	}
+	if *nbdTCP != "" {
+		ln, err := net.Listen("tcp", *nbdTCP)
+		if err != nil {
+			return fmt.Errorf("NBD on %s: %w", *nbdTCP, err)
+		}
+		if nbdTLS != nil {
+			go func() { _ = ns.ServeTLS(ln, nbdTLS) }()
+		} else {
+			go func() { _ = ns.Serve(ln) }()
+		}
 	}
 	cur.Store(d)
 	lg.Infof("trees at %s and %s, NBD at %s", *mount, *devMount, *nbdSock)

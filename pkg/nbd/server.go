@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -74,7 +75,19 @@ func NewServer(opts Options) *Server {
 }
 
 // Serve accepts connections on ln until Close; it returns nil after Close.
-func (s *Server) Serve(ln net.Listener) error {
+func (s *Server) Serve(ln net.Listener) error { return s.serve(ln, nil) }
+
+// ServeTLS serves on ln to clients that start TLS (NBD_OPT_STARTTLS) with cfg before any
+// other option; the others are refused (NBD_REP_ERR_TLS_REQD). Give cfg ClientCAs and
+// ClientAuth to require client certificates.
+func (s *Server) ServeTLS(ln net.Listener, cfg *tls.Config) error {
+	if cfg == nil {
+		return errors.New("nbd: ServeTLS without a TLS configuration")
+	}
+	return s.serve(ln, cfg)
+}
+
+func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 	s.mu.Lock()
 	if s.ctx.Err() != nil {
 		s.mu.Unlock()
@@ -107,7 +120,7 @@ func (s *Server) Serve(ln net.Listener) error {
 		s.mu.Unlock()
 		go func() {
 			defer s.wg.Done()
-			s.serveConn(c)
+			s.serveConn(c, tlsCfg)
 			s.mu.Lock()
 			delete(s.conns, c)
 			s.mu.Unlock()
@@ -168,6 +181,9 @@ type conn struct {
 	wn   int
 	we   syscall.Errno
 	wfn  func(fd uintptr) bool
+
+	tlsCfg *tls.Config // set on a listener that requires TLS
+	inTLS  bool
 }
 
 // newConn prepares a connection for the handshake or the transmission phase.
@@ -187,8 +203,9 @@ func (s *Server) newConn(nc net.Conn) *conn {
 	return c
 }
 
-func (s *Server) serveConn(nc net.Conn) {
+func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 	c := s.newConn(nc)
+	c.tlsCfg = tlsCfg
 	lg := s.log.WithField("client", nc.RemoteAddr().String())
 	_ = nc.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
 	ok, err := c.handshake()
@@ -239,7 +256,20 @@ func (c *conn) handshake() (bool, error) {
 		if err := c.r.ReadFull(data); err != nil {
 			return false, err
 		}
+		if c.tlsCfg != nil && !c.inTLS && opt != optStartTLS && opt != optAbort {
+			if opt == optExportName {
+				return false, errors.New("nbd: EXPORT_NAME before STARTTLS on a listener that requires TLS")
+			}
+			if err := c.optReply(opt, repErrTLSReqd, []byte("TLS required: send NBD_OPT_STARTTLS first")); err != nil {
+				return false, err
+			}
+			continue
+		}
 		switch opt {
+		case optStartTLS:
+			if err := c.startTLS(n); err != nil {
+				return false, err
+			}
 		case optExportName:
 			e, ok := c.s.lookup(string(data))
 			if !ok {
@@ -279,12 +309,35 @@ func (c *conn) handshake() (bool, error) {
 			if err != nil || done {
 				return done, err
 			}
-		default: // STARTTLS, STRUCTURED_REPLY, meta contexts, extended headers, ...
+		default: // STRUCTURED_REPLY, meta contexts, extended headers, ...
 			if err := c.optReply(opt, repErrUnsup, nil); err != nil {
 				return false, err
 			}
 		}
 	}
+}
+
+// startTLS answers NBD_OPT_STARTTLS (n: its data length): on a listener with TLS the
+// connection continues inside a TLS session; elsewhere the option is unsupported.
+func (c *conn) startTLS(n uint32) error {
+	switch {
+	case c.tlsCfg == nil:
+		return c.optReply(optStartTLS, repErrUnsup, nil)
+	case c.inTLS || n != 0:
+		return c.optReply(optStartTLS, repErrInval, nil)
+	case c.r.Buffered() > 0:
+		return errors.New("nbd: data after STARTTLS before the TLS handshake")
+	}
+	if err := c.optReply(optStartTLS, repAck, nil); err != nil {
+		return err
+	}
+	tc := tls.Server(c.c, c.tlsCfg)
+	if err := tc.Handshake(); err != nil {
+		return fmt.Errorf("nbd: TLS handshake: %w", err)
+	}
+	// From here every byte goes through the TLS session: no raw socket writes.
+	c.c, c.r, c.raw, c.inTLS = tc, sockread.New(tc, 64<<10), nil, true
+	return nil
 }
 
 func (c *conn) tflags() uint16 {

@@ -393,7 +393,7 @@ func FuzzSession(f *testing.F) {
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			s.serveConn(a)
+			s.serveConn(a, nil)
 			a.Close()
 		}()
 		go func() { _, _ = io.Copy(io.Discard, b) }()

@@ -1,0 +1,158 @@
+package nbd
+
+import (
+	"bytes"
+	"crypto/tls"
+	"encoding/binary"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+)
+
+// startTLSServer serves exps on a loopback TCP listener that requires TLS with client
+// certificates from pki.
+func startTLSServer(t *testing.T, pki *testutil.PKI, exps ...Export) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := &tls.Config{Certificates: []tls.Certificate{pki.Issue(t, "nbd-server", true)},
+		ClientCAs: pki.Pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}
+	s := NewServer(Options{Exports: func() []Export { return exps }, HandshakeTimeout: 5 * time.Second})
+	done := make(chan error, 1)
+	go func() { done <- s.ServeTLS(ln, cfg) }()
+	t.Cleanup(func() {
+		s.Close()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return ln.Addr().String()
+}
+
+// helloTCP connects to addr and does the fixed-newstyle greeting.
+func helloTCP(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	var h [18]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write([]byte{0, 0, 0, flagFixedNewstyle | flagNoZeroes}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// startTLS sends NBD_OPT_STARTTLS and runs a TLS handshake with the client certificate
+// cert (none if nil) trusting roots.
+func startTLS(t *testing.T, c net.Conn, cert *tls.Certificate, roots *testutil.PKI) (*tls.Conn, error) {
+	t.Helper()
+	sendOpt(t, c, optStartTLS, nil)
+	if _, typ, data := readOptReply(t, c); typ != repAck {
+		t.Fatalf("STARTTLS: reply %#x %q", typ, data)
+	}
+	cfg := &tls.Config{RootCAs: roots.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13}
+	if cert != nil {
+		cfg.Certificates = []tls.Certificate{*cert}
+	}
+	tc := tls.Client(c, cfg)
+	if err := tc.Handshake(); err != nil {
+		return nil, err
+	}
+	// With TLS 1.3 a refused client certificate shows at the first read.
+	sendOpt(t, tc, optList, nil)
+	var h [20]byte
+	if _, err := io.ReadFull(tc, h[:]); err != nil {
+		return nil, err
+	}
+	rest := make([]byte, binary.BigEndian.Uint32(h[16:]))
+	if _, err := io.ReadFull(tc, rest); err != nil {
+		return nil, err
+	}
+	for binary.BigEndian.Uint32(h[12:]) != repAck {
+		if _, err := io.ReadFull(tc, h[:]); err != nil {
+			return nil, err
+		}
+		rest = make([]byte, binary.BigEndian.Uint32(h[16:]))
+		if _, err := io.ReadFull(tc, rest); err != nil {
+			return nil, err
+		}
+	}
+	return tc, nil
+}
+
+// A listener that requires TLS refuses every option before STARTTLS, admits a client with a
+// certificate of its CA and serves it inside TLS, and refuses clients with a certificate of
+// another CA or none.
+func TestNBDStartTLS(t *testing.T) {
+	leakcheck.Check(t)
+	pki, other := testutil.NewPKI(t, "rtrs-test-ca"), testutil.NewPKI(t, "another-ca")
+	dev := &memDev{b: make([]byte, 1<<20)}
+	for i := range dev.b {
+		dev.b[i] = byte(i * 7)
+	}
+	addr := startTLSServer(t, pki, Export{Name: "d", Dev: dev})
+
+	// Options in clear get NBD_REP_ERR_TLS_REQD; EXPORT_NAME, which has no reply, ends it.
+	c := helloTCP(t, addr)
+	sendOpt(t, c, optGo, goData("d"))
+	if _, typ, _ := readOptReply(t, c); typ != repErrTLSReqd {
+		t.Fatalf("GO before STARTTLS: reply %#x, want TLS_REQD", typ)
+	}
+	sendOpt(t, c, optList, nil)
+	if _, typ, _ := readOptReply(t, c); typ != repErrTLSReqd {
+		t.Fatalf("LIST before STARTTLS: reply %#x, want TLS_REQD", typ)
+	}
+	sendOpt(t, c, optExportName, []byte("d"))
+	if n, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("EXPORT_NAME in clear was answered (%d bytes)", n)
+	}
+
+	// A good certificate: GO and IO inside TLS.
+	good := pki.Issue(t, "client-a", false)
+	tc, err := startTLS(t, helloTCP(t, addr), &good, pki)
+	if err != nil {
+		t.Fatalf("client with a certificate of the CA: %v", err)
+	}
+	sendOpt(t, tc, optGo, goData("d"))
+	for {
+		var h [20]byte
+		if _, err := io.ReadFull(tc, h[:]); err != nil {
+			t.Fatal(err)
+		}
+		rest := make([]byte, binary.BigEndian.Uint32(h[16:]))
+		if _, err := io.ReadFull(tc, rest); err != nil {
+			t.Fatal(err)
+		}
+		if typ := binary.BigEndian.Uint32(h[12:]); typ == repAck {
+			break
+		} else if typ != repInfo {
+			t.Fatalf("GO: reply %#x", typ)
+		}
+	}
+	cl := &client{t: t, c: tc}
+	cl.send(Request{Type: CmdRead, Cookie: 9, Offset: 4096, Length: 8192}, nil)
+	if cookie, errno, data := cl.recv(8192); cookie != 9 || errno != 0 || !bytes.Equal(data, dev.b[4096:4096+8192]) {
+		t.Fatalf("read inside TLS: cookie %d errno %d", cookie, errno)
+	}
+
+	// A certificate of another CA, and none at all, are refused.
+	bad := other.Issue(t, "intruder", false)
+	if _, err := startTLS(t, helloTCP(t, addr), &bad, pki); err == nil {
+		t.Fatal("a client certificate of another CA was taken")
+	}
+	if _, err := startTLS(t, helloTCP(t, addr), nil, pki); err == nil {
+		t.Fatal("a client without a certificate was taken")
+	}
+}
