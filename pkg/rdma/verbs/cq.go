@@ -105,7 +105,7 @@ func (c *cq) Poll(wc []rdma.WC) int {
 
 // pollLocked takes up to min(len(wc), pollBatch) completions from the queue.
 func (c *cq) pollLocked(wc []rdma.WC) int {
-	got := int(C.rtrs_poll(c.cq, c.wc, c.out, C.int(min(len(wc), pollBatch))))
+	got := int(C.rtrs_poll(handle(c.cq), handle(c.wc), handle(c.out), C.int(min(len(wc), pollBatch))))
 	if got <= 0 {
 		return 0
 	}

@@ -23,9 +23,9 @@ static int post_chain(struct ibv_qp *qp, struct ibv_send_wr *chain, struct gwr *
 	return rc;
 }
 
-// rtrs_post_send posts n work requests in order, splitting the chain around type 1 binds,
-// which have their own call. It returns an errno and sets *bad.
-int rtrs_post_send(struct ibv_qp *qp, struct gwr *w, int n, struct ibv_send_wr *chain, int *bad) {
+// post_send posts n work requests in order, splitting the chain around type 1 binds, which
+// have their own call. It returns an errno and sets *bad.
+static int post_send(struct ibv_qp *qp, struct gwr *w, int n, struct ibv_send_wr *chain, int *bad) {
 	int start = 0, rc;
 	for (int i = 0; i < n; i++) {
 		struct ibv_send_wr *s = &chain[i];
@@ -108,7 +108,11 @@ int rtrs_post_send(struct ibv_qp *qp, struct gwr *w, int n, struct ibv_send_wr *
 }
 
 
-int rtrs_post_recv(struct ibv_qp *qp, struct grecv *w, int n, struct ibv_recv_wr *chain, int *bad) {
+int rtrs_post_send(uintptr_t qp, uintptr_t w, int n, uintptr_t chain, int *bad) {
+	return post_send((struct ibv_qp *)qp, (struct gwr *)w, n, (struct ibv_send_wr *)chain, bad);
+}
+
+static int post_recv(struct ibv_qp *qp, struct grecv *w, int n, struct ibv_recv_wr *chain, int *bad) {
 	for (int i = 0; i < n; i++) {
 		chain[i].wr_id = w[i].wr_id;
 		chain[i].sg_list = w[i].sge;
@@ -122,7 +126,11 @@ int rtrs_post_recv(struct ibv_qp *qp, struct grecv *w, int n, struct ibv_recv_wr
 	return rc;
 }
 
-int rtrs_poll(struct ibv_cq *cq, struct ibv_wc *wc, struct gwc *out, int n) {
+int rtrs_post_recv(uintptr_t qp, uintptr_t w, int n, uintptr_t chain, int *bad) {
+	return post_recv((struct ibv_qp *)qp, (struct grecv *)w, n, (struct ibv_recv_wr *)chain, bad);
+}
+
+static int poll_cq(struct ibv_cq *cq, struct ibv_wc *wc, struct gwc *out, int n) {
 	int got = ibv_poll_cq(cq, n, wc);
 	for (int i = 0; i < got; i++) {
 		out[i].wr_id = wc[i].wr_id;
@@ -144,6 +152,10 @@ int rtrs_poll(struct ibv_cq *cq, struct ibv_wc *wc, struct gwc *out, int n) {
 			out[i].imm = wc[i].invalidated_rkey;
 	}
 	return got;
+}
+
+int rtrs_poll(uintptr_t cq, uintptr_t wc, uintptr_t out, int n) {
+	return poll_cq((struct ibv_cq *)cq, (struct ibv_wc *)wc, (struct gwc *)out, n);
 }
 
 int rtrs_req_notify(struct ibv_cq *cq) { return ibv_req_notify_cq(cq, 0); }

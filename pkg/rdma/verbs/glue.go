@@ -8,4 +8,10 @@
 package verbs
 
 // #cgo LDFLAGS: -libverbs -lrdmacm
+// #include <stdint.h>
 import "C"
+
+import "unsafe"
+
+// handle passes C memory to the glue's hot-path calls as an integer (see glue.h).
+func handle[T any](p *T) C.uintptr_t { return C.uintptr_t(uintptr(unsafe.Pointer(p))) }

@@ -65,9 +65,12 @@ struct gev {
 };
 
 
-int rtrs_post_send(struct ibv_qp *qp, struct gwr *w, int n, struct ibv_send_wr *chain, int *bad);
-int rtrs_post_recv(struct ibv_qp *qp, struct grecv *w, int n, struct ibv_recv_wr *chain, int *bad);
-int rtrs_poll(struct ibv_cq *cq, struct ibv_wc *wc, struct gwc *out, int n);
+// The calls on every request's path take their objects (the QP or CQ and the buffers made
+// for them, all C memory, never Go's) as integers: cgo checks every pointer argument of a
+// call for Go pointers, and these checks cost as much as the call itself.
+int rtrs_post_send(uintptr_t qp, uintptr_t w, int n, uintptr_t chain, int *bad);
+int rtrs_post_recv(uintptr_t qp, uintptr_t w, int n, uintptr_t chain, int *bad);
+int rtrs_poll(uintptr_t cq, uintptr_t wc, uintptr_t out, int n);
 int rtrs_req_notify(struct ibv_cq *cq);
 int rtrs_get_cq_event(struct ibv_comp_channel *ch);
 int rtrs_query_port(struct ibv_context *c, uint8_t port, struct ibv_port_attr *a);

@@ -272,7 +272,7 @@ build:
 	var bad C.int
 	var rc C.int
 	if n > 0 {
-		rc = C.rtrs_post_send(q.qp, q.gwr, C.int(n), q.chain, &bad)
+		rc = C.rtrs_post_send(handle(q.qp), handle(q.gwr), C.int(n), handle(q.chain), &bad)
 	}
 	posted := n
 	if rc != 0 {
@@ -347,7 +347,7 @@ func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
 			q.rq[seq%uint64(len(q.rq))] = wr.ID
 		}
 		var bad C.int
-		if rc := C.rtrs_post_recv(q.qp, q.grecv, C.int(n), q.rchain, &bad); rc != 0 {
+		if rc := C.rtrs_post_recv(handle(q.qp), handle(q.grecv), C.int(n), handle(q.rchain), &bad); rc != 0 {
 			q.rqHead += uint64(bad)
 			return done + int(bad), fmt.Errorf("verbs: ibv_post_recv: %w", errnoOf(rc))
 		}
