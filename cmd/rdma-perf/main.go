@@ -400,7 +400,12 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 	}
 	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
 	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
-	lat := make([]time.Duration, 0, max(iters, 1<<20))
+	// Room for every sample up front; with a count, no more than that (8 MiB would start a
+	// GC cycle, whose worker takes a CPU, as the measurement starts).
+	lat := make([]time.Duration, 0, 1<<20)
+	if iters > 0 {
+		lat = make([]time.Duration, 0, iters)
+	}
 	var t0 time.Time
 	start := time.Now()
 	more := func(i int) bool { // (i round trips are done)
