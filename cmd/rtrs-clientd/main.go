@@ -31,6 +31,7 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -83,6 +84,9 @@ func run(parent context.Context, args []string) error {
 	hbInterval := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	conPerPath := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
 	provName := fs.String("provider", "auto", pick.Usage)
+	tlsCert := fs.String("tls-cert", "", "soft provider: run connections in mutual TLS with this certificate (with -tls-key and -tls-ca)")
+	tlsKey := fs.String("tls-key", "", "soft provider: the certificate's private key")
+	tlsCA := fs.String("tls-ca", "", "soft provider: the CA peers' certificates must come from")
 	maxMem := fs.String("max-chunk-memory", "256M", "the most chunk memory (queue depth × chunk size) a server may make a session allocate")
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
@@ -129,11 +133,18 @@ func run(parent context.Context, args []string) error {
 	if err != nil || chunkMem < 1 {
 		return fmt.Errorf("-max-chunk-memory %q: want a size such as 256M", *maxMem)
 	}
-	prov, why, err := pick.Open(*provName)
+	tlsCfg, err := daemon.TLSConfig(*tlsCert, *tlsKey, *tlsCA)
+	if err != nil {
+		return err
+	}
+	prov, why, err := pick.OpenSoft(*provName, soft.Options{TLS: tlsCfg})
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
 	}
 	lg.Infof("provider %s", why)
+	if tlsCfg != nil && prov.Name() != "soft" {
+		return fmt.Errorf("-tls-cert: TLS is the soft provider's; %s authenticates nothing (use -provider soft, or -allow)", prov.Name())
+	}
 	c := rnbd.NewClient(rnbd.ClientOptions{
 		Session: transport.ClientOptions{Provider: prov, ConPerPath: *conPerPath,
 			MaxReconnectAttempts: -1, Policy: transport.MinInflight, MaxChunkMemory: int64(chunkMem),

@@ -55,6 +55,10 @@ func run(parent context.Context, args []string) error {
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
 	provName := fs.String("provider", "auto", pick.Usage)
+	tlsCert := fs.String("tls-cert", "", "soft provider: run connections in mutual TLS with this certificate (with -tls-key and -tls-ca)")
+	tlsKey := fs.String("tls-key", "", "soft provider: the certificate's private key")
+	tlsCA := fs.String("tls-ca", "", "soft provider: the CA peers' certificates must come from")
+	allowSubj := fs.String("allow-subject", "", "with TLS: certificate subjects that may connect, ';'-separated (CN=host-a,O=x;CN=host-b)")
 	allow := fs.String("allow", "", "client networks that may connect, comma-separated (10.0.0.0/24,fd00::/64; empty: any)")
 	aclPath := fs.String("acl", "", "export ACL file: lines of <export pattern> <client> <modes> (empty: everyone ro or rw, nobody migration)")
 	namesFile := fs.String("names-file", "/var/lib/rtrs/sessions.json", "where the owner of each session name is kept across restarts (empty: memory only)")
@@ -125,11 +129,27 @@ func run(parent context.Context, args []string) error {
 			return fmt.Errorf("-names-file: %w", err)
 		}
 	}
-	prov, why, err := pick.OpenSoft(*provName, soft.Options{MaxPending: *maxPending, MaxPendingPerAddr: *maxPendingAddr, HandshakeTimeout: *handshake}, addr.Addr())
+	tlsCfg, err := daemon.TLSConfig(*tlsCert, *tlsKey, *tlsCA)
+	if err != nil {
+		return err
+	}
+	var subjects []string
+	for _, sub := range strings.Split(*allowSubj, ";") {
+		if sub = strings.TrimSpace(sub); sub != "" {
+			subjects = append(subjects, sub)
+		}
+	}
+	if len(subjects) > 0 && tlsCfg == nil {
+		return fmt.Errorf("-allow-subject needs -tls-cert, -tls-key and -tls-ca")
+	}
+	prov, why, err := pick.OpenSoft(*provName, soft.Options{MaxPending: *maxPending, MaxPendingPerAddr: *maxPendingAddr, HandshakeTimeout: *handshake, TLS: tlsCfg}, addr.Addr())
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
 	}
 	lg.Infof("provider %s", why)
+	if tlsCfg != nil && prov.Name() != "soft" {
+		return fmt.Errorf("-tls-cert: TLS is the soft provider's; %s authenticates nothing (use -provider soft, or -allow)", prov.Name())
+	}
 	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *search, MaxIOSize: cs - transport.MaxHdrSize, ZeroCopyReadMin: zcMin, ACL: acl})
 	if err != nil {
 		return err
@@ -141,7 +161,7 @@ func run(parent context.Context, args []string) error {
 	o.Timings.HeartbeatInterval = *hb
 	o.Timings.ZombieTimeout = *establish
 	o.Limits = lim
-	o.Allow, o.NamesFile = allowList, *namesFile
+	o.Allow, o.AllowSubjects, o.NamesFile = allowList, subjects, *namesFile
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err

@@ -50,7 +50,7 @@ func NewPKI(t testing.TB, name string) *PKI {
 }
 
 // Issue makes a certificate with common name cn, for a server (valid for localhost and the
-// loopback addresses) or a client.
+// loopback addresses, and as a client too: a node that both listens and connects) or a client.
 func (p *PKI) Issue(t testing.TB, cn string, server bool) tls.Certificate {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
@@ -62,7 +62,7 @@ func (p *PKI) Issue(t testing.TB, cn string, server bool) tls.Certificate {
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
 		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
 	if server {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}
 		tmpl.DNSNames = []string{"localhost"}
 		tmpl.IPAddresses = []net.IP{net.IPv4(127, 0, 0, 1), net.IPv4(127, 0, 0, 2), net.IPv6loopback}
 	}

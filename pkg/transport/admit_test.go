@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"crypto/tls"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -11,6 +12,9 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
 
 func prefixes(t *testing.T, s ...string) []netip.Prefix {
@@ -109,4 +113,49 @@ func TestCheckText(t *testing.T) {
 			t.Errorf("%q refused: %v", good, err)
 		}
 	}
+}
+
+// With mutual TLS the client's identity is its certificate's subject: the subject allowlist
+// admits and refuses by it, and a session is bound to it.
+func TestTLSIdentity(t *testing.T) {
+	pki := testutil.NewPKI(t, "rtrs-ca")
+	nodeCfg := func(cn string) *tls.Config {
+		return &tls.Config{Certificates: []tls.Certificate{pki.Issue(t, cn, true)}, RootCAs: pki.Pool, ClientCAs: pki.Pool,
+			ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}
+	}
+	e := &env{prov: soft.New(soft.Options{TLS: nodeCfg("server")}), disk: newMemDisk(8 << 20)}
+	o := DefaultServerOptions()
+	o.Provider, o.Handler, o.Timings, o.QueueDepth = e.prov, e.disk, fastTimings(), 16
+	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)
+	o.AllowSubjects = []string{"CN=client-a", "CN=client-b"}
+	srv, err := NewServer(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	e.srv, e.port = srv, srv.Addr().Port()
+	as := func(cn string) *env {
+		return &env{prov: soft.New(soft.Options{TLS: nodeCfg(cn)}), srv: srv, port: e.port}
+	}
+
+	a := as("client-a")
+	s := a.open(t, "tenant-a", paths(t, path1()), nil)
+	if got := srv.Sessions()[0].Owner(); got.Subject != "CN=client-a" || got.Key() != "subject:CN=client-a" {
+		t.Fatalf("session owner %+v", got)
+	}
+	if err := tryOpen(as("client-c"), "tenant-c", paths(t, path1())); err == nil {
+		t.Fatal("a subject outside the allowlist opened a session")
+	}
+	// client-b may connect, but not into client-a's session, even from the same address.
+	b := as("client-b")
+	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s.pathsUUID, FirstConn: true}
+	if got := connectFrom(t, b, netip.MustParseAddr(testAddr(1)), steal); got != -int16(syscall.EPERM) {
+		t.Fatalf("client-b joining client-a's session: errno %d, want EPERM", got)
+	}
+	if err := tryOpen(b, "tenant-b", paths(t, path1())); err != nil {
+		t.Fatalf("client-b with its own session: %v", err)
+	}
+	model := make([]byte, len(e.disk.disk))
+	copy(model, e.disk.disk)
+	randomIO(t, s, model, 200, 8, 6)
 }

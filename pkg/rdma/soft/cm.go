@@ -2,6 +2,7 @@ package soft
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -41,6 +42,23 @@ type connID struct {
 	// free gives back the listener's pending slot of an incoming request, once (nil for an
 	// outgoing identifier).
 	free func()
+	// subject is the peer certificate's subject, with TLS.
+	subject string
+}
+
+// PeerSubject is the subject of the peer's certificate ("" without TLS): rdma.Authenticated.
+func (c *connID) PeerSubject() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.subject
+}
+
+// subjectOf is the subject of the certificate a TLS peer presented.
+func subjectOf(tc *tls.Conn) string {
+	if pc := tc.ConnectionState().PeerCertificates; len(pc) > 0 {
+		return pc[0].Subject.String()
+	}
+	return ""
 }
 
 // freeSlot gives back the request's pending slot (when it is answered or dropped).
@@ -237,12 +255,27 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	}
 	tuneConn(conn)
 	// Closing the socket is how a cancelled context interrupts the handshake.
-	stop := context.AfterFunc(dctx, func() { _ = conn.SetDeadline(time.Now()) })
+	raw := conn
+	stop := context.AfterFunc(dctx, func() { _ = raw.SetDeadline(time.Now()) })
 	defer stop()
 	_ = conn.SetDeadline(dl)
 	fail := func(err error) ([]byte, error) {
 		_ = conn.Close()
 		return nil, ctxErr(ctx, err)
+	}
+	if cfg := c.prov.opts.TLS; cfg != nil {
+		cfg = cfg.Clone()
+		if cfg.ServerName == "" {
+			cfg.ServerName = c.remote.Addr().String()
+		}
+		tc := tls.Client(conn, cfg)
+		if err := tc.HandshakeContext(dctx); err != nil {
+			return fail(fmt.Errorf("soft-rdma: TLS with %v: %w", c.remote, err))
+		}
+		conn = tc
+		c.mu.Lock()
+		c.subject = subjectOf(tc)
+		c.mu.Unlock()
 	}
 	if err := writeCM(conn, fConnReq, p.PrivateData); err != nil {
 		return fail(err)
@@ -271,7 +304,7 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	}
 	_ = conn.SetDeadline(time.Time{})
 	c.mu.Lock()
-	c.local = conn.LocalAddr().(*net.TCPAddr).AddrPort()
+	c.local = raw.LocalAddr().(*net.TCPAddr).AddrPort()
 	c.local = netip.AddrPortFrom(c.local.Addr().Unmap(), c.local.Port())
 	if err := c.startLocked(q, conn, br, p.RNRRetryCount); err != nil {
 		c.mu.Unlock()
@@ -525,6 +558,17 @@ func (l *listener) handshake(c net.Conn, free func()) {
 	// request timer to answer it.
 	_ = c.SetDeadline(time.Now().Add(l.prov.opts.HandshakeTimeout))
 	dl := time.Now().Add(rdma.DefaultConnectTimeout)
+	raw, subject := c, ""
+	if cfg := l.prov.opts.TLS; cfg != nil {
+		tc := tls.Server(c, cfg)
+		if err := tc.Handshake(); err != nil {
+			refusals.Warn(l.log, "TLS", c.RemoteAddr().String(), "TLS handshake: "+err.Error())
+			_ = c.Close()
+			free()
+			return
+		}
+		c, subject = tc, subjectOf(tc)
+	}
 	br := sockread.New(c, l.prov.opts.ReadBufSize)
 	h, data, err := readCM(br)
 	if err == nil && h.op != fConnReq {
@@ -537,8 +581,8 @@ func (l *listener) handshake(c net.Conn, free func()) {
 		return
 	}
 	_ = c.SetDeadline(dl)
-	local := c.LocalAddr().(*net.TCPAddr).AddrPort()
-	remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
+	local := raw.LocalAddr().(*net.TCPAddr).AddrPort()
+	remote := raw.RemoteAddr().(*net.TCPAddr).AddrPort()
 	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
 	remote = netip.AddrPortFrom(remote.Addr().Unmap(), remote.Port())
 	dev, err := l.prov.deviceFor(local.Addr())
@@ -548,7 +592,7 @@ func (l *listener) handshake(c net.Conn, free func()) {
 		free()
 		return
 	}
-	id := &connID{prov: l.prov, dev: dev, local: local, remote: remote, conn: c, br: br, free: free}
+	id := &connID{prov: l.prov, dev: dev, local: local, remote: remote, conn: c, br: br, free: free, subject: subject}
 	// A request nobody answers in time is dropped, as the CM's REQ timer would.
 	id.expire = time.AfterFunc(time.Until(dl), func() {
 		id.mu.Lock()

@@ -5,6 +5,7 @@
 package soft
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -56,6 +57,12 @@ type Options struct {
 	// HandshakeTimeout is how long a new connection may take to send its connection request
 	// (default 5 s).
 	HandshakeTimeout time.Duration
+	// TLS, when set, runs every connection inside TLS, both ways authenticated: a listener
+	// presents Certificates and requires a client certificate from ClientCAs; a connect
+	// presents Certificates and checks the server's against RootCAs, by ServerName or, when
+	// that is empty, by the destination address. The peer's certificate subject is then the
+	// connection's identity (rdma.Authenticated).
+	TLS *tls.Config
 }
 
 // Defaults of the listener's admission bounds (Options).

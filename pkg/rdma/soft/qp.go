@@ -503,8 +503,8 @@ func (q *qp) shutdown(term *frameHdr) {
 		}
 		w.add(&frameHdr{op: fDisc}, nil)
 		w.flushSync()
-		if tc, ok := conn.(*net.TCPConn); ok {
-			_ = tc.CloseWrite()
+		if cw, ok := conn.(interface{ CloseWrite() error }); ok {
+			_ = cw.CloseWrite() // a TCP socket, or TLS (close_notify, then the socket's)
 		}
 		_ = conn.SetReadDeadline(time.Now().Add(discLinger))
 	})

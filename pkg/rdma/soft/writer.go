@@ -86,7 +86,8 @@ type writer struct {
 	arena  []byte
 	spend  []seg // spare piece list, swapped with pend per blocking batch
 	sarena []byte
-	batch  []seg // owned by the busy flusher
+	batch  []seg  // owned by the busy flusher
+	gbuf   []byte // the flusher's gathering buffer for a connection that is not a socket
 
 	// Scratch iovecs: iov for non-blocking writes under mu, biov for the busy flusher;
 	// the write callbacks are bound once and report through werr and berr.
@@ -418,11 +419,28 @@ func (w *writer) writeBatch() error {
 	return w.berr
 }
 
-// writeBatchConn writes w.batch to a connection that is not a socket (tests use pipes):
-// memory as it is, file pieces read into memory first.
+// writeBatchConn writes w.batch to a connection that is not a socket (TLS, and pipes in
+// tests): small pieces gathered into one write (one TLS record instead of one per header),
+// file pieces read into memory first.
 func (w *writer) writeBatchConn() error {
-	for i := range w.batch {
+	const gather = 64 << 10
+	for i := 0; i < len(w.batch); {
 		s := &w.batch[i]
+		if s.f == nil && len(s.b) < gather {
+			buf := w.gbuf[:0]
+			j := i
+			for ; j < len(w.batch) && w.batch[j].f == nil && len(buf)+len(w.batch[j].b) <= gather; j++ {
+				buf = append(buf, w.batch[j].b...)
+			}
+			if _, err := w.conn.Write(buf); err != nil {
+				return err
+			}
+			w.gbuf = buf[:0]
+			for ; i < j; i++ {
+				w.batch[i].release()
+			}
+			continue
+		}
 		b := s.b
 		if s.f != nil {
 			b = make([]byte, s.n)
@@ -434,6 +452,7 @@ func (w *writer) writeBatchConn() error {
 			return err
 		}
 		s.release()
+		i++
 	}
 	w.batch = w.batch[:0]
 	return nil
