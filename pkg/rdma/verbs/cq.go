@@ -3,8 +3,6 @@
 package verbs
 
 // #include "glue.h"
-// #cgo noescape rtrs_poll
-// #cgo nocallback rtrs_poll
 import "C"
 
 import (

@@ -3,12 +3,6 @@
 package verbs
 
 // #include "glue.h"
-// // The posts are on every request's path: the Go pointers they take (the bad index) do not
-// // escape, so they stay on the stack, and the C side never calls back into Go.
-// #cgo noescape rtrs_post_send
-// #cgo nocallback rtrs_post_send
-// #cgo noescape rtrs_post_recv
-// #cgo nocallback rtrs_post_recv
 import "C"
 
 import (
@@ -80,6 +74,7 @@ type qp struct {
 	grecv  *C.struct_grecv
 	rchain *C.struct_ibv_recv_wr
 	rsges  *C.struct_ibv_sge
+	bad    *C.int // where a post puts the index of the first request not posted
 }
 
 // postBatch is how many work requests one post takes from the C buffers; longer chains go
@@ -97,6 +92,9 @@ func newQP(id *connID, p *pd, c *C.struct_ibv_qp, swr, rwr, ssge, rsge int) *qp 
 	q.grecv = (*C.struct_grecv)(C.calloc(postBatch, C.sizeof_struct_grecv))
 	q.rchain = (*C.struct_ibv_recv_wr)(C.calloc(postBatch, C.sizeof_struct_ibv_recv_wr))
 	q.rsges = (*C.struct_ibv_sge)(C.calloc(C.size_t(postBatch*max(rsge, 1)), C.sizeof_struct_ibv_sge))
+	// In C memory, as the rest: a Go variable whose address goes to C is a heap allocation
+	// per post.
+	q.bad = (*C.int)(C.calloc(1, C.sizeof_int))
 	return q
 }
 
@@ -269,14 +267,13 @@ build:
 			c.m.setState(q.pd, c.valid, c.old, c.key, nil)
 		}
 	}
-	var bad C.int
 	var rc C.int
 	if n > 0 {
-		rc = C.rtrs_post_send(handle(q.qp), handle(q.gwr), C.int(n), handle(q.chain), &bad)
+		rc = C.rtrs_post_send(handle(q.qp), handle(q.gwr), C.int(n), handle(q.chain), q.bad)
 	}
 	posted := n
 	if rc != 0 {
-		posted = int(bad)
+		posted = int(*q.bad)
 	}
 	var keyErr error
 	for _, c := range changes {
@@ -346,10 +343,10 @@ func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
 			}
 			q.rq[seq%uint64(len(q.rq))] = wr.ID
 		}
-		var bad C.int
-		if rc := C.rtrs_post_recv(handle(q.qp), handle(q.grecv), C.int(n), handle(q.rchain), &bad); rc != 0 {
+		if rc := C.rtrs_post_recv(handle(q.qp), handle(q.grecv), C.int(n), handle(q.rchain), q.bad); rc != 0 {
+			bad := int(*q.bad)
 			q.rqHead += uint64(bad)
-			return done + int(bad), fmt.Errorf("verbs: ibv_post_recv: %w", errnoOf(rc))
+			return done + bad, fmt.Errorf("verbs: ibv_post_recv: %w", errnoOf(rc))
 		}
 		q.rqHead += uint64(n)
 		done += n
@@ -415,7 +412,7 @@ func (q *qp) destroy() {
 	}
 	q.dead = true
 	for _, p := range []unsafe.Pointer{unsafe.Pointer(q.gwr), unsafe.Pointer(q.chain), unsafe.Pointer(q.sges),
-		unsafe.Pointer(q.grecv), unsafe.Pointer(q.rchain), unsafe.Pointer(q.rsges)} {
+		unsafe.Pointer(q.grecv), unsafe.Pointer(q.rchain), unsafe.Pointer(q.rsges), unsafe.Pointer(q.bad)} {
 		C.free(p)
 	}
 }
