@@ -197,7 +197,10 @@ const (
 	fastRec = "-reconnect-delay=300ms"
 )
 
-func startCluster(t *testing.T) *cluster {
+func startCluster(t *testing.T) *cluster { t.Helper(); return startClusterWith(t, nil, nil) }
+
+// startClusterWith starts the daemons with extra arguments for each.
+func startClusterWith(t *testing.T, srvArgs, cliArgs []string) *cluster {
 	t.Helper()
 	requireTools(t, "nsenter", "ip")
 	c := &cluster{net: setupNet(t)}
@@ -217,10 +220,10 @@ func startCluster(t *testing.T) *cluster {
 	if err := os.WriteFile(c.cliConf, []byte("# e2e\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	c.srvd = startDaemon(t, c.net.srv, "rtrs-serverd", "-config=/dev/null", "-listen=[::]:1234",
-		"-dev-search-path="+c.exports, "-mount="+c.srvMnt, "-heartbeat-interval=200ms", "-names-file="+filepath.Join(dir, "names.json"))
-	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", "-config="+c.cliConf, "-mount="+c.cliMnt,
-		"-dev-mount="+c.devMnt, "-nbd-socket="+filepath.Join(dir, "nbd.sock"), fastCli, fastRec, "-con-per-path=3")
+	c.srvd = startDaemon(t, c.net.srv, "rtrs-serverd", append([]string{"-config=/dev/null", "-listen=[::]:1234",
+		"-dev-search-path=" + c.exports, "-mount=" + c.srvMnt, "-heartbeat-interval=200ms", "-names-file=" + filepath.Join(dir, "names.json")}, srvArgs...)...)
+	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", append([]string{"-config=" + c.cliConf, "-mount=" + c.cliMnt,
+		"-dev-mount=" + c.devMnt, "-nbd-socket=" + filepath.Join(dir, "nbd.sock"), fastCli, fastRec, "-con-per-path=3"}, cliArgs...)...)
 	c.nbdSock = filepath.Join(dir, "nbd.sock")
 	testutil.WaitFor(t, 20*time.Second, "both trees mounted", func() bool {
 		return exists(c.srvMnt) && exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device")

@@ -49,9 +49,10 @@ func NewPKI(t testing.TB, name string) *PKI {
 	return p
 }
 
-// Issue makes a certificate with common name cn, for a server (valid for localhost and the
-// loopback addresses, and as a client too: a node that both listens and connects) or a client.
-func (p *PKI) Issue(t testing.TB, cn string, server bool) tls.Certificate {
+// Issue makes a certificate with common name cn, for a server (valid for localhost, the
+// loopback addresses and ips, and as a client too: a node that both listens and connects) or
+// a client.
+func (p *PKI) Issue(t testing.TB, cn string, server bool, ips ...string) tls.Certificate {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -65,6 +66,9 @@ func (p *PKI) Issue(t testing.TB, cn string, server bool) tls.Certificate {
 		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}
 		tmpl.DNSNames = []string{"localhost"}
 		tmpl.IPAddresses = []net.IP{net.IPv4(127, 0, 0, 1), net.IPv4(127, 0, 0, 2), net.IPv6loopback}
+		for _, ip := range ips {
+			tmpl.IPAddresses = append(tmpl.IPAddresses, net.ParseIP(ip))
+		}
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, p.cert, &key.PublicKey, p.key)
 	if err != nil {
