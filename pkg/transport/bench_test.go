@@ -43,30 +43,7 @@ func BenchmarkRequestQD32(b *testing.B) {
 
 func benchQD32(b *testing.B, inv bool) {
 	e := newEnv(b, inv, 128)
-	s := e.open(b, "bench32", paths(b, "ip:127.0.0.1@ip:127.0.0.1"), nil)
-	ctx := context.Background()
-	sem := make(chan []byte, 32)
-	for i := 0; i < 32; i++ {
-		sem <- make([]byte, 4096)
-	}
-	hdr := offHdr(0)
-	b.SetBytes(4096)
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		buf := <-sem
-		if err := s.Request(ctx, Read, hdr, buf, func(err error) {
-			if err != nil {
-				b.Error(err)
-			}
-			sem <- buf
-		}); err != nil {
-			b.Fatal(err)
-		}
-	}
-	for i := 0; i < 32; i++ {
-		<-sem
-	}
+	benchInflight(b, e.open(b, "bench32", paths(b, "ip:127.0.0.1@ip:127.0.0.1"), nil), Read, 4096, 32)
 }
 
 // BenchmarkTLS compares the soft provider with and without mutual TLS: 4 KiB reads at QD32

@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
-	"net/netip"
 	"os"
 	"sync"
 	"testing"
@@ -122,19 +121,7 @@ type env struct {
 
 func newEnv(t testing.TB, alwaysInv bool, qd int) *env {
 	t.Helper()
-	e := &env{prov: testProvider(t), disk: newMemDisk(8 << 20)}
-	o := DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings = e.prov, e.disk, fastTimings()
-	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)
-	o.AlwaysInvalidate = alwaysInv
-	o.QueueDepth = qd
-	srv, err := NewServer(o)
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.srv, e.port = srv, srv.Addr().Port()
-	t.Cleanup(func() { _ = srv.Close() })
-	return e
+	return newLimitedEnv(t, func(o *ServerOptions) { o.AlwaysInvalidate, o.QueueDepth = alwaysInv, qd })
 }
 
 func paths(t testing.TB, spec ...string) []PathAddrs {

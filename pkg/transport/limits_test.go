@@ -20,7 +20,7 @@ import (
 )
 
 // newLimitedEnv is newEnv with the server's options changed by mod.
-func newLimitedEnv(t *testing.T, mod func(*ServerOptions)) *env {
+func newLimitedEnv(t testing.TB, mod func(*ServerOptions)) *env {
 	t.Helper()
 	e := &env{prov: testProvider(t), disk: newMemDisk(8 << 20)}
 	o := DefaultServerOptions()
@@ -41,30 +41,7 @@ func newLimitedEnv(t *testing.T, mod func(*ServerOptions)) *env {
 // accepted). The identifier lives until the test ends.
 func connectFrom(t *testing.T, e *env, src netip.Addr, m MsgConnReq) int16 {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	id, err := e.prov.ResolveAddr(ctx, src, e.srv.Addr())
-	if err != nil {
-		t.Fatal(err)
-	}
-	pd, _ := id.Device().AllocPD()
-	cq, _ := id.Device().CreateCQ(8)
-	t.Cleanup(func() { _ = id.Destroy(); _ = cq.Destroy() })
-	if _, err := id.CreateQP(pd, rdma.QPInitAttr{SendCQ: cq, RecvCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := id.Connect(ctx, rdma.ConnParam{PrivateData: m.Marshal()}); err != nil {
-		r, ok := rdma.IsReject(err)
-		if !ok {
-			t.Fatalf("connect: %v", err)
-		}
-		var rsp MsgConnRsp
-		if rsp.Unmarshal(r.PrivateData) != nil {
-			t.Fatalf("reject without conn_rsp: %x", r.PrivateData)
-		}
-		return rsp.Errno
-	}
-	return 0
+	return rawConnectFrom(t, e, src, m.Marshal())
 }
 
 // silentPath is the first connection of a new session's path that will never send INFO_REQ.

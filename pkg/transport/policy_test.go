@@ -149,9 +149,15 @@ func TestPolicies(t *testing.T) {
 // errno of the server's reject (0 if accepted).
 func rawConnect(t *testing.T, e *env, data []byte) int16 {
 	t.Helper()
+	return rawConnectFrom(t, e, netip.Addr{}, data)
+}
+
+// rawConnectFrom is rawConnect from source address src (unset: the route's).
+func rawConnectFrom(t *testing.T, e *env, src netip.Addr, data []byte) int16 {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	id := rawID(t, e)
+	id := rawIDFrom(t, e, src)
 	_, err := id.Connect(ctx, rdma.ConnParam{PrivateData: data})
 	if err == nil {
 		return 0
@@ -168,11 +174,14 @@ func rawConnect(t *testing.T, e *env, data []byte) int16 {
 }
 
 // rawID is a connection identifier with a QP, resolved to the server, destroyed at cleanup.
-func rawID(t *testing.T, e *env) rdma.ConnID {
+func rawID(t *testing.T, e *env) rdma.ConnID { t.Helper(); return rawIDFrom(t, e, netip.Addr{}) }
+
+// rawIDFrom is rawID bound to source address src.
+func rawIDFrom(t *testing.T, e *env, src netip.Addr) rdma.ConnID {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	id, err := e.prov.ResolveAddr(ctx, netip.Addr{}, e.srv.Addr())
+	id, err := e.prov.ResolveAddr(ctx, src, e.srv.Addr())
 	if err != nil {
 		t.Fatal(err)
 	}
