@@ -120,7 +120,7 @@ func run(parent context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("-nbd-socket-group: %w", err)
 	}
-	nbdTLS, err := nbdTLSConfig(*nbdCert, *nbdKey, *nbdCA)
+	nbdTLS, err := daemon.TLSConfig("nbd-tls", *nbdCert, *nbdKey, *nbdCA)
 	if err != nil {
 		return fmt.Errorf("NBD TLS: %w", err)
 	}
@@ -133,7 +133,7 @@ func run(parent context.Context, args []string) error {
 	if err != nil || chunkMem < 1 {
 		return fmt.Errorf("-max-chunk-memory %q: want a size such as 256M", *maxMem)
 	}
-	tlsCfg, err := daemon.TLSConfig(*tlsCert, *tlsKey, *tlsCA)
+	tlsCfg, err := daemon.TLSConfig("tls", *tlsCert, *tlsKey, *tlsCA)
 	if err != nil {
 		return err
 	}

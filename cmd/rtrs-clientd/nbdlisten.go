@@ -2,8 +2,6 @@ package main
 
 import (
 	"crypto/tls"
-	"crypto/x509"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -61,31 +59,6 @@ func lookupGroup(name string) (int, error) {
 		return 0, err
 	}
 	return strconv.Atoi(g.Gid)
-}
-
-// nbdTLSConfig builds the TLS configuration of the NBD TCP listener: the server's
-// certificate and key, and the CA its clients' certificates must come from.
-func nbdTLSConfig(certFile, keyFile, caFile string) (*tls.Config, error) {
-	if certFile == "" && keyFile == "" && caFile == "" {
-		return nil, nil
-	}
-	if certFile == "" || keyFile == "" || caFile == "" {
-		return nil, errors.New("-nbd-tls-cert, -nbd-tls-key and -nbd-tls-ca go together")
-	}
-	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		return nil, err
-	}
-	pem, err := os.ReadFile(caFile)
-	if err != nil {
-		return nil, err
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pem) {
-		return nil, fmt.Errorf("%s: no certificate", caFile)
-	}
-	return &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool,
-		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12}, nil
 }
 
 // checkNBDTCP refuses to serve NBD in clear on anything but loopback: NBD has no

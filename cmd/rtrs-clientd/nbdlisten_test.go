@@ -9,6 +9,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/rtrs-go/rtrs/internal/daemon"
 )
 
 // The NBD socket gets its mode whatever the umask: 0600, or 0660 with the group given.
@@ -69,7 +71,7 @@ func TestNBDTCPNeedsTLS(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "TLS") {
 		t.Fatalf("daemon with NBD in clear on 0.0.0.0: %v", err)
 	}
-	if _, err := nbdTLSConfig("cert.pem", "", ""); err == nil {
-		t.Fatal("a certificate without key and CA was taken")
+	if _, err := daemon.TLSConfig("nbd-tls", "cert.pem", "", ""); err == nil || !strings.Contains(err.Error(), "-nbd-tls-key") {
+		t.Fatalf("a certificate without key and CA: %v", err)
 	}
 }

@@ -129,7 +129,7 @@ func run(parent context.Context, args []string) error {
 			return fmt.Errorf("-names-file: %w", err)
 		}
 	}
-	tlsCfg, err := daemon.TLSConfig(*tlsCert, *tlsKey, *tlsCA)
+	tlsCfg, err := daemon.TLSConfig("tls", *tlsCert, *tlsKey, *tlsCA)
 	if err != nil {
 		return err
 	}

@@ -3,21 +3,20 @@ package daemon
 import (
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
 	"fmt"
 	"os"
 )
 
-// TLSConfig builds the mutual-TLS configuration of a daemon's soft-provider connections
-// from its certificate, key and CA files: it presents the certificate, requires the peer's
-// to come from the CA, and checks a server's against the CA too. All three empty: nil (no
-// TLS); some but not all: an error.
-func TLSConfig(certFile, keyFile, caFile string) (*tls.Config, error) {
+// TLSConfig builds a mutual-TLS configuration from a certificate, key and CA file given by
+// the flags -<prefix>-cert, -key and -ca: it presents the certificate, requires the peer's to
+// come from the CA, and checks a server's against the CA too. All three empty: nil (no TLS);
+// some but not all: an error.
+func TLSConfig(prefix, certFile, keyFile, caFile string) (*tls.Config, error) {
 	if certFile == "" && keyFile == "" && caFile == "" {
 		return nil, nil
 	}
 	if certFile == "" || keyFile == "" || caFile == "" {
-		return nil, errors.New("-tls-cert, -tls-key and -tls-ca go together")
+		return nil, fmt.Errorf("-%[1]s-cert, -%[1]s-key and -%[1]s-ca go together", prefix)
 	}
 	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
 	if err != nil {

@@ -89,9 +89,12 @@ func sendOpt(t testing.TB, c net.Conn, opt uint32, data []byte) {
 	}
 }
 
-func hello(t testing.TB, addr string) net.Conn {
+func hello(t testing.TB, addr string) net.Conn { t.Helper(); return helloOn(t, "unix", addr) }
+
+// helloOn connects to addr on network and does the fixed-newstyle greeting.
+func helloOn(t testing.TB, network, addr string) net.Conn {
 	t.Helper()
-	c, err := net.Dial("unix", addr)
+	c, err := net.Dial(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -35,25 +35,6 @@ func startTLSServer(t *testing.T, pki *testutil.PKI, exps ...Export) string {
 	return ln.Addr().String()
 }
 
-// helloTCP connects to addr and does the fixed-newstyle greeting.
-func helloTCP(t *testing.T, addr string) net.Conn {
-	t.Helper()
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	var h [18]byte
-	if _, err := io.ReadFull(c, h[:]); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.Write([]byte{0, 0, 0, flagFixedNewstyle | flagNoZeroes}); err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
-
 // startTLS sends NBD_OPT_STARTTLS and runs a TLS handshake with the client certificate
 // cert (none if nil) trusting roots.
 func startTLS(t *testing.T, c net.Conn, cert *tls.Certificate, roots *testutil.PKI) (*tls.Conn, error) {
@@ -105,7 +86,7 @@ func TestNBDStartTLS(t *testing.T) {
 	addr := startTLSServer(t, pki, Export{Name: "d", Dev: dev})
 
 	// Options in clear get NBD_REP_ERR_TLS_REQD; EXPORT_NAME, which has no reply, ends it.
-	c := helloTCP(t, addr)
+	c := helloOn(t, "tcp", addr)
 	sendOpt(t, c, optGo, goData("d"))
 	if _, typ, _ := readOptReply(t, c); typ != repErrTLSReqd {
 		t.Fatalf("GO before STARTTLS: reply %#x, want TLS_REQD", typ)
@@ -121,7 +102,7 @@ func TestNBDStartTLS(t *testing.T) {
 
 	// A good certificate: GO and IO inside TLS.
 	good := pki.Issue(t, "client-a", false)
-	tc, err := startTLS(t, helloTCP(t, addr), &good, pki)
+	tc, err := startTLS(t, helloOn(t, "tcp", addr), &good, pki)
 	if err != nil {
 		t.Fatalf("client with a certificate of the CA: %v", err)
 	}
@@ -149,10 +130,10 @@ func TestNBDStartTLS(t *testing.T) {
 
 	// A certificate of another CA, and none at all, are refused.
 	bad := other.Issue(t, "intruder", false)
-	if _, err := startTLS(t, helloTCP(t, addr), &bad, pki); err == nil {
+	if _, err := startTLS(t, helloOn(t, "tcp", addr), &bad, pki); err == nil {
 		t.Fatal("a client certificate of another CA was taken")
 	}
-	if _, err := startTLS(t, helloTCP(t, addr), nil, pki); err == nil {
+	if _, err := startTLS(t, helloOn(t, "tcp", addr), nil, pki); err == nil {
 		t.Fatal("a client without a certificate was taken")
 	}
 }

@@ -427,11 +427,7 @@ func TestAccessModes(t *testing.T) {
 	if _, err := e.mapDev(t, c, "m", "disk", AccessMigration); !errors.Is(err, syscall.EACCES) {
 		t.Fatalf("migration without an ACL allowing it: %v", err)
 	}
-	acl, err := ParseACL(strings.NewReader("disk * ro,rw,migration\n"), "acl")
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.server().SetACL(acl)
+	useACL(t, e, "disk * ro,rw,migration\n")
 	mig := mustMap(t, e, c, "m", "disk", AccessMigration)
 	if _, err := e.mapDev(t, c, "n", "disk", AccessMigration); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("third writer: %v", err)
@@ -821,6 +817,16 @@ func rawOpen(s *transport.Session, name string, mode AccessMode) (MsgOpenRsp, er
 	return rsp, rsp.Unmarshal(buf[:])
 }
 
+// useACL gives the server the ACL text.
+func useACL(t *testing.T, e *testEnv, text string) {
+	t.Helper()
+	acl, err := ParseACL(strings.NewReader(text), "test.acl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.server().SetACL(acl)
+}
+
 // An ro OPEN of a device the session holds rw is refused instead of answered with the rw
 // handle; the same mode is answered again (a remap after a reconnect).
 func TestOpenROOfHeldRWDevice(t *testing.T) {
@@ -846,16 +852,12 @@ func TestExportACL(t *testing.T) {
 	e := newTestEnv(t)
 	e.file(t, "db1", 1<<20)
 	e.file(t, "scratch", 1<<20)
-	acl, err := ParseACL(strings.NewReader(`
+	useACL(t, e, `
 # export  client        modes
 db*       127.0.0.0/8   ro     # everyone local reads the databases
 db1       127.0.0.1     rw
 scratch   10.0.0.0/8    rw     # not us
-`), "test.acl")
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.server().SetACL(acl)
+`)
 	c := e.client(t, time.Second)
 	if _, err := e.mapDev(t, c, "a", "db1", AccessRO); err != nil {
 		t.Fatalf("ro of db1: %v", err)
@@ -869,11 +871,7 @@ scratch   10.0.0.0/8    rw     # not us
 	if _, err := e.mapDev(t, c, "d", "scratch", AccessRO); !errors.Is(err, syscall.EACCES) {
 		t.Fatalf("scratch, which no rule gives us: %v, want EACCES", err)
 	}
-	open, err := ParseACL(strings.NewReader("* * ro,rw\n"), "open.acl")
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.server().SetACL(open)
+	useACL(t, e, "* * ro,rw\n")
 	if _, err := e.mapDev(t, c, "d", "scratch", AccessRW); err != nil {
 		t.Fatalf("scratch after the reload: %v", err)
 	}
