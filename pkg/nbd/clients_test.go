@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -16,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
@@ -241,5 +243,71 @@ func TestQemuImg(t *testing.T) {
 	info := string(run(t, tool, "info", "-f", "raw", st.uri()))
 	if !strings.Contains(info, "16 MiB") {
 		t.Fatalf("qemu-img info:\n%s", info)
+	}
+}
+
+// TestLibnbdStartTLS: libnbd's tools speak STARTTLS with a client certificate to a listener
+// that requires TLS (nbds://), copy data through it, and are refused without a certificate.
+func TestLibnbdStartTLS(t *testing.T) {
+	requireTool(t, "nbdinfo")
+	requireTool(t, "nbdcopy")
+	st := newStack(t, 16<<20)
+	pki := testutil.NewPKI(t, "nbd-ca")
+	dir := t.TempDir()
+	// libnbd's layout: ca-cert.pem, client-cert.pem and client-key.pem in one directory.
+	certs := filepath.Join(dir, "certs")
+	cc, ck := testutil.WriteFiles(t, dir, "client", pki.Issue(t, "qemu-host", false))
+	if err := os.MkdirAll(certs, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for src, dst := range map[string]string{cc: "client-cert.pem", ck: "client-key.pem"} {
+		if err := os.Rename(src, filepath.Join(certs, dst)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(certs, "ca-cert.pem"), pki.PEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := nbd.NewServer(nbd.Options{Exports: func() []nbd.Export { return []nbd.Export{{Name: "blk/disk", Dev: st.dev}} }})
+	served := make(chan error, 1)
+	go func() {
+		served <- ns.ServeTLS(ln, &tls.Config{Certificates: []tls.Certificate{pki.Issue(t, "rtrs-clientd", true)},
+			ClientCAs: pki.Pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12})
+	}()
+	t.Cleanup(func() { ns.Close(); <-served })
+	uri := "nbds://" + ln.Addr().String() + "/blk/disk?tls-certificates=" + certs
+	if out := string(run(t, "nbdinfo", uri)); !strings.Contains(out, "16777216") {
+		t.Fatalf("nbdinfo over TLS:\n%s", out)
+	}
+	src := filepath.Join(dir, "src")
+	data := make([]byte, 4<<20)
+	for i := range data {
+		data[i] = byte(i*13 + i>>9)
+	}
+	if err := os.WriteFile(src, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	run(t, "nbdcopy", src, uri)
+	back := make([]byte, len(data))
+	if _, err := st.dev.ReadAt(back, 0); err != nil || !bytes.Equal(back, data) {
+		t.Fatalf("the device after nbdcopy over TLS: %v, equal %v", err, bytes.Equal(back, data))
+	}
+	// Plain NBD to the same listener, and TLS without a client certificate, are refused.
+	if out, err := exec.Command("nbdinfo", "nbd://"+ln.Addr().String()+"/blk/disk").CombinedOutput(); err == nil {
+		t.Fatalf("nbdinfo in clear was served:\n%s", out)
+	}
+	nocert := filepath.Join(dir, "nocert")
+	if err := os.MkdirAll(nocert, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(nocert, "ca-cert.pem"), pki.PEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("nbdinfo", "nbds://"+ln.Addr().String()+"/blk/disk?tls-certificates="+nocert).CombinedOutput(); err == nil {
+		t.Fatalf("nbdinfo without a client certificate was served:\n%s", out)
 	}
 }
