@@ -36,7 +36,7 @@ stop() {
 trap stop INT TERM EXIT
 
 bin/rtrs-serverd -config /dev/null -listen 127.0.0.1:11234 -dev-search-path "$exports" \
-	-mount "$run/rtrs-server" &
+	-mount "$run/rtrs-server" -names-file "$run/sessions.json" &
 pids+=($!)
 sleep 0.5
 bin/rtrs-clientd -config "$run/rtrs-clientd.conf" -mount "$run/rtrs-client" -dev-mount "$run/dev" \
