@@ -59,14 +59,16 @@ func run(parent context.Context, args []string) error {
 	tlsKey := fs.String("tls-key", "", "soft provider: the certificate's private key")
 	tlsCA := fs.String("tls-ca", "", "soft provider: the CA peers' certificates must come from")
 	allowSubj := fs.String("allow-subject", "", "with TLS: certificate subjects that may connect, ';'-separated (CN=host-a,O=x;CN=host-b)")
-	allow := fs.String("allow", "", "client networks that may connect, comma-separated (10.0.0.0/24,fd00::/64; empty: any)")
+	allow := fs.String("allow", "", "clients that may connect: entries separated by ',', each networks or addresses joined by '+' (one host's rails: 10.0.1.5+10.0.2.5); a session is bound to its creator's entry (empty: any)")
 	aclPath := fs.String("acl", "", "export ACL file: lines of <export pattern> <client> <modes> (empty: everyone ro or rw, nobody migration)")
 	namesFile := fs.String("names-file", "/var/lib/rtrs/sessions.json", "where the owner of each session name is kept across restarts (empty: memory only)")
 	maxSess := fs.Int("max-sessions", 256, "sessions the server holds at most, established or not")
 	maxMem := fs.String("max-chunk-memory", "", "chunk memory of all sessions at most (e.g. 8G; empty: half the machine's memory)")
 	maxCons := fs.Int("max-conns-per-path", 257, "connections a path may have (its cid_num)")
 	maxConnecting := fs.Int("max-connecting", 2048, "connections of paths not yet established, in all")
-	maxConnectingAddr := fs.Int("max-connecting-per-addr", 514, "connections of paths not yet established, per client address")
+	maxConnectingAddr := fs.Int("max-connecting-per-addr", 514, "connections of paths not yet established, per client address (an IPv6 client: per /64)")
+	maxNewSess := fs.Int("max-new-sessions-per-addr", 16, "sessions one client address has opened that have not sent INFO_REQ yet")
+	maxConns := fs.Int("max-conns", 8192, "connections of all paths, established or not")
 	establish := fs.Duration("establish-timeout", 30*time.Second, "how long a path may take from its first connection to INFO_REQ")
 	maxPending := fs.Int("max-pending", soft.DefaultMaxPending, "soft provider: connections not yet past the connection request, in all")
 	maxPendingAddr := fs.Int("max-pending-per-addr", soft.DefaultMaxPendingPerAddr, "soft provider: the same, per client address")
@@ -99,7 +101,8 @@ func run(parent context.Context, args []string) error {
 		return fmt.Errorf("-zero-copy-read-min: %w", err)
 	}
 	lim := transport.ServerLimits{MaxSessions: *maxSess, MaxConnsPerPath: *maxCons,
-		MaxConnecting: *maxConnecting, MaxConnectingPerAddr: *maxConnectingAddr}
+		MaxConnecting: *maxConnecting, MaxConnectingPerAddr: *maxConnectingAddr,
+		MaxNewSessionsPerAddr: *maxNewSess, MaxConns: *maxConns}
 	if *maxMem != "" {
 		n, err := size.Parse(*maxMem)
 		if err != nil {
@@ -108,7 +111,8 @@ func run(parent context.Context, args []string) error {
 		lim.MaxChunkMemory = int64(n)
 	}
 	for name, v := range map[string]int{"max-sessions": *maxSess, "max-conns-per-path": *maxCons, "max-connecting": *maxConnecting,
-		"max-connecting-per-addr": *maxConnectingAddr, "max-pending": *maxPending, "max-pending-per-addr": *maxPendingAddr} {
+		"max-connecting-per-addr": *maxConnectingAddr, "max-pending": *maxPending, "max-pending-per-addr": *maxPendingAddr,
+		"max-new-sessions-per-addr": *maxNewSess, "max-conns": *maxConns} {
 		if v < 1 {
 			return fmt.Errorf("-%s %d: must be at least 1", name, v)
 		}
@@ -116,7 +120,7 @@ func run(parent context.Context, args []string) error {
 	if *establish <= 0 || *handshake <= 0 {
 		return fmt.Errorf("-establish-timeout and -handshake-timeout must be positive")
 	}
-	allowList, err := parseAllow(*allow)
+	allowList, err := transport.ParseAllow(*allow)
 	if err != nil {
 		return fmt.Errorf("-allow: %w", err)
 	}
@@ -232,26 +236,6 @@ func status(srv *transport.Server) string {
 		paths += len(s.Paths())
 	}
 	return fmt.Sprintf("%d sessions, %d paths connected", sess, paths)
-}
-
-// parseAllow reads -allow: networks or addresses, comma-separated.
-func parseAllow(v string) ([]netip.Prefix, error) {
-	var out []netip.Prefix
-	for _, f := range strings.Split(v, ",") {
-		if f = strings.TrimSpace(f); f == "" {
-			continue
-		}
-		p, err := netip.ParsePrefix(f)
-		if err != nil {
-			a, aerr := netip.ParseAddr(f)
-			if aerr != nil {
-				return nil, fmt.Errorf("%q is not a network or an address", f)
-			}
-			p = netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen())
-		}
-		out = append(out, p.Masked())
-	}
-	return out, nil
 }
 
 // loadACL reads the export ACL file ("": none, the default rules).

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -45,6 +46,10 @@ type Options struct {
 	MaxInflight int
 	// HandshakeTimeout bounds the option phase (default 30 s).
 	HandshakeTimeout time.Duration
+	// MaxConns bounds the connections served at once (default 256), MaxConnsPerAddr those
+	// from one TCP peer address (default 32); past them a new connection is closed at once.
+	MaxConns        int
+	MaxConnsPerAddr int
 }
 
 // Server serves exports to NBD clients on any number of listeners.
@@ -54,10 +59,13 @@ type Server struct {
 	ctx  context.Context
 	stop context.CancelFunc
 
-	mu    sync.Mutex
-	lns   map[net.Listener]struct{}
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
+	mu      sync.Mutex
+	lns     map[net.Listener]struct{}
+	conns   map[net.Conn]struct{}
+	perAddr map[netip.Addr]int
+	wg      sync.WaitGroup
+
+	refusals log.Limiter
 }
 
 // NewServer returns a server; Serve starts it on a listener.
@@ -68,8 +76,14 @@ func NewServer(opts Options) *Server {
 	if opts.HandshakeTimeout <= 0 {
 		opts.HandshakeTimeout = 30 * time.Second
 	}
+	if opts.MaxConns <= 0 {
+		opts.MaxConns = 256
+	}
+	if opts.MaxConnsPerAddr <= 0 {
+		opts.MaxConnsPerAddr = 32
+	}
 	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"),
-		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}}
+		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}, perAddr: map[netip.Addr]int{}}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	return s
 }
@@ -103,11 +117,22 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 			if s.ctx.Err() != nil {
 				return nil
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
+			if errors.Is(err, net.ErrClosed) {
+				return err
 			}
-			return err
+			// Out of descriptors and the like: back off and go on; the listener must
+			// outlive a flood.
+			s.refusals.Warn(s.log, "accept failed", ln.Addr().String(), err.Error())
+			select {
+			case <-s.ctx.Done():
+				return nil
+			case <-time.After(50 * time.Millisecond):
+			}
+			continue
+		}
+		var peer netip.Addr
+		if ta, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+			peer = ta.AddrPort().Addr().Unmap()
 		}
 		s.mu.Lock()
 		if s.ctx.Err() != nil {
@@ -115,7 +140,16 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 			c.Close()
 			return nil
 		}
+		if len(s.conns) >= s.opts.MaxConns || peer.IsValid() && s.perAddr[peer] >= s.opts.MaxConnsPerAddr {
+			s.mu.Unlock()
+			s.refusals.Warn(s.log, "connections", c.RemoteAddr().String(), fmt.Sprintf("NBD connections at the bound (%d in all, %d per address)", s.opts.MaxConns, s.opts.MaxConnsPerAddr))
+			c.Close()
+			continue
+		}
 		s.conns[c] = struct{}{}
+		if peer.IsValid() {
+			s.perAddr[peer]++
+		}
 		s.wg.Add(1)
 		s.mu.Unlock()
 		go func() {
@@ -123,6 +157,11 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 			s.serveConn(c, tlsCfg)
 			s.mu.Lock()
 			delete(s.conns, c)
+			if peer.IsValid() {
+				if s.perAddr[peer]--; s.perAddr[peer] <= 0 {
+					delete(s.perAddr, peer)
+				}
+			}
 			s.mu.Unlock()
 			c.Close()
 		}()

@@ -137,3 +137,33 @@ func TestNBDStartTLS(t *testing.T) {
 		t.Fatal("a client without a certificate was taken")
 	}
 }
+
+// Connections past the bound per address are closed at once, and the listener goes on.
+func TestNBDConnectionBound(t *testing.T) {
+	leakcheck.Check(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := &memDev{b: make([]byte, 64<<10)}
+	s := NewServer(Options{Exports: func() []Export { return []Export{{Name: "d", Dev: dev}} }, MaxConnsPerAddr: 3, HandshakeTimeout: 5 * time.Second})
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ln) }()
+	t.Cleanup(func() { s.Close(); <-done })
+	var held []net.Conn
+	for range 3 {
+		held = append(held, helloOn(t, "tcp", ln.Addr().String()))
+	}
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := c.Read(make([]byte, 18)); err == nil {
+		t.Fatalf("a 4th connection from one address got %d bytes of greeting", n)
+	}
+	held[0].Close()
+	time.Sleep(50 * time.Millisecond)
+	helloOn(t, "tcp", ln.Addr().String()) // a slot is free again
+}

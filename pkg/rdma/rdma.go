@@ -431,6 +431,17 @@ type ConnParam struct {
 // MaxPrivateData is the most private data a provider must carry in connect, accept and reject.
 const MaxPrivateData = 196
 
+// AddrGroup is what per-address bounds count a peer address as: the address itself, or for
+// IPv6 its /64, since one host has a whole /64 to pick source addresses from.
+func AddrGroup(a netip.Addr) netip.Addr {
+	a = a.Unmap()
+	if a.Is6() {
+		p, _ := a.Prefix(64)
+		return p.Addr()
+	}
+	return a
+}
+
 // Authenticated is implemented by a connection identifier whose provider authenticated the
 // peer (the soft provider with TLS); PeerSubject is the subject of the peer's certificate.
 type Authenticated interface {

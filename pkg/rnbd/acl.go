@@ -92,10 +92,18 @@ func ParseACL(r io.Reader, name string) (*ACL, error) {
 	return acl, nil
 }
 
-// allows says whether the client who may open export in mode; a nil ACL is the default.
+// allows says whether the client who may open export in mode; a nil ACL is the default. The
+// export is matched as the server resolves it under the search path: without leading
+// slashes, with "//", "." and ".." folded (path.Clean), so "/db//vol1" is "db/vol1" and
+// "pub/../secret" is "secret". Symbolic links inside the search path are not followed here:
+// a rule that allows a directory allows what its links point to.
 func (a *ACL) allows(export string, who transport.Identity, mode AccessMode) bool {
 	if a == nil {
 		return mode != AccessMigration
+	}
+	export = path.Clean(strings.TrimLeft(export, "/"))
+	if export == ".." || strings.HasPrefix(export, "../") {
+		return false // outside the search path, which the open refuses too
 	}
 	addr := who.Addr.Unmap()
 	for _, ru := range a.rules {

@@ -900,3 +900,31 @@ func TestDevicePathText(t *testing.T) {
 		}
 	}
 }
+
+// The ACL matches the export as the server resolves it, not as the client spelled it.
+func TestACLNormalizesPaths(t *testing.T) {
+	acl, err := ParseACL(strings.NewReader("db/vol1 * rw\npub/* * ro\n"), "t.acl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	who := transport.Identity{Addr: netip.MustParseAddr("10.0.0.1")}
+	for _, tc := range []struct {
+		name string
+		mode AccessMode
+		want bool
+	}{
+		{"db/vol1", AccessRW, true},
+		{"/db/vol1", AccessRW, true},
+		{"db//vol1", AccessRW, true},
+		{"db/./vol1", AccessRW, true},
+		{"pub/a", AccessRO, true},
+		{"pub/../secret", AccessRO, false},
+		{"pub/a/../../secret", AccessRO, false},
+		{"../pub/a", AccessRO, false},
+		{"db/vol1", AccessMigration, false},
+	} {
+		if got := acl.allows(tc.name, who, tc.mode); got != tc.want {
+			t.Errorf("%q %v: %v, want %v", tc.name, tc.mode, got, tc.want)
+		}
+	}
+}

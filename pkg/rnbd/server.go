@@ -333,7 +333,11 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	s.mu.Lock()
 	acl := s.opts.ACL
 	s.mu.Unlock()
-	if who := ts.Owner(); !acl.allows(m.DevName, who, m.AccessMode) {
+	// The address rules are checked against the path the OPEN came on: a session's paths may
+	// come from several addresses of its allowlist entry.
+	who := ts.Owner()
+	who.Addr = r.Path().SrcAddr().IP
+	if !acl.allows(m.DevName, who, m.AccessMode) {
 		s.refusals.Warn(s.log.WithField("session", ts.Name()), "export access", who.String(),
 			fmt.Sprintf("open of %q %v is not allowed for this client", m.DevName, m.AccessMode))
 		return fmt.Errorf("rnbd: %q %v not allowed for %v: %w", m.DevName, m.AccessMode, who, syscall.EACCES)

@@ -7,7 +7,9 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -41,39 +43,81 @@ func (i Identity) String() string {
 	return fmt.Sprintf("%v (%s)", i.Addr, i.Entry)
 }
 
-// identify returns the identity of the peer of id, or false when the allowlist refuses it.
+// AllowEntry is one allowlist entry: the networks one client, or a group of clients treated
+// as one, connects from. A session is bound to the entry its creator matched, so the rails of
+// one host belong in one entry ("10.0.1.5+10.0.2.5").
+type AllowEntry []netip.Prefix
+
+func (e AllowEntry) String() string {
+	parts := make([]string, len(e))
+	for i, p := range e {
+		parts[i] = p.String()
+	}
+	return strings.Join(parts, "+")
+}
+
+func (e AllowEntry) contains(a netip.Addr) bool {
+	for _, p := range e {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
+}
+
+// ParseAllow reads an allowlist: entries separated by ',', each one or more networks or
+// addresses joined by '+' ("10.0.1.5+10.0.2.5,10.0.3.0/24").
+func ParseAllow(v string) ([]AllowEntry, error) {
+	var out []AllowEntry
+	for _, f := range strings.Split(v, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		var e AllowEntry
+		for _, n := range strings.Split(f, "+") {
+			p, err := netip.ParsePrefix(n)
+			if err != nil {
+				a, aerr := netip.ParseAddr(n)
+				if aerr != nil {
+					return nil, fmt.Errorf("allowlist: %q is not a network or an address: %w", n, syscall.EINVAL)
+				}
+				p = netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen())
+			}
+			e = append(e, p.Masked())
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+// identify returns the identity of the peer of id, and whether the allowlist admits it: its
+// address must be in an entry of Allow (if any) and, with an authenticating provider, its
+// subject in AllowSubjects (if any).
 func (s *Server) identify(id rdma.ConnID) (Identity, bool) {
 	a := id.RemoteAddr().Addr().Unmap()
-	ident := Identity{Addr: a}
+	ident := Identity{Addr: a, Entry: "ipv6"}
+	if a.Is4() {
+		ident.Entry = "ipv4"
+	}
 	if au, ok := id.(rdma.Authenticated); ok {
 		ident.Subject = au.PeerSubject()
 	}
-	if len(s.opts.Allow) == 0 && len(s.opts.AllowSubjects) == 0 {
-		ident.Entry = "ipv6"
-		if a.Is4() {
-			ident.Entry = "ipv4"
-		}
-		return ident, true
-	}
-	for _, p := range s.opts.Allow {
-		if p.Contains(a) {
-			ident.Entry = p.String()
-			return ident, true
+	addrOK := len(s.opts.Allow) == 0
+	for _, e := range s.opts.Allow {
+		if e.contains(a) {
+			addrOK, ident.Entry = true, e.String()
+			break
 		}
 	}
-	if ident.Subject != "" {
-		for _, sub := range s.opts.AllowSubjects {
-			if sub == ident.Subject {
-				ident.Entry = "subject"
-				return ident, true
-			}
-		}
+	subjOK := len(s.opts.AllowSubjects) == 0
+	for _, sub := range s.opts.AllowSubjects {
+		subjOK = subjOK || ident.Subject != "" && sub == ident.Subject
 	}
-	return ident, false
+	return ident, addrOK && subjOK
 }
 
-// maxNames bounds the names a server keeps for their owners; past it the one unused longest
-// is forgotten.
+// maxNames bounds the names a server keeps for their owners; past it new names are refused
+// (an operator removes old ones from the file).
 const maxNames = 4096
 
 // nameStore keeps which identity owns which session name, in a file when one is given, so a
@@ -87,7 +131,7 @@ type nameStore struct {
 
 type nameOwner struct {
 	Owner string    `json:"owner"`
-	Seen  time.Time `json:"seen"`
+	Seen  time.Time `json:"seen"` // when it was first claimed
 }
 
 // loadNames reads path (a missing file is an empty store; "" keeps names in memory only).
@@ -114,28 +158,23 @@ func loadNames(path string) (*nameStore, error) {
 	return ns, nil
 }
 
-// claim gives name to owner if it is free or owner's already; it reports whether it did.
-func (ns *nameStore) claim(name, owner string) (bool, error) {
+// claim gives name to owner if it is free or owner's already. It answers 0, EPERM (another
+// owner's) or ENOSPC (maxNames kept: names are never forgotten to make room, so a flood of
+// new names cannot push a tenant's out); err reports a names file not written.
+func (ns *nameStore) claim(name, owner string) (syscall.Errno, error) {
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
-	if o, ok := ns.names[name]; ok && o.Owner != owner {
-		return false, nil
-	}
-	_, known := ns.names[name]
-	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC()}
-	if known {
-		return true, nil // the time seen is not worth a write per connection
-	}
-	if len(ns.names) > maxNames {
-		oldest := ""
-		for n, o := range ns.names {
-			if n != name && (oldest == "" || o.Seen.Before(ns.names[oldest].Seen)) {
-				oldest = n
-			}
+	if o, ok := ns.names[name]; ok {
+		if o.Owner != owner {
+			return syscall.EPERM, nil
 		}
-		delete(ns.names, oldest)
+		return 0, nil
 	}
-	return true, ns.saveLocked()
+	if len(ns.names) >= maxNames {
+		return syscall.ENOSPC, nil
+	}
+	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC()}
+	return 0, ns.saveLocked()
 }
 
 // saveLocked writes the store atomically (a new file renamed over the old one).

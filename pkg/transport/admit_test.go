@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,11 +18,11 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
 
-func prefixes(t *testing.T, s ...string) []netip.Prefix {
+func prefixes(t *testing.T, s ...string) []AllowEntry {
 	t.Helper()
-	var out []netip.Prefix
-	for _, p := range s {
-		out = append(out, netip.MustParsePrefix(p))
+	out, err := ParseAllow(strings.Join(s, ","))
+	if err != nil {
+		t.Fatal(err)
 	}
 	return out
 }
@@ -158,4 +159,74 @@ func TestTLSIdentity(t *testing.T) {
 	model := make([]byte, len(e.disk.disk))
 	copy(model, e.disk.disk)
 	randomIO(t, s, model, 200, 8, 6)
+}
+
+// An allowlist entry can hold a host's rails: both paths of its session join, while a path
+// from another entry into the session is refused.
+func TestAllowlistRails(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.Allow = prefixes(t, testAddr(1)+"+"+testAddr(2)) })
+	s := e.open(t, "railed", paths(t, path1(), path2()), nil)
+	if n := len(s.Paths()); n != 2 {
+		t.Fatalf("%d paths connected, want both rails", n)
+	}
+	sep := newLimitedEnv(t, func(o *ServerOptions) { o.Allow = prefixes(t, testAddr(1), testAddr(2)) })
+	s2 := sep.open(t, "split", paths(t, path1()), nil)
+	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s2.pathsUUID, FirstConn: true}
+	if got := connectFrom(t, sep, netip.MustParseAddr(testAddr(2)), steal); got != -int16(syscall.EPERM) {
+		t.Fatalf("a path from another entry: errno %d, want EPERM", got)
+	}
+	for _, bad := range []string{"10.0.0.1+", "x", "10.0.0.0/33"} {
+		if _, err := ParseAllow(bad); err == nil {
+			t.Errorf("allowlist %q accepted", bad)
+		}
+	}
+}
+
+// One address cannot take every session: sessions that have not sent INFO_REQ are bounded per
+// address, and all connections are bounded too.
+func TestNewSessionsPerAddrAndConns(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) {
+		o.Limits = ServerLimits{MaxNewSessionsPerAddr: 4, MaxConns: 11}
+	})
+	a2 := netip.MustParseAddr(testAddr(2))
+	for i := range 4 {
+		if got := connectFrom(t, e, a2, silentPath(1)); got != 0 {
+			t.Fatalf("new session %d: errno %d", i, got)
+		}
+	}
+	if got := connectFrom(t, e, a2, silentPath(1)); got != -int16(syscall.ECONNRESET) {
+		t.Fatalf("5th new session from one address: errno %d, want ECONNRESET", got)
+	}
+	// Another address still gets in: 4 silent connections + 3 of this session = 7 of 11.
+	s := e.open(t, "healthy", paths(t, path1()), nil)
+	model := make([]byte, len(e.disk.disk))
+	copy(model, e.disk.disk)
+	randomIO(t, s, model, 200, 8, 7)
+	// 7 + 3 = 10, and the third session's path (2 connections) does not fit in 11.
+	_ = e.open(t, "second", paths(t, path1()), nil)
+	if err := tryOpen(e, "third", paths(t, path1())); err == nil {
+		t.Fatal("a session past the connection bound opened")
+	}
+}
+
+// The names store refuses new names when full instead of forgetting old ones.
+func TestNamesFull(t *testing.T) {
+	ns, err := loadNames("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range maxNames {
+		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a"); errno != 0 {
+			t.Fatalf("name %d: %v", i, errno)
+		}
+	}
+	if errno, _ := ns.claim("late", "addr:b"); errno != syscall.ENOSPC {
+		t.Fatalf("a new name in a full store: %v, want ENOSPC", errno)
+	}
+	if errno, _ := ns.claim("n0", "addr:a"); errno != 0 {
+		t.Fatalf("the owner of a kept name: %v", errno)
+	}
+	if errno, _ := ns.claim("n1", "addr:b"); errno != syscall.EPERM {
+		t.Fatalf("another owner's name: %v", errno)
+	}
 }

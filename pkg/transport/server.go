@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -37,10 +40,11 @@ type ServerOptions struct {
 	Timings          Timings
 	// Limits bound what clients can make the server hold; zero fields take the defaults.
 	Limits ServerLimits
-	// Allow, when not empty, are the client networks that may connect; AllowSubjects the
-	// certificate subjects that may (with an authenticating provider). A session is bound to
-	// the identity that created it (Identity.Key): paths from another are refused.
-	Allow         []netip.Prefix
+	// Allow, when not empty, are the client networks that may connect (ParseAllow);
+	// AllowSubjects, when not empty, the certificate subjects (with an authenticating
+	// provider). A client must pass both. A session is bound to the identity that created it
+	// (Identity.Key): paths from another are refused.
+	Allow         []AllowEntry
 	AllowSubjects []string
 	// NamesFile keeps which identity owns which session name across restarts ("": memory
 	// only). A name owned by another identity is refused with EPERM.
@@ -64,6 +68,11 @@ type ServerLimits struct {
 	// largest cid_num). Timings.ZombieTimeout bounds how long one may stay so.
 	MaxConnecting        int
 	MaxConnectingPerAddr int
+	// MaxNewSessionsPerAddr bounds the sessions one client address has made that have not
+	// sent INFO_REQ yet (default 16), so one host cannot take every session.
+	MaxNewSessionsPerAddr int
+	// MaxConns bounds the connections of all paths, established or not (default 8192).
+	MaxConns int
 }
 
 // withDefaults fills in the zero fields.
@@ -84,16 +93,56 @@ func (l ServerLimits) withDefaults() ServerLimits {
 	if l.MaxConnectingPerAddr <= 0 {
 		l.MaxConnectingPerAddr = 514
 	}
+	if l.MaxNewSessionsPerAddr <= 0 {
+		l.MaxNewSessionsPerAddr = 16
+	}
+	if l.MaxConns <= 0 {
+		l.MaxConns = 8192
+	}
 	return l
 }
 
-// physMemory is the machine's memory in bytes (1 GiB if it cannot be read).
+// physMemory is the memory the process may use in bytes: the machine's, or its cgroup's
+// memory.max where that is lower (a unit with MemoryMax=, a container); 1 GiB if neither can
+// be read.
 func physMemory() int64 {
 	var si unix.Sysinfo_t
-	if err := unix.Sysinfo(&si); err != nil || si.Totalram == 0 {
-		return 1 << 30
+	total := int64(1 << 30)
+	if err := unix.Sysinfo(&si); err == nil && si.Totalram != 0 {
+		total = int64(si.Totalram) * int64(si.Unit)
 	}
-	return int64(si.Totalram) * int64(si.Unit)
+	if lim, ok := cgroupMemoryMax(); ok && lim < total {
+		total = lim
+	}
+	return total
+}
+
+// cgroupMemoryMax reads the memory limit of the process's cgroup: memory.max (v2) or
+// memory.limit_in_bytes (v1).
+func cgroupMemoryMax() (int64, bool) {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return 0, false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		var file string
+		if rest, ok := strings.CutPrefix(line, "0::"); ok {
+			file = filepath.Join("/sys/fs/cgroup", rest, "memory.max")
+		} else if _, rest, ok := strings.Cut(line, ":memory:"); ok {
+			file = filepath.Join("/sys/fs/cgroup/memory", rest, "memory.limit_in_bytes")
+		} else {
+			continue
+		}
+		v, err := os.ReadFile(file)
+		if err != nil {
+			continue
+		}
+		// "max" (v2) does not parse, and v1's "no limit" is a huge number: no limit either way.
+		if n, err := strconv.ParseInt(strings.TrimSpace(string(v)), 10, 64); err == nil && n > 0 {
+			return n, true
+		}
+	}
+	return 0, false
 }
 
 // DefaultServerOptions are the kernel module's defaults.
@@ -143,6 +192,8 @@ type Server struct {
 	// chunk memory of all sessions (ServerLimits).
 	connecting     int
 	connectingFrom map[netip.Addr]int
+	newSessFrom    map[netip.Addr]int // sessions without INFO_REQ yet, per client address
+	conns          int                // connections of all paths
 	chunkMemory    int64
 
 	refusals log.Limiter
@@ -177,7 +228,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{},
+	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
 		log: logger(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
@@ -280,7 +331,7 @@ func (s *Server) connect(req *rdma.ConnRequest) {
 		return
 	}
 	if err := p.addCon(req, int(m.Cid)); err != nil {
-		p.lg().WithError(err).Warnf("connection %d refused", m.Cid)
+		p.refuse("connection failed", fmt.Sprintf("connection %d: %v", m.Cid, err))
 		p.Close()
 		return
 	}
@@ -295,12 +346,17 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		return nil, syscall.ECONNRESET
 	}
 	peer := id.RemoteAddr()
+	from := rdma.AddrGroup(peer.Addr())
 	lim := s.opts.Limits
+	if s.conns >= lim.MaxConns {
+		s.refuse(peer, "connections", fmt.Sprintf("%d connections (the server's bound)", lim.MaxConns))
+		return nil, syscall.ECONNRESET
+	}
 	if s.connecting >= lim.MaxConnecting {
 		s.refuse(peer, "unfinished connections", fmt.Sprintf("%d connections of paths not yet established (the server's bound)", lim.MaxConnecting))
 		return nil, syscall.ECONNRESET
 	}
-	if s.connectingFrom[peer.Addr()] >= lim.MaxConnectingPerAddr {
+	if s.connectingFrom[from] >= lim.MaxConnectingPerAddr {
 		s.refuse(peer, "unfinished connections per address", fmt.Sprintf("%d connections of paths not yet established from this address (the bound per address)", lim.MaxConnectingPerAddr))
 		return nil, syscall.ECONNRESET
 	}
@@ -309,11 +365,16 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		if !m.FirstConn {
 			return nil, syscall.ENXIO
 		}
-		if len(s.sessions) >= s.opts.Limits.MaxSessions {
-			s.refuse(peer, "sessions", fmt.Sprintf("%d sessions (the server's bound)", s.opts.Limits.MaxSessions))
+		if len(s.sessions) >= lim.MaxSessions {
+			s.refuse(peer, "sessions", fmt.Sprintf("%d sessions (the server's bound)", lim.MaxSessions))
 			return nil, syscall.ECONNRESET
 		}
-		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, owner: ident}
+		if s.newSessFrom[from] >= lim.MaxNewSessionsPerAddr {
+			s.refuse(peer, "new sessions per address", fmt.Sprintf("%d sessions from this address have not sent INFO_REQ (the bound per address)", lim.MaxNewSessionsPerAddr))
+			return nil, syscall.ECONNRESET
+		}
+		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, owner: ident, newFrom: from, isNew: true}
+		s.newSessFrom[from]++
 		s.sessions[m.PathsUUID] = ss
 	} else if ss.owner.Key() != ident.Key() {
 		// The session's paths_uuid is in every connection request it makes: knowing it is
@@ -334,6 +395,8 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		}
 		p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
 		s.pendLocked(p, 1)
+		p.nCons++
+		s.conns++
 		return p, 0
 	}
 	if len(ss.paths) >= MaxPathsNum {
@@ -351,7 +414,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 			return nil, syscall.EEXIST
 		}
 	}
-	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: peer.Addr(), created: time.Now(),
+	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: from, created: time.Now(), nCons: 1,
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
 	p.name = PathName(src, dst)
 	p.logp.Store(s.log.WithField("path", p.name))
@@ -363,14 +426,41 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		stuck := p.state == srvConnecting
 		p.mu.Unlock()
 		if stuck {
-			p.lg().Warn("path did not finish connecting, closing it")
+			p.refuse("path not established in time", "path did not finish connecting, closing it")
 			p.Close()
 		}
 	})
 	ss.paths[m.SessUUID] = p
 	ss.live++
 	s.pendLocked(p, 1)
+	s.conns++
 	return p, 0
+}
+
+// nameFree says whether no other live session holds name (the kernel's rule).
+func (s *Server) nameFree(ss *SrvSess, name string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.nameFreeLocked(ss, name)
+}
+
+func (s *Server) nameFreeLocked(ss *SrvSess, name string) bool {
+	for _, o := range s.sessions {
+		if o != ss && o.Name() == name && o.holdsName() {
+			return false
+		}
+	}
+	return true
+}
+
+// sessNamedLocked stops counting ss as a new session of its address; s.mu is held.
+func (s *Server) sessNamedLocked(ss *SrvSess) {
+	if ss.isNew {
+		ss.isNew = false
+		if s.newSessFrom[ss.newFrom]--; s.newSessFrom[ss.newFrom] <= 0 {
+			delete(s.newSessFrom, ss.newFrom)
+		}
+	}
 }
 
 // pendLocked counts n more (or, negative, fewer) unfinished connections of path p, in all and
@@ -391,6 +481,11 @@ func (s *Server) established(p *SrvPath) {
 	s.mu.Unlock()
 }
 
+// refuse logs that the path's client was refused for cause, once per cause and interval.
+func (p *SrvPath) refuse(cause, detail string) {
+	p.sess.srv.refusals.Warn(p.lg(), cause, p.src.IP.String(), detail)
+}
+
 // refuse logs a refusal of peer for cause, once per cause and interval.
 func (s *Server) refuse(peer netip.AddrPort, cause, detail string) {
 	s.refusals.Warn(s.log, cause, peer.String(), detail)
@@ -401,6 +496,9 @@ type SrvSess struct {
 	srv   *Server
 	uuid  uuid.UUID
 	owner Identity
+	// Counted in Server.newSessFrom[newFrom] until its first INFO_REQ (Server.mu).
+	newFrom netip.Addr
+	isNew   bool
 
 	mu          sync.Mutex
 	mem         []byte // the chunks, from the first INFO_REQ on
@@ -479,13 +577,16 @@ func (p *SrvPath) chunk(id int) []byte {
 // MaxChunkMemory.
 func (ss *SrvSess) chunkMem() ([]byte, error) {
 	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	if ss.mem != nil {
-		return ss.mem, nil
+	mem, gone := ss.mem, ss.gone
+	ss.mu.Unlock()
+	if mem != nil {
+		return mem, nil
 	}
-	if ss.gone {
+	if gone {
 		return nil, fmt.Errorf("rtrs: session closed: %w", syscall.ECONNRESET)
 	}
+	// The server's lock is never taken under a session's (the other order is everywhere):
+	// the charge first, then the session, and the loser of a race gives its copy back.
 	srv := ss.srv
 	n := int64(srv.opts.QueueDepth) * int64(srv.opts.ChunkSize)
 	srv.mu.Lock()
@@ -501,6 +602,17 @@ func (ss *SrvSess) chunkMem() ([]byte, error) {
 		srv.unchargeMem(n)
 		return nil, fmt.Errorf("rtrs: chunk memory for the session: %w", err)
 	}
+	ss.mu.Lock()
+	if ss.mem != nil || ss.gone {
+		have, gone := ss.mem, ss.gone
+		ss.mu.Unlock()
+		_ = rdma.Free(mem)
+		srv.unchargeMem(n)
+		if gone {
+			return nil, fmt.Errorf("rtrs: session closed: %w", syscall.ECONNRESET)
+		}
+		return have, nil
+	}
 	ss.mem = mem
 	// Normally freed when the last path has closed (freeMem); if a handler still held a
 	// request then, only once nothing can reach the session any more.
@@ -508,6 +620,7 @@ func (ss *SrvSess) chunkMem() ([]byte, error) {
 		_ = rdma.Free(mem)
 		srv.unchargeMem(int64(len(mem)))
 	}, mem)
+	ss.mu.Unlock()
 	return mem, nil
 }
 
@@ -555,11 +668,12 @@ const (
 type SrvPath struct {
 	sess    *SrvSess
 	uuid    uuid.UUID
-	src     Addr // client
-	dst     Addr // server
-	peer    netip.Addr
+	src     Addr       // client
+	dst     Addr       // server
+	peer    netip.Addr // the client address as the per-address bounds count it (rdma.AddrGroup)
 	created time.Time
 	pending int // connections reserved while the path is being established; Server.mu
+	nCons   int // connections reserved, established or not; Server.mu
 	hcaName string
 	hcaPort int
 	name    string
@@ -759,6 +873,10 @@ func (p *SrvPath) regChunks() error {
 	o := ss.srv.opts
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.state != srvConnecting {
+		// Closing: its close may have let the session and its memory go already.
+		return fmt.Errorf("rtrs: path closing: %w", syscall.ECONNRESET)
+	}
 	pd := p.pd
 	local, err := pd.RegMR(mem, rdma.AccessLocalWrite)
 	if err != nil {
@@ -810,7 +928,7 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 	p.Stats.HandlerCall(c.drain(wc, func(w rdma.WC) {
 		if w.Status != rdma.WCSuccess {
 			if w.Status != rdma.WCFlushErr {
-				p.lg().Warnf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status)
+				p.refuse("completion error", fmt.Sprintf("connection %d: %v completion: %v", c.cid, w.Opcode, w.Status))
 			}
 			go p.Close()
 			return
@@ -844,7 +962,7 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	case ImmIOReq:
 	default:
-		p.lg().Warnf("unknown immediate %#x", imm)
+		p.refuse("malformed request", fmt.Sprintf("unknown immediate %#x", imm))
 		go p.Close()
 		return
 	}
@@ -854,7 +972,7 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		early := p.state == srvConnecting
 		p.mu.Unlock()
 		if early {
-			p.lg().Warn("IO request before INFO_REQ, closing the path")
+			p.refuse("malformed request", "IO request before INFO_REQ, closing the path")
 			go p.Close()
 		}
 		return
@@ -862,7 +980,7 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 	o := p.sess.srv.opts
 	id, off := IOReqFields(payload, MemBits(o.QueueDepth))
 	if int(id) >= o.QueueDepth || int(off) >= o.ChunkSize {
-		p.lg().Warnf("request for chunk %d offset %d out of range", id, off)
+		p.refuse("malformed request", fmt.Sprintf("request for chunk %d offset %d out of range", id, off))
 		go p.Close()
 		return
 	}
@@ -941,6 +1059,14 @@ func (r *SrvRequest) ID() int { return r.slot.id }
 
 // dispatch parses the RTRS header at the request's offset and hands the request up.
 func (p *SrvPath) dispatch(c *con, id int) {
+	// Counted before the chunk is touched: Close clears live and then waits for the count,
+	// and the session's memory goes only after every path's close, so a request that got
+	// here either is waited for or sees live false and touches nothing.
+	p.Stats.Inflight.Add(1)
+	if !p.live.Load() {
+		p.opDone()
+		return // dropped, as the kernel does
+	}
 	r := &p.reqs[id]
 	chunk := p.chunk(id)
 	hdr := chunk[r.off:]
@@ -979,19 +1105,16 @@ func (p *SrvPath) dispatch(c *con, id int) {
 		p.badRequest(id, fmt.Sprintf("type %d", typ))
 		return
 	}
-	p.Stats.Inflight.Add(1)
-	if !p.live.Load() {
-		p.opDone()
-		return // dropped, as the kernel does
-	}
 	p.Stats.Request(r.r.Dir == Read, uint64(r.off), id)
 	r.r.Data, r.r.Usr = chunk[:dataLen:dataLen], chunk[dataLen:r.off:r.off]
 	r.r.done.Store(false)
 	p.sess.srv.opts.Handler.Request(&r.r)
 }
 
+// badRequest ends a request dispatch refused (it is not handed up) and closes the path.
 func (p *SrvPath) badRequest(id int, why string) {
-	p.lg().Warnf("malformed request in chunk %d: %s", id, why)
+	p.opDone()
+	p.refuse("malformed request", fmt.Sprintf("malformed request in chunk %d: %s", id, why))
 	go p.Close()
 }
 
@@ -1081,53 +1204,64 @@ func (r *SrvRequest) respond(errno int, fmr rdma.MR, off int64) {
 func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	var m MsgInfoReq
 	if err := m.Unmarshal(p.ctlMR.Bytes()[:w.ByteLen]); err != nil {
-		p.lg().WithError(err).Warn("bad INFO_REQ")
+		p.refuse("malformed INFO_REQ", err.Error())
 		go p.Close()
 		return
 	}
 	if err := validName(m.PathName); err != nil {
-		p.lg().WithError(err).Warn("INFO_REQ refused")
+		p.refuse("malformed INFO_REQ", err.Error())
 		go p.Close()
 		return
 	}
 	srv, ss := p.sess.srv, p.sess
-	srv.mu.Lock()
-	for _, o := range srv.sessions {
-		if o != ss && o.Name() == m.PathName && o.holdsName() {
-			srv.mu.Unlock()
-			p.lg().Warnf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM)
-			go p.Close()
-			return
-		}
+	peer := c.id.RemoteAddr()
+	if !srv.nameFree(ss, m.PathName) {
+		srv.refuse(peer, "session name in use", fmt.Sprintf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM))
+		go p.Close()
+		return
+	}
+	// Memory first: a session refused for want of it does not take a name.
+	if err := p.regChunks(); err != nil {
+		srv.refuse(peer, "chunk memory", err.Error())
+		go p.Close()
+		return
 	}
 	ss.mu.Lock()
 	named := ss.name != ""
 	ss.mu.Unlock()
 	if !named {
-		ok, err := srv.names.claim(m.PathName, ss.owner.Key())
-		if !ok {
-			srv.mu.Unlock()
-			srv.refuse(c.id.RemoteAddr(), "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, m.PathName, syscall.EPERM))
-			go p.Close()
-			return
-		}
+		// Outside the server's lock: a new name is written to the names file.
+		errno, err := srv.names.claim(m.PathName, ss.owner.Key())
 		if err != nil {
 			p.lg().WithError(err).Warn("session name not saved")
 		}
+		switch errno {
+		case syscall.EPERM:
+			srv.refuse(peer, "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, m.PathName, errno))
+		case syscall.ENOSPC:
+			srv.refuse(peer, "session names full", fmt.Sprintf("%v asked for a new session name %q with %d names kept: %v", ss.owner, m.PathName, maxNames, errno))
+		}
+		if errno != 0 {
+			go p.Close()
+			return
+		}
+	}
+	srv.mu.Lock()
+	if !srv.nameFreeLocked(ss, m.PathName) {
+		srv.mu.Unlock()
+		srv.refuse(peer, "session name in use", fmt.Sprintf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM))
+		go p.Close()
+		return
 	}
 	ss.mu.Lock()
 	if ss.name == "" {
 		ss.name = m.PathName
 	}
 	ss.mu.Unlock()
+	srv.sessNamedLocked(ss)
 	srv.mu.Unlock()
 	p.logp.Store(p.lg().WithField("session", m.PathName))
 
-	if err := p.regChunks(); err != nil {
-		srv.refuse(c.id.RemoteAddr(), "chunk memory", err.Error())
-		go p.Close()
-		return
-	}
 	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
 		p.lg().WithError(err).Warn("receives not posted, closing the path")
 		go p.Close()
@@ -1229,6 +1363,8 @@ func (p *SrvPath) Close() {
 		ss, srv := p.sess, p.sess.srv
 		srv.mu.Lock()
 		srv.pendLocked(p, -p.pending)
+		srv.conns -= p.nCons
+		p.nCons = 0
 		ss.mu.Lock()
 		ss.stuck = ss.stuck || stuck
 		delete(ss.paths, p.uuid)
@@ -1241,6 +1377,7 @@ func (p *SrvPath) Close() {
 		if gone {
 			delete(srv.sessions, ss.uuid)
 			ss.gone = true
+			srv.sessNamedLocked(ss)
 		}
 		ss.mu.Unlock()
 		srv.mu.Unlock()

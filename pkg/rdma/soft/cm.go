@@ -473,7 +473,7 @@ var refusals log.Limiter
 // (once). It returns nil, having logged why, when a bound is reached.
 func (l *listener) admit(peer netip.AddrPort) func() {
 	o := l.prov.opts
-	a := peer.Addr()
+	a := rdma.AddrGroup(peer.Addr())
 	l.mu.Lock()
 	if l.pending >= o.MaxPending {
 		l.mu.Unlock()

@@ -312,3 +312,17 @@ func TestSilentConnectionsBounded(t *testing.T) {
 		t.Fatalf("%d pending slots taken with no connection left", pending)
 	}
 }
+
+// The per-address bounds count an IPv6 peer by its /64.
+func TestAddrGroup(t *testing.T) {
+	a, b := netip.MustParseAddr("2001:db8:1:2::1"), netip.MustParseAddr("2001:db8:1:2:ffff::9")
+	if rdma.AddrGroup(a) != rdma.AddrGroup(b) {
+		t.Fatal("two addresses of one /64 counted apart")
+	}
+	if rdma.AddrGroup(a) == rdma.AddrGroup(netip.MustParseAddr("2001:db8:1:3::1")) {
+		t.Fatal("two /64s counted together")
+	}
+	if g := rdma.AddrGroup(netip.MustParseAddr("::ffff:10.0.0.1")); g != netip.MustParseAddr("10.0.0.1") {
+		t.Fatalf("an IPv4-mapped address counted as %v", g)
+	}
+}
