@@ -218,3 +218,59 @@ func TestClientRefusesOversizedServer(t *testing.T) {
 		t.Fatalf("refused for another reason: %v", err)
 	}
 }
+
+// A session taking its chunk memory never holds its own lock while it waits for the server's:
+// with the other order (everywhere else) the two deadlocked when one session took memory while
+// another's INFO_REQ looked for its name among the sessions.
+func TestChunkMemLockOrder(t *testing.T) {
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.QueueDepth, o.ChunkSize = 1, MinChunkSize })
+	srv := e.srv
+	var takers sync.WaitGroup
+	stop := make(chan struct{})
+	for range 4 {
+		takers.Add(1)
+		go func() {
+			defer takers.Done()
+			for i := 0; i < 5000; i++ {
+				ss := &SrvSess{srv: srv, uuid: uuid.New(), paths: map[uuid.UUID]*SrvPath{}}
+				srv.mu.Lock()
+				srv.sessions[ss.uuid] = ss
+				srv.mu.Unlock()
+				if _, err := ss.chunkMem(); err != nil {
+					t.Error(err)
+					return
+				}
+				srv.mu.Lock()
+				delete(srv.sessions, ss.uuid)
+				ss.mu.Lock()
+				ss.gone = true
+				ss.mu.Unlock()
+				srv.mu.Unlock()
+				ss.freeMem()
+			}
+		}()
+	}
+	for range 2 {
+		go func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+					srv.Sessions()
+				}
+			}
+		}()
+	}
+	defer close(stop)
+	done := make(chan struct{})
+	go func() { takers.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("chunkMem and Sessions deadlocked")
+	}
+	if n := srv.ChunkMemory(); n != 0 {
+		t.Fatalf("%d bytes of chunk memory still charged", n)
+	}
+}
