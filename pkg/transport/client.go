@@ -936,6 +936,17 @@ func (p *Path) Remove() {
 	p.sess.removePath(p)
 }
 
+// hasPath says whether the session has a path other than self to the addresses of pa.
+func (s *Session) hasPath(pa PathAddrs, self *Path) bool {
+	name := PathName(pa.Src, pa.Dst)
+	for _, q := range s.Paths() {
+		if q != self && q.Name() == name {
+			return true
+		}
+	}
+	return false
+}
+
 // removePath takes p out of the session's list.
 func (s *Session) removePath(p *Path) {
 	s.mu.Lock()
@@ -958,8 +969,24 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddrs) (*Path, error) {
 	n := len(s.paths)
 	s.mu.RUnlock()
 	p := s.newPath(pa, n == 0)
-	if err := p.connectFirst(ctx); err != nil {
-		return nil, err
+	// EEXIST from the server for a path this session does not have is the server still
+	// holding the one just removed (`rnbd client path readd`): it goes as soon as the server
+	// sees the disconnect, so the add is tried again for a while.
+	deadline := time.Now().Add(s.opts.Timings.ConnectTimeout)
+	for {
+		err := p.connectFirst(ctx)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, syscall.EEXIST) || s.hasPath(pa, p) || time.Now().After(deadline) {
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(20 * time.Millisecond):
+		}
+		p = s.newPath(pa, n == 0)
 	}
 	p.mu.Lock()
 	name := p.name

@@ -406,8 +406,14 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 	for _, o := range ss.paths {
 		if o.src.IP == src.IP && o.dst.IP == dst.IP {
 			o.mu.Lock()
-			zombie := o.state == srvConnecting && time.Since(o.created) > s.opts.Timings.ZombieTimeout
+			st := o.state
+			zombie := st == srvConnecting && time.Since(o.created) > s.opts.Timings.ZombieTimeout
 			o.mu.Unlock()
+			if st >= srvClosing {
+				// Its client removed it and adds it again (`rnbd client path readd`): the
+				// old one is only winding down.
+				continue
+			}
 			if zombie {
 				go o.Close()
 			}
