@@ -37,7 +37,9 @@ import (
 )
 
 func main() {
-	if err := run(context.Background(), os.Args[1:]); err != nil {
+	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) {
+		os.Exit(0) // -h: the usage went to stderr
+	} else if err != nil {
 		fmt.Fprintln(os.Stderr, "rtrs-clientd:", err)
 		os.Exit(1)
 	}
@@ -67,6 +69,15 @@ func run(parent context.Context, args []string) error {
 	})
 	defer stop()
 	fs := flag.NewFlagSet("rtrs-clientd", flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), `rtrs-clientd: the RTRS client daemon. It opens RTRS sessions to RNBD servers (the kernel's
+rnbd-server or rtrs-serverd), maps their devices, and mounts the rtrs-client tree
+(/sys/class/rtrs-client's files) at -mount and the device view at -dev-mount, also served over
+NBD. Settings and declarations come from -config; flags on the command line win.
+
+Flags:`)
+		fs.PrintDefaults()
+	}
 	cfgPath := fs.String("config", "/etc/rtrs/rtrs-clientd.conf", "config file: settings and declarations (flags override settings)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-client", "where the rtrs-client tree is mounted")
 	devMount := fs.String("dev-mount", "/run/rtrs/dev", "where the device view is mounted")

@@ -10,6 +10,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"net/netip"
@@ -30,7 +31,9 @@ import (
 )
 
 func main() {
-	if err := run(context.Background(), os.Args[1:]); err != nil {
+	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) {
+		os.Exit(0) // -h: the usage went to stderr
+	} else if err != nil {
 		fmt.Fprintln(os.Stderr, "rtrs-serverd:", err)
 		os.Exit(1)
 	}
@@ -45,6 +48,16 @@ func run(parent context.Context, args []string) error {
 	})
 	defer stop()
 	fs := flag.NewFlagSet("rtrs-serverd", flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), `rtrs-serverd: the RTRS server daemon. It accepts RTRS client sessions (the kernel's
+rtrs-client or rtrs-clientd), serves RNBD block IO from the files and block devices under
+-dev-search-path, and mounts the rtrs-server tree (/sys/class/rtrs-server's files) at -mount.
+Settings come from -config (key = value, the flags' names); flags on the command line win.
+Security knobs: docs/security.md.
+
+Flags:`)
+		fs.PrintDefaults()
+	}
 	fs.String("config", "/etc/rtrs/rtrs-serverd.conf", "config file (key = value lines; flags override)")
 	listen := fs.String("listen", "[::]:1234", "address and port to listen on (RNBD's port_nr)")
 	search := fs.String("dev-search-path", "/srv/rtrs", "directory the exports are opened under (dev_search_path; %SESSNAME% allowed)")

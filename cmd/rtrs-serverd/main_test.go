@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"testing"
 )
 
@@ -12,5 +14,13 @@ func TestDeployConfig(t *testing.T) {
 	}
 	if err := run(context.Background(), []string{"-config", "/dev/null", "-listen", "nonsense", "-mount", t.TempDir() + "/m"}); err == nil {
 		t.Fatal("bad -listen accepted")
+	}
+}
+
+// -h says what the daemon is and is not an error.
+func TestHelp(t *testing.T) {
+	err := run(context.Background(), []string{"-h"})
+	if !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("-h: %v, want flag.ErrHelp (exit 0)", err)
 	}
 }

@@ -96,6 +96,9 @@ func Notify(msg string) {
 // the log. It returns the context and a stop function.
 func Signals(parent context.Context, reload func()) (context.Context, func()) {
 	ctx, cancel := context.WithCancel(parent)
+	// A log pipe whose reader went (`| tee` stopped by Ctrl-C) must not kill the daemon
+	// before it unmounts: writes fail with EPIPE instead.
+	signal.Ignore(syscall.SIGPIPE)
 	ch := make(chan os.Signal, 4)
 	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGUSR1)
 	done := make(chan struct{})
