@@ -1,6 +1,7 @@
 package fsview
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
 // requireFUSE skips unless this process can mount (root and /dev/fuse).
@@ -126,10 +128,18 @@ func TestAttrRules(t *testing.T) {
 			t.Errorf("%s: %q %v, want %q", tc.script, got, err, tc.want)
 		}
 	}
-	// Bad input: the errno reaches echo, the value stays.
+	// Bad input: the errno reaches echo, the value stays, and the log says what and why.
+	var logged syncBuffer
+	if _, err := log.Setup(log.Options{Out: &logged}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = log.Setup(log.Options{Out: os.Stderr}) })
 	out, err := sh(t, "echo 12x > "+v)
 	if err == nil || !strings.Contains(out, "Invalid argument") {
 		t.Errorf("bad write: %q %v", out, err)
+	}
+	if l := logged.String(); !strings.Contains(l, "control write refused") || !strings.Contains(l, "value") || !strings.Contains(l, "12x") {
+		t.Errorf("the refused write's log: %q", l)
 	}
 	if got, _ := sh(t, "cat "+v); got != "8\n" {
 		t.Errorf("value after a bad write %q", got)
@@ -307,3 +317,16 @@ func TestPermissions(t *testing.T) {
 		t.Fatalf("value %d after a refused write", tt.value)
 	}
 }
+
+// syncBuffer is a bytes.Buffer safe for the logger's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }

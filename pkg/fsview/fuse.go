@@ -3,6 +3,7 @@ package fsview
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"sync"
@@ -223,7 +224,11 @@ func (n *attrNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off 
 	}
 	val := strings.TrimSuffix(string(data), "\n")
 	if err := a.Store(val); err != nil {
-		return 0, Errno(err)
+		errno := Errno(err)
+		// The writer sees only the errno; the log says which file, what was written, and why.
+		log.G(ctx).WithFields(log.Fields{"component": "fsview", "file": n.Path(nil), "input": fmt.Sprintf("%.200q", val), "errno": errno.Error()}).
+			WithError(err).Warn("control write refused")
+		return 0, errno
 	}
 	return uint32(len(data)), 0
 }
