@@ -125,7 +125,7 @@ Flags:`)
 	lg := log.G(ctx).WithField("component", "rtrs-clientd")
 	if *cleanup {
 		disconnectStale(lg)
-		return errors.Join(fsview.Cleanup(*mount), fsview.Cleanup(*devMount))
+		return errors.Join(fsview.CleanupReport(*mount), fsview.CleanupReport(*devMount))
 	}
 	nbdGID, err := lookupGroup(*nbdGroup)
 	if err != nil {
@@ -231,7 +231,7 @@ Flags:`)
 func unmount(lg *log.Entry, s interface{ Unmount() error }, dir string) {
 	if err := s.Unmount(); err != nil {
 		lg.WithError(err).Warnf("unmount %s", dir)
-		_ = fsview.Cleanup(dir)
+		_, _ = fsview.Cleanup(dir)
 	}
 }
 

@@ -98,7 +98,7 @@ Flags:`)
 		return err
 	}
 	if *cleanup {
-		return fsview.Cleanup(*mount)
+		return fsview.CleanupReport(*mount)
 	}
 	lg := log.G(ctx).WithField("component", "rtrs-serverd")
 	addr, err := netip.ParseAddrPort(*listen)
@@ -191,7 +191,7 @@ Flags:`)
 	defer func() {
 		if err := fsrv.Unmount(); err != nil {
 			lg.WithError(err).Warn("unmount")
-			_ = fsview.Cleanup(*mount)
+			_, _ = fsview.Cleanup(*mount)
 		}
 	}()
 	// SIGHUP: the export search path and the log level follow the config file (unless the

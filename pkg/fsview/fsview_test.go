@@ -330,3 +330,20 @@ func (s *syncBuffer) Write(p []byte) (int, error) {
 	return s.b.Write(p)
 }
 func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
+
+// Cleanup says whether it detached something, so -cleanup can tell the operator.
+func TestCleanupReports(t *testing.T) {
+	requireFUSE(t)
+	dir := t.TempDir()
+	srv, err := Mount(dir, &testTree{}, MountOptions{Name: "fsview-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if detached, err := Cleanup(dir); !detached || err != nil {
+		t.Fatalf("cleanup of a mounted tree: %v %v", detached, err)
+	}
+	srv.Wait() // the detach ends the server
+	if detached, err := Cleanup(dir); detached || err != nil {
+		t.Fatalf("cleanup with nothing mounted: %v %v", detached, err)
+	}
+}

@@ -27,7 +27,7 @@ type MountOptions struct {
 // Mount serves root at dir until the returned server is unmounted. A stale mount left at
 // dir by a crashed daemon is cleared first.
 func Mount(dir string, root Dir, o MountOptions) (*fuse.Server, error) {
-	_ = Cleanup(dir)
+	_, _ = Cleanup(dir)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -55,11 +55,29 @@ func Mount(dir string, root Dir, o MountOptions) (*fuse.Server, error) {
 }
 
 // Cleanup detaches whatever is mounted at dir (a stale mount of a crashed daemon answers
-// every access with ENOTCONN). Nothing mounted is not an error.
-func Cleanup(dir string) error {
+// every access with ENOTCONN) and says whether there was something. Nothing mounted is not
+// an error.
+func Cleanup(dir string) (bool, error) {
 	err := syscall.Unmount(dir, syscall.MNT_DETACH)
-	if err == nil || errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.ENOENT) {
-		return nil
+	if err == nil {
+		return true, nil
+	}
+	if errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.ENOENT) {
+		return false, nil
+	}
+	return false, err
+}
+
+// CleanupReport is Cleanup for a daemon's -cleanup: it logs what it did.
+func CleanupReport(dir string) error {
+	detached, err := Cleanup(dir)
+	switch {
+	case err != nil:
+		log.L.WithError(err).Warnf("cleanup: %s not detached", dir)
+	case detached:
+		log.L.Infof("cleanup: detached a stale mount at %s", dir)
+	default:
+		log.L.Infof("cleanup: nothing mounted at %s", dir)
 	}
 	return err
 }
