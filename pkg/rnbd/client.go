@@ -222,7 +222,9 @@ func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transp
 		return s, nil
 	}
 	if len(o.Paths) == 0 {
-		return nil, fmt.Errorf("rnbd: new session %q without a path: %w", o.SessName, syscall.ENXIO)
+		// As in the kernel, unmapping a session's last device closes the session, so a short
+		// map_device after that names a session that is gone.
+		return nil, fmt.Errorf("rnbd: no session %q is open (unmapping its last device closes it) and the request names no path=: add path=... or open the session first: %w", o.SessName, syscall.ENXIO)
 	}
 	s := &cltSess{c: c, name: o.SessName}
 	so := c.opts.Session
