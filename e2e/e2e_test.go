@@ -306,6 +306,11 @@ func TestPathOperations(t *testing.T) {
 	if conf := cat(c.cliConf); !strings.Contains(conf, "open_session sessname=e2e") || !strings.Contains(conf, "path="+c.p2) {
 		t.Fatalf("config not written back:\n%s", conf)
 	}
+	// So do the policy and the reconnect attempts changed through the tree.
+	mustBash(t, "echo round-robin > "+c.cliMnt+"/e2e/mpath_policy && echo 42 > "+c.cliMnt+"/e2e/max_reconnect_attempts")
+	if conf := cat(c.cliConf); !strings.Contains(conf, "mpath_policy=round-robin") || !strings.Contains(conf, "max_reconnect_attempts=42") {
+		t.Fatalf("mpath_policy and max_reconnect_attempts not written back:\n%s", conf)
+	}
 }
 
 // fioVerify writes and verifies the device through the device file, 4 jobs on disjoint

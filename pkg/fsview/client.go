@@ -99,7 +99,11 @@ func (t *ClientTree) sessEntries(s *transport.Session) []Entry {
 		if err != nil {
 			return err
 		}
-		return s.SetPolicy(p)
+		if err := s.SetPolicy(p); err != nil {
+			return err
+		}
+		t.changed() // the config's open_session line carries it
+		return nil
 	}}
 	return []Entry{
 		{Name: "add_path", Attr: &Attr{Mode: 0o644, Show: usage(addPathUsage), Store: func(v string) error {
@@ -134,7 +138,11 @@ func (t *ClientTree) sessEntries(s *transport.Session) []Entry {
 				if n < -1 || n > 9999 {
 					return fmt.Errorf("max_reconnect_attempts %d not in -1..9999: %w", n, syscall.EINVAL)
 				}
-				return s.SetMaxReconnectAttempts(n)
+				if err := s.SetMaxReconnectAttempts(n); err != nil {
+					return err
+				}
+				t.changed()
+				return nil
 			}}},
 		{Name: "mp_policy", Attr: policy},
 		{Name: "mpath_policy", Attr: policy},
