@@ -592,3 +592,27 @@ func TestServerReload(t *testing.T) {
 		t.Fatal("device not mapped after the reload")
 	}
 }
+
+// TestPathReadd: remove_path immediately followed by add_path of the same path (what
+// `rnbd client path readd` does), 200 times through the tree: every add works, though the
+// server may still be closing the removed path when the new one connects.
+func TestPathReadd(t *testing.T) {
+	c := startCluster(t)
+	c.openSession(t, "")
+	sess := c.cliMnt + "/e2e"
+	script := fmt.Sprintf(`for i in $(seq 200); do
+		echo 1 > %s || { echo "round $i: remove_path failed"; exit 1; }
+		echo %s > %s/add_path || { echo "round $i: add_path failed"; exit 1; }
+	done`, c.pathFile(c.p2, "remove_path"), c.p2, sess)
+	start := time.Now()
+	if out, err := bash(t, script); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	t.Logf("200 remove/add rounds in %v", time.Since(start).Round(time.Millisecond))
+	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n"+c.p2+"\n" {
+		t.Fatalf("paths after the rounds %q", got)
+	}
+	if got := cat(c.pathFile(c.p2, "state")); got != "connected\n" {
+		t.Fatalf("state after the rounds %q", got)
+	}
+}
