@@ -4,6 +4,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"github.com/rtrs-go/rtrs/internal/testutil"
@@ -614,5 +615,44 @@ func TestPathReadd(t *testing.T) {
 	}
 	if got := cat(c.pathFile(c.p2, "state")); got != "connected\n" {
 		t.Fatalf("state after the rounds %q", got)
+	}
+}
+
+// TestDemoPipedInterrupted: `make demo | cat` stopped with Ctrl-C (SIGINT to the whole
+// pipeline) leaves nothing behind: no mount, no socket, no config, no export.
+func TestDemoPipedInterrupted(t *testing.T) {
+	requireTools(t, "setsid", "mountpoint")
+	for _, p := range []string{"/run/rtrs-demo", "/dev/shm/rtrs-demo-exports"} {
+		if exists(p) {
+			t.Fatalf("%s exists before the demo: another demo is running?", p)
+		}
+	}
+	cmd := exec.Command("setsid", "bash", "-c", "exec ../scripts/demo.sh 2>&1 | cat")
+	out := &bytes.Buffer{}
+	cmd.Stdout = out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	testutil.WaitFor(t, 3*time.Minute, "the demo's device", func() bool { return exists("/run/rtrs-demo/dev/demo/disk") })
+	// Ctrl-C: SIGINT to the process group, pipe reader included.
+	if err := syscall.Kill(-cmd.Process.Pid, syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		t.Fatalf("the demo did not stop:\n%s", out)
+	}
+	mounts := cat("/proc/self/mountinfo")
+	for _, p := range []string{"/run/rtrs-demo", "/dev/shm/rtrs-demo-exports"} {
+		if exists(p) || strings.Contains(mounts, p) {
+			t.Errorf("%s left behind", p)
+		}
+	}
+	if t.Failed() {
+		t.Logf("demo output:\n%s", out)
 	}
 }

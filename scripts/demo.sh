@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The demo: both daemons on this machine, a 1 GiB tmpfs-backed export mapped over two paths on
-# loopback (127.0.0.1 and 127.0.0.2). Ctrl-C stops them cleanly. Needs root (FUSE mounts).
+# loopback (127.0.0.1 and 127.0.0.2). Ctrl-C stops them cleanly and removes what the demo made
+# (mounts, socket, config, the export; RTRS_DEMO_KEEP=1 keeps the export). Needs root (FUSE
+# mounts) and Go.
 set -euo pipefail
+# Piped into another program (`make demo | tee log`) that Ctrl-C stops first: writes to the
+# dead pipe must fail, not kill the script before it has stopped the daemons.
+trap '' PIPE
 cd "$(dirname "$0")/.."
 [ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
 if [ "$(id -u)" != 0 ]; then
@@ -23,6 +28,7 @@ CONF
 pids=()
 stop() {
 	trap - INT TERM EXIT
+	set +e # everything below runs, whatever fails
 	echo
 	echo "stopping"
 	# The client first, so that its sessions close before the server goes.
@@ -32,6 +38,11 @@ stop() {
 	done
 	bin/rtrs-clientd -cleanup -mount "$run/rtrs-client" -dev-mount "$run/dev" || true
 	bin/rtrs-serverd -cleanup -mount "$run/rtrs-server" || true
+	rm -rf "$run"
+	if [ -z "${RTRS_DEMO_KEEP:-}" ]; then
+		rm -rf "$exports"
+	fi
+	echo "stopped; nothing left behind${RTRS_DEMO_KEEP:+ but the export in $exports}"
 }
 trap stop INT TERM EXIT
 
