@@ -84,9 +84,7 @@ Flags:`)
 	nbdSock := fs.String("nbd-socket", "/run/rtrs/nbd.sock", "unix socket serving the mapped devices over NBD (empty: none)")
 	nbdGroup := fs.String("nbd-socket-group", "", "group that may use the NBD socket too (mode 0660; empty: root only, mode 0600)")
 	nbdTCP := fs.String("nbd-tcp", "", "TCP address serving them too (empty: none); beyond loopback only with TLS")
-	nbdCert := fs.String("nbd-tls-cert", "", "certificate of the NBD TCP listener (clients must then STARTTLS)")
-	nbdKey := fs.String("nbd-tls-key", "", "its private key")
-	nbdCA := fs.String("nbd-tls-ca", "", "CA the NBD clients' certificates must come from")
+	nbdTLSFlags := daemon.TLSFlags(fs, "nbd-tls", "NBD TCP listener, STARTTLS")
 	nbdAttach := fs.String("nbd-attach", "none", "attach mappings without an nbd= token to the kernel's /dev/nbdX: none or auto")
 	nbdConns := fs.Int("nbd-conns", 0, "sockets per attached /dev/nbdX (0: the CPUs, at most 4)")
 	nbdTimeout := fs.Duration("nbd-timeout", 0, "the kernel's request timeout on an attached /dev/nbdX (0: -io-timeout plus one minute)")
@@ -95,9 +93,7 @@ Flags:`)
 	hbInterval := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	conPerPath := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
 	provName := fs.String("provider", "auto", pick.Usage)
-	tlsCert := fs.String("tls-cert", "", "soft provider: run connections in mutual TLS with this certificate (with -tls-key and -tls-ca)")
-	tlsKey := fs.String("tls-key", "", "soft provider: the certificate's private key")
-	tlsCA := fs.String("tls-ca", "", "soft provider: the CA peers' certificates must come from")
+	softTLS := daemon.TLSFlags(fs, "tls", "soft provider, mutual TLS")
 	maxMem := fs.String("max-chunk-memory", "256M", "the most chunk memory (queue depth × chunk size) a server may make a session allocate")
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
@@ -131,7 +127,7 @@ Flags:`)
 	if err != nil {
 		return fmt.Errorf("-nbd-socket-group: %w", err)
 	}
-	nbdTLS, err := daemon.TLSConfig("nbd-tls", *nbdCert, *nbdKey, *nbdCA)
+	nbdTLS, err := nbdTLSFlags()
 	if err != nil {
 		return fmt.Errorf("NBD TLS: %w", err)
 	}
@@ -144,7 +140,7 @@ Flags:`)
 	if err != nil || chunkMem < 1 {
 		return fmt.Errorf("-max-chunk-memory %q: want a size such as 256M", *maxMem)
 	}
-	tlsCfg, err := daemon.TLSConfig("tls", *tlsCert, *tlsKey, *tlsCA)
+	tlsCfg, err := softTLS()
 	if err != nil {
 		return err
 	}

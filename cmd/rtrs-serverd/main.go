@@ -68,9 +68,7 @@ Flags:`)
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
 	provName := fs.String("provider", "auto", pick.Usage)
-	tlsCert := fs.String("tls-cert", "", "soft provider: run connections in mutual TLS with this certificate (with -tls-key and -tls-ca)")
-	tlsKey := fs.String("tls-key", "", "soft provider: the certificate's private key")
-	tlsCA := fs.String("tls-ca", "", "soft provider: the CA peers' certificates must come from")
+	softTLS := daemon.TLSFlags(fs, "tls", "soft provider, mutual TLS")
 	allowSubj := fs.String("allow-subject", "", "with TLS: certificate subjects that may connect, ';'-separated (CN=host-a,O=x;CN=host-b)")
 	allow := fs.String("allow", "", "clients that may connect: entries separated by ',', each networks or addresses joined by '+' (one host's rails: 10.0.1.5+10.0.2.5); a session is bound to its creator's entry (empty: any)")
 	aclPath := fs.String("acl", "", "export ACL file: lines of <export pattern> <client> <modes> (empty: everyone ro or rw, nobody migration)")
@@ -146,7 +144,7 @@ Flags:`)
 			return fmt.Errorf("-names-file: %w", err)
 		}
 	}
-	tlsCfg, err := daemon.TLSConfig("tls", *tlsCert, *tlsKey, *tlsCA)
+	tlsCfg, err := softTLS()
 	if err != nil {
 		return err
 	}

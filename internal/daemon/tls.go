@@ -3,6 +3,7 @@ package daemon
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"flag"
 	"fmt"
 	"os"
 )
@@ -32,4 +33,14 @@ func TLSConfig(prefix, certFile, keyFile, caFile string) (*tls.Config, error) {
 	}
 	return &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, ClientCAs: pool,
 		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}, nil
+}
+
+// TLSFlags defines -<prefix>-cert, -<prefix>-key and -<prefix>-ca on fs, for what (said in
+// their help); the returned function builds the configuration (TLSConfig) once the flags are
+// parsed.
+func TLSFlags(fs *flag.FlagSet, prefix, what string) func() (*tls.Config, error) {
+	cert := fs.String(prefix+"-cert", "", what+": the certificate (with -"+prefix+"-key and -"+prefix+"-ca); peers must then present one from the CA")
+	key := fs.String(prefix+"-key", "", what+": the certificate's private key")
+	ca := fs.String(prefix+"-ca", "", what+": the CA peers' certificates must come from")
+	return func() (*tls.Config, error) { return TLSConfig(prefix, *cert, *key, *ca) }
 }
