@@ -2,7 +2,9 @@ package soft
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"testing"
@@ -78,6 +80,8 @@ func TestReadFloodBounded(t *testing.T) {
 		t.Fatal("server did not accept")
 	}
 	sq := s.qp.(*qp)
+	// A healthy pair on the same provider moves verified data all through the flood.
+	healthy := verifiedTraffic(t, p)
 	var b [hdrLen]byte
 	batch := make([]byte, 0, 512*hdrLen)
 	sent := 0
@@ -106,6 +110,79 @@ func TestReadFloodBounded(t *testing.T) {
 		t.Fatalf("%d READ responses queued after the failure", n)
 	}
 	t.Logf("flood of %d READ requests ended by the responder: %v", sent, ev.Err)
+	if n, err := healthy(); err != nil || n == 0 {
+		t.Fatalf("the healthy pair beside the flood: %d rounds, %v", n, err)
+	}
+}
+
+// verifiedTraffic starts a pair on p that writes patterns and reads them back, checking each,
+// until the returned function is called; that stops it and reports the rounds done and the
+// first error.
+func verifiedTraffic(t *testing.T, p *Provider) func() (int, error) {
+	t.Helper()
+	pr := newPair(t, p)
+	remote := pr.srv.reg(t, 64<<10, rdma.AccessLocalWrite|rdma.AccessRemoteWrite|rdma.AccessRemoteRead)
+	out := pr.cli.reg(t, 64<<10, rdma.AccessLocalWrite)
+	back := pr.cli.reg(t, 64<<10, rdma.AccessLocalWrite)
+	stop := make(chan struct{})
+	type result struct {
+		n   int
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		var wc [4]rdma.WC
+		ctx := context.Background()
+		next := func() (rdma.WC, error) {
+			for {
+				if pr.cli.cq.Poll(wc[:1]) == 1 {
+					return wc[0], nil
+				}
+				wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+				err := pr.cli.cq.Wait(wctx)
+				cancel()
+				if err != nil {
+					return rdma.WC{}, err
+				}
+			}
+		}
+		for n := 0; ; n++ {
+			select {
+			case <-stop:
+				res <- result{n, nil}
+				return
+			default:
+			}
+			fill(out.Bytes(), byte(n))
+			wrs := []rdma.SendWR{
+				{ID: 1, Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled, SGList: []rdma.SGE{rdma.SGEOf(out, 0, 64<<10)}, RemoteAddr: remote.Addr(), RKey: remote.RKey()},
+				{ID: 2, Opcode: rdma.OpRDMARead, Flags: rdma.SendSignaled, SGList: []rdma.SGE{rdma.SGEOf(back, 0, 64<<10)}, RemoteAddr: remote.Addr(), RKey: remote.RKey()},
+			}
+			if _, err := pr.cli.qp.PostSend(wrs); err != nil {
+				res <- result{n, err}
+				return
+			}
+			for range 2 {
+				w, err := next()
+				if err == nil && w.Status != rdma.WCSuccess {
+					err = fmt.Errorf("completion %d: %v", w.ID, w.Status)
+				}
+				if err != nil {
+					res <- result{n, err}
+					return
+				}
+			}
+			if !bytes.Equal(back.Bytes(), out.Bytes()) {
+				res <- result{n, fmt.Errorf("round %d: read back other data", n)}
+				return
+			}
+		}
+	}()
+	return func() (int, error) {
+		close(stop)
+		r := <-res
+		return r.n, r.err
+	}
 }
 
 // A requester keeps at most its READ depth on the wire; what is posted behind waits in order
@@ -245,6 +322,7 @@ func TestSilentConnectionsBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = ln.Close() })
+	healthy := verifiedTraffic(t, p)
 	var silent []*net.TCPConn
 	for range 40 {
 		c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(ln.Addr()))
@@ -310,6 +388,9 @@ func TestSilentConnectionsBounded(t *testing.T) {
 	l.mu.Unlock()
 	if pending != 0 {
 		t.Fatalf("%d pending slots taken with no connection left", pending)
+	}
+	if n, err := healthy(); err != nil || n == 0 {
+		t.Fatalf("the healthy pair beside the silent connections: %d rounds, %v", n, err)
 	}
 }
 
