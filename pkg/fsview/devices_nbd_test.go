@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 )
 

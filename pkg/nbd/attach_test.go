@@ -15,8 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/internal/testutil"
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
 	"golang.org/x/sys/unix"
 )
 

@@ -17,8 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/internal/testutil"
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"

@@ -14,7 +14,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/testutil"
 
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 )
 
 func TestMain(m *testing.M) { testutil.Main(m) }

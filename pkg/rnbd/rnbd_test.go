@@ -19,7 +19,7 @@ import (
 	"github.com/rtrs-go/rtrs/internal/testutil"
 	"golang.org/x/sys/unix"
 
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )

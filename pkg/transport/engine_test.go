@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"

@@ -12,7 +12,7 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/rtrs-go/rtrs/pkg/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
