@@ -16,7 +16,7 @@ test:
 vet:
 	gofmt -l . | (! grep .) && $(GO) vet ./...
 
-# Benchmarks with same-run baselines; figures go to docs/benchmarks.md.
+# Benchmarks with same-run baselines; raw runs go to bench/results/, figures to docs/benchmarks.md.
 bench: build
 	scripts/bench.sh
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Regenerates the measured part of docs/benchmarks.md: the two-process rdma-perf suite and the
-# in-process Go benchmarks, each beside its same-run TCP baseline.
+# Regenerates the raw runs behind docs/benchmarks.md in bench/results/: the two-process rdma-perf
+# suite and the in-process Go benchmarks, each beside its same-run TCP baseline, the RTRS suite and
+# the block-service suite.
 # Usage: scripts/bench.sh [reps] [duration]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +9,8 @@ cd "$(dirname "$0")/.."
 reps=${1:-5}
 dur=${2:-2s}
 go build -o bin/ ./cmd/...
-out=docs/benchmarks-soft-rdma.generated.md
+mkdir -p bench/results
+out=bench/results/soft-rdma.md
 {
 	echo "## soft-rdma: two processes (rdma-perf -suite $reps -duration $dur)"
 	echo
@@ -21,7 +23,7 @@ out=docs/benchmarks-soft-rdma.generated.md
 	echo '```'
 } >"$out"
 echo "wrote $out"
-bin/rtrs-bench suite -duration "$dur" >docs/benchmarks-rtrs.generated.md
-echo "wrote docs/benchmarks-rtrs.generated.md"
-bin/rtrs-bench blksuite -duration 4s -size 512M -reps 3 >docs/benchmarks-rnbd.generated.md
-echo "wrote docs/benchmarks-rnbd.generated.md"
+bin/rtrs-bench suite -duration "$dur" >bench/results/rtrs.md
+echo "wrote bench/results/rtrs.md"
+bin/rtrs-bench blksuite -duration 4s -size 512M -reps 3 >bench/results/rnbd.md
+echo "wrote bench/results/rnbd.md"
