@@ -165,6 +165,7 @@ func (t *DevTree) ctl() []Entry {
 			t.changed()
 			return nil
 		}}},
+		{Name: "devices", Attr: &Attr{Mode: 0o444, Show: t.devices}},
 		{Name: "nbd_devices", Attr: &Attr{Mode: 0o444, Show: t.nbdDevices}},
 		{Name: "unmap_device", Attr: &Attr{Mode: 0o644, Show: usage(unmapUsage), Store: func(v string) error {
 			sess, dev, err := parseUnmap(v)
@@ -188,6 +189,19 @@ func (t *DevTree) ctl() []Entry {
 			return fmt.Errorf("%s is not mapped in %q: %w", dev, sess, syscall.ENOENT)
 		}}},
 	}
+}
+
+// devices lists the mapped devices, "<session>/<device file> <state> <access mode>" a line;
+// state is open, disconnected (the session has no path: IO waits) or closed-by-server (the
+// server's force_close: IO fails with EIO until it is unmapped).
+func (t *DevTree) devices() string {
+	var b strings.Builder
+	for _, d := range t.C.C.Devices() {
+		if st := d.State(); st != rnbd.StateUnmapped && d.Opened() {
+			fmt.Fprintf(&b, "%s/%s %v %v\n", d.Session(), DeviceFileName(d.Path()), st, d.AccessMode())
+		}
+	}
+	return b.String()
 }
 
 // nbdDevices lists the attached mappings, "<session>/<device file> /dev/nbdN" a line.

@@ -37,12 +37,14 @@ type Block interface {
 	Flush(ctx context.Context) error
 }
 
-// Entry is one name in a directory: a file, a subdirectory or a block device.
+// Entry is one name in a directory: a file, a subdirectory, a block device or a symbolic
+// link (Link, its target, as sysfs links one object to another).
 type Entry struct {
 	Name  string
 	Attr  *Attr
 	Dir   Dir
 	Block Block
+	Link  string
 }
 
 // Dir is a directory type: it lists its entries on every lookup and listing, so the tree

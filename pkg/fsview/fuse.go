@@ -113,8 +113,11 @@ func (n *dirNode) Readdir(ctx context.Context) (fs.DirStream, syscall.Errno) {
 	var list []fuse.DirEntry
 	for _, e := range n.get().Entries() {
 		mode := uint32(syscall.S_IFREG)
-		if e.Dir != nil {
+		switch {
+		case e.Dir != nil:
 			mode = syscall.S_IFDIR
+		case e.Link != "":
+			mode = syscall.S_IFLNK
 		}
 		list = append(list, fuse.DirEntry{Name: e.Name, Mode: mode})
 	}
@@ -155,6 +158,14 @@ func (n *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (
 				ch = n.NewInode(ctx, &blockNode{b: e.Block}, fs.StableAttr{Mode: syscall.S_IFREG})
 			}
 			ch.Operations().(*blockNode).fill(&out.Attr)
+		case e.Link != "":
+			if l, ok := nodeOf[*linkNode](old); ok {
+				l.set(e.Link)
+				ch = old
+			} else {
+				ch = n.NewInode(ctx, &linkNode{target: e.Link}, fs.StableAttr{Mode: syscall.S_IFLNK})
+			}
+			ch.Operations().(*linkNode).fill(&out.Attr)
 		default:
 			return nil, syscall.EIO
 		}
@@ -170,6 +181,37 @@ func nodeOf[T fs.InodeEmbedder](in *fs.Inode) (T, bool) {
 	}
 	t, ok := in.Operations().(T)
 	return t, ok
+}
+
+// linkNode is a symbolic link (a sysfs link such as the rnbd-server tree's block_dev).
+type linkNode struct {
+	fs.Inode
+	mu     sync.Mutex
+	target string
+}
+
+var (
+	_ fs.NodeReadlinker = (*linkNode)(nil)
+	_ fs.NodeGetattrer  = (*linkNode)(nil)
+)
+
+func (n *linkNode) set(t string) { n.mu.Lock(); n.target = t; n.mu.Unlock() }
+func (n *linkNode) get() string  { n.mu.Lock(); defer n.mu.Unlock(); return n.target }
+
+func (n *linkNode) fill(a *fuse.Attr) {
+	a.Mode = syscall.S_IFLNK | 0o777
+	a.Size = uint64(len(n.get()))
+	a.Nlink = 1
+	setTimes(a)
+}
+
+func (n *linkNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	n.fill(&out.Attr)
+	return 0
+}
+
+func (n *linkNode) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
+	return []byte(n.get()), 0
 }
 
 // attrNode adapts an Attr.

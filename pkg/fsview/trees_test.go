@@ -19,10 +19,10 @@ import (
 )
 
 type trees struct {
-	cli, srv, dev string // mount points
-	port          uint16
-	exports       string
-	client        *rnbd.Client
+	cli, srv, dev, rnbd string // mount points
+	port                uint16
+	exports             string
+	client              *rnbd.Client
 }
 
 func fast() transport.Timings {
@@ -58,6 +58,7 @@ func mountTrees(t *testing.T) *trees {
 	tr.cli = mount(t, ct)
 	tr.srv = mount(t, &ServerTree{S: srv})
 	tr.dev = mount(t, &DevTree{C: ct})
+	tr.rnbd = mount(t, &RNBDServerTree{S: rs})
 	// Mounts go first at cleanup (registered last), then the sessions and the server.
 	t.Cleanup(func() {
 		c.Close(t.Context())

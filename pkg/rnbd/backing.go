@@ -23,6 +23,7 @@ type backing struct {
 	size     int64
 	lbs, pbs int
 	dev, ino uint64 // identity, so two names of one file are one device
+	rdev     uint64 // a block device's number
 	writable bool
 	// memfs: a tmpfs or ramfs file, whose IO never waits for a device, so a nowait
 	// attempt just runs it. Otherwise noNowaitR/W record that the file system refused
@@ -135,7 +136,7 @@ func (b *backing) probe() error {
 			b.memfs = fs.Type == unix.TMPFS_MAGIC || fs.Type == unix.RAMFS_MAGIC
 		}
 	case unix.S_IFBLK:
-		b.bdev = true
+		b.bdev, b.rdev = true, st.Rdev
 		var sz uint64
 		if err := ioctlPtr(b.fd, unix.BLKGETSIZE64, unsafe.Pointer(&sz)); err != nil {
 			return err

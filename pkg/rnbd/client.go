@@ -320,8 +320,8 @@ func (s *cltSess) remapLoop() {
 				if err != nil && !errors.Is(err, errRemapDevice) {
 					break
 				}
-				if d.State() == StateUnmapped {
-					continue
+				if st := d.State(); st == StateUnmapped || st == StateClosedByServer {
+					continue // a device the server closed stays closed until unmapped
 				}
 				if e := d.open(ctx); e != nil {
 					err = fmt.Errorf("%w: %w", errRemapDevice, e)
@@ -440,15 +440,17 @@ func (c *Client) Close(ctx context.Context) {
 type DeviceState int
 
 // Device states: mapped and usable; disconnected (its session has no path; IO waits up to
-// the reconnect timeout); unmapped.
+// the reconnect timeout); unmapped; closed by the server (its force_close: IO fails with
+// EIO at once, the device stays until unmapped and is not remapped on a reconnect).
 const (
 	StateMapped DeviceState = iota
 	StateDisconnected
 	StateUnmapped
+	StateClosedByServer
 )
 
 func (st DeviceState) String() string {
-	return [...]string{"open", "disconnected", "closed"}[st]
+	return [...]string{"open", "disconnected", "closed", "closed-by-server"}[st]
 }
 
 // Device is a mapped remote device: an io.ReaderAt and io.WriterAt of its size, plus Flush,
@@ -555,7 +557,8 @@ func (d *Device) Unmap(ctx context.Context) error {
 		d.mu.Unlock()
 		return fmt.Errorf("rnbd: %q is not mapped: %w", d.path, syscall.ENOENT)
 	}
-	wasMapped, id := d.state == StateMapped, d.id
+	// A device the server closed is closed too: the server still holds its id for us.
+	wasMapped, id := d.state == StateMapped || d.state == StateClosedByServer, d.id
 	d.setStateLocked(StateUnmapped)
 	d.mu.Unlock()
 	var err error
@@ -584,6 +587,8 @@ func (d *Device) usable(ctx context.Context) (uint32, error) {
 			return id, nil
 		case StateUnmapped:
 			return 0, fmt.Errorf("rnbd: %q is unmapped: %w", d.path, syscall.ENODEV)
+		case StateClosedByServer:
+			return 0, d.errClosedByServer()
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
@@ -623,6 +628,12 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 		}
 		MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(n)}.Put(usr[:])
 		err = d.sess.rtrs.Do(ctx, dir, usr[:], data)
+		if serverClosed(err) {
+			if d.closedByServer(id) {
+				return d.errClosedByServer()
+			}
+			continue // the device was remapped under the request: resend with the new id
+		}
 		if err == nil || !retryable(err) || ctx.Err() != nil {
 			return err
 		}
@@ -857,6 +868,11 @@ func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p
 	d.mu.Lock()
 	st, id := d.state, d.id
 	d.mu.Unlock()
+	if st == StateClosedByServer {
+		done(d.errClosedByServer())
+		d.sess.c.runHooks()
+		return
+	}
 	if st != StateMapped {
 		d.asyncSlow(ctx, op, flags, off, p, done)
 		return
@@ -879,6 +895,14 @@ func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p
 // asyncFailed ends a request that failed: one the device can get back from (a session or
 // id gone: a remap follows) goes on waiting and resending, the others fail.
 func (d *Device) asyncFailed(ctx context.Context, op Op, flags uint32, off int64, p []byte, id uint32, done func(error), err error) {
+	if serverClosed(err) {
+		if d.closedByServer(id) {
+			done(d.errClosedByServer())
+			return
+		}
+		d.asyncSlow(ctx, op, flags, off, p, done) // remapped meanwhile: resend
+		return
+	}
 	if retryable(err) && ctx.Err() == nil {
 		d.markStale(id)
 		d.asyncSlow(ctx, op, flags, off, p, done)
@@ -907,4 +931,36 @@ func (d *Device) markStale(id uint32) {
 	if d.sess.anyConnected() {
 		d.sess.kickRemap()
 	}
+}
+
+// serverClosed says whether an IO error is the server's answer that it does not serve the
+// device id any more although the session is up: ENOTCONN from the wire, as the kernel's
+// server (and ours after force_close) answers IO to a device it closed. The transport's own
+// ENOTCONN (a path not connected, ErrNotConn) is not that.
+func serverClosed(err error) bool {
+	var en syscall.Errno
+	return errors.As(err, &en) && en == syscall.ENOTCONN && !errors.Is(err, transport.ErrNotConn)
+}
+
+// closedByServer turns the device closed-by-server if id is still its id (says false when a
+// remap gave it another id meanwhile) and logs it once.
+func (d *Device) closedByServer(id uint32) bool {
+	d.mu.Lock()
+	switch {
+	case d.state == StateClosedByServer:
+		d.mu.Unlock()
+		return true
+	case d.id != id || d.state == StateUnmapped:
+		d.mu.Unlock()
+		return false
+	}
+	d.setStateLocked(StateClosedByServer)
+	d.mu.Unlock()
+	d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path, "device_id": id}).
+		Warn("the server closed the device (force_close on the server): its IO fails with EIO until it is unmapped and mapped again")
+	return true
+}
+
+func (d *Device) errClosedByServer() error {
+	return fmt.Errorf("rnbd: %q of session %q was closed by the server (force_close): %w", d.path, d.sess.name, syscall.EIO)
 }

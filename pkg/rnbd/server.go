@@ -82,6 +82,9 @@ type srvDev struct {
 	name    string
 	readers int
 	writers int
+	// dir is the device's name in the rnbd-server tree (unique among open devices), link
+	// what its block_dev points to (ExportInfo).
+	dir, link string
 }
 
 // srvSess is an RNBD server session (rnbd_srv_session): its open devices by id.
@@ -89,6 +92,10 @@ type srvSess struct {
 	name string
 	ver  uint8
 	devs map[uint32]*sessDev
+	// forced are the devices closed by ForceClose whose ids the client still holds: IO to
+	// them is refused with ENOTCONN (not ENODEV, which makes a client remap), and a CLOSE
+	// of one is answered 0 and forgets it (the kernel's keep_id).
+	forced map[uint32]*sessDev
 }
 
 // sessDev is a device opened by a session (rnbd_srv_sess_dev).
@@ -101,6 +108,7 @@ type sessDev struct {
 	mu     sync.RWMutex // IO holds it shared; close takes it to retire the descriptor
 	b      *backing
 	closed bool
+	forced bool // closed by ForceClose
 }
 
 // NewServer returns a handler that exports files and block devices under opts.SearchPath.
@@ -228,6 +236,7 @@ func (s *Server) destroySess(ts *transport.SrvSess) {
 			devs = append(devs, d)
 			s.putDevLocked(d)
 		}
+		ss.forced = nil // closed already
 	}
 	s.publishLocked()
 	s.mu.Unlock()
@@ -366,6 +375,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 		return err
 	}
 	d := &sessDev{name: m.DevName, mode: m.AccessMode, key: devKey{b.dev, b.ino}, b: b}
+	dir, link := exportName(b)
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -380,7 +390,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", m.DevName, o.name, syscall.EEXIST)
 		}
 	}
-	if err := s.getDevLocked(d); err != nil {
+	if err := s.getDevLocked(d, dir, link); err != nil {
 		s.mu.Unlock()
 		b.close()
 		return err
@@ -396,10 +406,10 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 
 // getDevLocked applies the access-mode rule: any number of ro, one rw, a second rw only
 // as migration.
-func (s *Server) getDevLocked(d *sessDev) error {
+func (s *Server) getDevLocked(d *sessDev, dir, link string) error {
 	sd := s.devs[d.key]
 	if sd == nil {
-		sd = &srvDev{name: d.name}
+		sd = &srvDev{name: d.name, dir: s.uniqueDirLocked(dir), link: link}
 	}
 	switch d.mode {
 	case AccessRO:
@@ -471,6 +481,14 @@ func (s *Server) processClose(r *transport.SrvRequest) error {
 		d = ss.devs[m.DeviceID]
 	}
 	if d == nil {
+		if fd := ss.forcedDev(m.DeviceID); fd != nil {
+			// The client unmaps a device force_close took away: as the kernel, that is fine.
+			delete(ss.forced, m.DeviceID)
+			s.publishLocked()
+			s.mu.Unlock()
+			s.log.WithField("session", ss.name).Infof("client closed %q (device %d), force-closed before", fd.name, fd.id)
+			return nil
+		}
 		s.mu.Unlock()
 		return fmt.Errorf("rnbd: close of unknown device %d: %w", m.DeviceID, syscall.ENODEV)
 	}
@@ -488,6 +506,9 @@ func (s *Server) publishLocked() {
 	idx := map[ioKey]*sessDev{}
 	for ts, ss := range s.sessions {
 		for id, d := range ss.devs {
+			idx[ioKey{ts, id}] = d
+		}
+		for id, d := range ss.forced {
 			idx[ioKey{ts, id}] = d
 		}
 	}
@@ -520,6 +541,10 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
+		if d.forced {
+			// As the kernel answers IO to an id it closed with force_close.
+			return fmt.Errorf("rnbd: IO to device %d (%q), closed by force_close: %w", m.DeviceID, d.name, syscall.ENOTCONN)
+		}
 		return syscall.ENODEV
 	}
 	b := d.b

@@ -1,0 +1,87 @@
+package fsview
+
+import (
+	"github.com/rtrs-go/rtrs/pkg/rnbd"
+)
+
+// forceCloseUsage is what force_close shows, as the kernel prints it.
+const forceCloseUsage = "Usage: echo 1 > force_close\n"
+
+// RNBDServerTree is the rnbd-server tree (/sys/class/rnbd-server): ctl/devices/<device>/ per
+// device open in at least one session, with block_dev (a link to what backs it) and
+// sessions/<session>/{access_mode, force_close, mapping_path, read_only} per session that
+// has it open. A device leaves with its last session, a session's directory with its close
+// (unmap, force_close, or the session gone).
+type RNBDServerTree struct {
+	S *rnbd.Server
+}
+
+// Entries lists ctl/.
+func (t *RNBDServerTree) Entries() []Entry {
+	return []Entry{{Name: "ctl", Dir: DirFunc(func() []Entry {
+		return []Entry{{Name: "devices", Dir: DirFunc(t.devices)}}
+	})}}
+}
+
+func (t *RNBDServerTree) devices() []Entry {
+	var out []Entry
+	for _, ex := range t.S.Exports() {
+		if !ValidName(ex.Name) {
+			continue
+		}
+		out = append(out, Entry{Name: ex.Name, Dir: DirFunc(func() []Entry { return t.device(ex.Name) })})
+	}
+	return out
+}
+
+// device lists a device's directory as it is now (its sessions change while it is open).
+func (t *RNBDServerTree) device(name string) []Entry {
+	for _, ex := range t.S.Exports() {
+		if ex.Name != name {
+			continue
+		}
+		var out []Entry
+		if ex.BlockDev != "" {
+			out = append(out, Entry{Name: "block_dev", Link: ex.BlockDev})
+		}
+		return append(out, Entry{Name: "sessions", Dir: DirFunc(func() []Entry { return t.sessions(name) })})
+	}
+	return nil
+}
+
+func (t *RNBDServerTree) sessions(name string) []Entry {
+	var out []Entry
+	seen := map[string]bool{}
+	for _, ex := range t.S.Exports() {
+		if ex.Name != name {
+			continue
+		}
+		for _, es := range ex.Sessions {
+			if !ValidName(es.Session) || seen[es.Session] {
+				continue
+			}
+			seen[es.Session] = true
+			out = append(out, Entry{Name: es.Session, Dir: DirFunc(func() []Entry { return t.session(es) })})
+		}
+	}
+	return out
+}
+
+func (t *RNBDServerTree) session(es rnbd.ExportSession) []Entry {
+	ro := func(s string) *Attr { return &Attr{Mode: 0o444, Show: usage(s)} }
+	readOnly := "0\n"
+	if es.ReadOnly() {
+		readOnly = "1\n"
+	}
+	return []Entry{
+		{Name: "access_mode", Attr: ro(es.AccessMode.String() + "\n")},
+		{Name: "force_close", Attr: &Attr{Mode: 0o644, Show: usage(forceCloseUsage), Store: func(v string) error {
+			if err := only1(v); err != nil {
+				return err
+			}
+			return t.S.ForceClose(es)
+		}}},
+		{Name: "mapping_path", Attr: ro(es.MappingPath + "\n")},
+		{Name: "read_only", Attr: ro(readOnly)},
+	}
+}

@@ -1,0 +1,274 @@
+package rnbd
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/internal/leakcheck"
+)
+
+// exportsString renders Exports as "<name>[<session>:<mapping path>:<mode>:<ro> ...]" lines.
+func exportsString(ex []Export) string {
+	var b strings.Builder
+	for _, e := range ex {
+		b.WriteString(e.Name + "[")
+		for i, s := range e.Sessions {
+			if i > 0 {
+				b.WriteByte(' ')
+			}
+			ro := "0"
+			if s.ReadOnly() {
+				ro = "1"
+			}
+			b.WriteString(s.Session + ":" + s.MappingPath + ":" + s.AccessMode.String() + ":" + ro)
+		}
+		b.WriteString("]\n")
+	}
+	return b.String()
+}
+
+func findExport(t *testing.T, s *Server, name, sess string) ExportSession {
+	t.Helper()
+	for _, e := range s.Exports() {
+		for _, es := range e.Sessions {
+			if e.Name == name && es.Session == sess {
+				return es
+			}
+		}
+	}
+	t.Fatalf("no export %s open in %s: %s", name, sess, exportsString(s.Exports()))
+	return ExportSession{}
+}
+
+// TestExportsAndForceClose: the rnbd-server tree's model lists each open device once with
+// the sessions that have it open; ForceClose ends one session's use of one device (its IO
+// fails with EIO at once, the client says closed-by-server and does not remap it), leaves
+// the rest alone, releases the access mode, and the client's unmap of it is clean.
+func TestExportsAndForceClose(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	model := e.file(t, "disk", 4<<20)
+	e.file(t, "other", 1<<20)
+	if err := os.Mkdir(filepath.Join(e.dir, "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e.file(t, "sub/vol", 1<<20)
+	if err := os.Symlink("disk", filepath.Join(e.dir, "alias")); err != nil {
+		t.Fatal(err)
+	}
+	c := e.client(t, 5*time.Second)
+	da := mustMap(t, e, c, "a", "disk", AccessRW)
+	oa := mustMap(t, e, c, "a", "other", AccessRO)
+	db := mustMap(t, e, c, "b", "alias", AccessRO) // the same device under another name
+	vb := mustMap(t, e, c, "b", "/sub/vol", AccessRW)
+
+	real, err := filepath.EvalSymlinks(e.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pfx := strings.ReplaceAll(strings.TrimLeft(real, "/"), "/", "!") + "!"
+	want := pfx + "disk[a:disk:rw:0 b:alias:ro:1]\n" + pfx + "other[a:other:ro:1]\n" + pfx + "sub!vol[b:/sub/vol:rw:0]\n"
+	rs := e.server()
+	if got := exportsString(rs.Exports()); got != want {
+		t.Fatalf("exports\n%s\nwant\n%s", got, want)
+	}
+	for _, ex := range rs.Exports() {
+		if ex.Name == pfx+"disk" && ex.BlockDev != filepath.Join(real, "disk") {
+			t.Errorf("block_dev of disk: %q", ex.BlockDev)
+		}
+	}
+
+	buf := make([]byte, 64<<10)
+	if _, err := da.ReadAt(buf, 0); err != nil || !bytes.Equal(buf, model[:len(buf)]) {
+		t.Fatalf("read before force_close: %v", err)
+	}
+	es := findExport(t, rs, pfx+"disk", "a")
+	if err := rs.ForceClose(es); err != nil {
+		t.Fatal(err)
+	}
+	// Session a's IO to disk fails at once with EIO, synchronous and asynchronous, every
+	// time, and the device says why.
+	start := time.Now()
+	for i := 0; i < 3; i++ {
+		if _, err := da.WriteAt(buf, 0); !errors.Is(err, syscall.EIO) || !strings.Contains(err.Error(), "closed by the server") {
+			t.Fatalf("write after force_close: %v", err)
+		}
+	}
+	done := make(chan error, 1)
+	da.ReadAsync(context.Background(), buf, 4096, func(err error) { done <- err })
+	select {
+	case err := <-done:
+		if !errors.Is(err, syscall.EIO) {
+			t.Fatalf("async read after force_close: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("async read after force_close hangs")
+	}
+	if time.Since(start) > 5*time.Second {
+		t.Errorf("the errors took %v", time.Since(start))
+	}
+	if st := da.State(); st != StateClosedByServer || st.String() != "closed-by-server" {
+		t.Fatalf("state %v", st)
+	}
+	// The backing file saw no write.
+	if got, _ := os.ReadFile(filepath.Join(e.dir, "disk")); !bytes.Equal(got, model) {
+		t.Fatal("a write reached the file after force_close")
+	}
+	// Everything else goes on: the same session's other device, the other session's open
+	// of the same device.
+	if _, err := oa.ReadAt(buf, 0); err != nil {
+		t.Fatalf("other device of the session: %v", err)
+	}
+	if _, err := db.ReadAt(buf, 0); err != nil || !bytes.Equal(buf, model[:len(buf)]) {
+		t.Fatalf("the device in the other session: %v", err)
+	}
+	if _, err := vb.WriteAt(buf, 0); err != nil {
+		t.Fatalf("the other session's device: %v", err)
+	}
+	want = pfx + "disk[b:alias:ro:1]\n" + pfx + "other[a:other:ro:1]\n" + pfx + "sub!vol[b:/sub/vol:rw:0]\n"
+	if got := exportsString(rs.Exports()); got != want {
+		t.Fatalf("exports after force_close\n%s\nwant\n%s", got, want)
+	}
+	// Its rw no longer counts: another session may open disk rw.
+	dc := mustMap(t, e, c, "c", "disk", AccessRW)
+	if _, err := dc.WriteAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	// A second force_close of the same open: ENODEV.
+	if err := rs.ForceClose(es); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("second force_close: %v", err)
+	}
+	// A path reconnect does not remap the closed device.
+	sess := c.Session("a")
+	p := sess.Paths()[0]
+	p.Disconnect()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := p.Reconnect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := oa.ReadAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if st := da.State(); st != StateClosedByServer {
+		t.Fatalf("state after a reconnect %v", st)
+	}
+	// Unmapping it is clean: the server answers the CLOSE of the id it kept, then forgets it.
+	if err := da.Unmap(ctx); err != nil {
+		t.Fatalf("unmap after force_close: %v", err)
+	}
+	rs.mu.Lock()
+	n := 0
+	for _, ss := range rs.sessions {
+		n += len(ss.forced)
+	}
+	rs.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d force-closed ids kept after the unmap", n)
+	}
+	// And it maps again.
+	da = mustMap(t, e, c, "a", "disk", AccessRO)
+	if _, err := da.ReadAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestForceClosedIDRaw: IO to a force-closed id is answered ENOTCONN (as the kernel answers
+// it), not ENODEV (which would make a client remap and so undo the close).
+func TestForceClosedIDRaw(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 5*time.Second)
+	d := mustMap(t, e, c, "r", "disk", AccessRW)
+	id := d.ID()
+	real, _ := filepath.EvalSymlinks(e.dir)
+	rs := e.server()
+	if err := rs.ForceClose(findExport(t, rs, strings.ReplaceAll(strings.TrimLeft(real, "/"), "/", "!")+"!disk", "r")); err != nil {
+		t.Fatal(err)
+	}
+	var usr [IOSize]byte
+	MsgIO{DeviceID: id, RW: uint32(OpRead), BiSize: 512}.Put(usr[:])
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := c.Session("r").Do(ctx, 0, usr[:], make([]byte, 512))
+	if err != syscall.ENOTCONN {
+		t.Fatalf("IO to a force-closed id: %v, want ENOTCONN", err)
+	}
+	MsgIO{DeviceID: id + 1000, RW: uint32(OpRead), BiSize: 512}.Put(usr[:])
+	if err := c.Session("r").Do(ctx, 0, usr[:], make([]byte, 512)); err != syscall.ENODEV {
+		t.Fatalf("IO to an unknown id: %v, want ENODEV", err)
+	}
+}
+
+// TestExportNameBlockDevice: a block device is named as the kernel names it, and its
+// block_dev points to the whole disk's sysfs directory (a partition's parent).
+func TestExportNameBlockDevice(t *testing.T) {
+	root := t.TempDir()
+	old := sysDevBlock
+	sysDevBlock = filepath.Join(root, "dev/block")
+	t.Cleanup(func() { sysDevBlock = old })
+	for _, d := range []string{"dev/block", "devices/virtual/block/nullb0", "devices/pci/block/sda/sda1", "devices/virtual/block/cciss!c0d0"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(root, "devices/pci/block/sda/sda1/partition"), []byte("1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for link, target := range map[string]string{"252:0": "../../devices/virtual/block/nullb0", "8:1": "../../devices/pci/block/sda/sda1",
+		"104:0": "../../devices/virtual/block/cciss!c0d0"} {
+		if err := os.Symlink(target, filepath.Join(sysDevBlock, link)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := os.Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, tc := range []struct {
+		maj, min  uint32
+		dir, link string
+	}{
+		{252, 0, "nullb0", "devices/virtual/block/nullb0"},
+		{8, 1, "sda1", "devices/pci/block/sda"},
+		{104, 0, "cciss!c0d0", "devices/virtual/block/cciss!c0d0"},
+	} {
+		b := &backing{f: f, fd: int(f.Fd()), bdev: true, rdev: unix.Mkdev(tc.maj, tc.min)}
+		dir, link := exportName(b)
+		if dir != tc.dir || link != filepath.Join(root, tc.link) {
+			t.Errorf("%d:%d: %q → %q, want %q → %q", tc.maj, tc.min, dir, link, tc.dir, filepath.Join(root, tc.link))
+		}
+	}
+	// A device /sys does not know is named after its path, like a file.
+	b := &backing{f: f, fd: int(f.Fd()), bdev: true, rdev: unix.Mkdev(1, 99)}
+	if dir, _ := exportName(b); dir != strings.ReplaceAll(strings.TrimLeft(root, "/"), "/", "!") {
+		t.Errorf("unknown device: %q", dir)
+	}
+}
+
+// TestExportNameUnique: two devices that would get one name get distinct ones.
+func TestExportNameUnique(t *testing.T) {
+	s := &Server{devs: map[devKey]*srvDev{}}
+	s.devs[devKey{1, 1}] = &srvDev{dir: "srv!a!b"}
+	if got := s.uniqueDirLocked("srv!a!b"); got != "srv!a!b~2" {
+		t.Fatalf("%q", got)
+	}
+	s.devs[devKey{1, 2}] = &srvDev{dir: "srv!a!b~2"}
+	if got := s.uniqueDirLocked("srv!a!b"); got != "srv!a!b~3" {
+		t.Fatalf("%q", got)
+	}
+	if got := s.uniqueDirLocked("x"); got != "x" {
+		t.Fatalf("%q", got)
+	}
+}
