@@ -7,6 +7,8 @@ package stats
 
 import (
 	"fmt"
+	"math"
+	"math/bits"
 	"runtime"
 	"strings"
 	"sync/atomic"
@@ -119,8 +121,95 @@ func getcpu() int {
 	return int(cpu)
 }
 
-// LatBuckets is the number of power-of-two millisecond buckets of rdma_lat (1 ms..65536 ms).
+// LatBuckets is the number of power-of-two millisecond rows of rdma_lat (1 ms..65536 ms).
 const LatBuckets = 17
+
+// The latency histogram is kept finer than rdma_lat shows it: bucket b (0 ≤ b < LatFine)
+// counts the latencies below 2^b units of 1/256 ms (3.90625 µs) not counted in a lower
+// bucket, and bucket LatFine those of 65536 ms and more. rdma_lat's row k (below 2^k ms) is
+// bucket k+8, its first row buckets 0..8: an exporter gets sub-millisecond buckets from the
+// same counters the sysfs file shows.
+const (
+	latUnitShift = 8 // 1/256 ms
+	// LatFine is the number of bounded latency buckets.
+	LatFine = LatBuckets + latUnitShift
+)
+
+// LatBoundSeconds is the upper bound of latency bucket b (b < LatFine) in seconds:
+// 2^b/256 ms. The latencies the bucket counts are shorter.
+func LatBoundSeconds(b int) float64 { return math.Ldexp(1, b-latUnitShift) / 1000 }
+
+// latFine maps a latency to its bucket.
+func latFine(d time.Duration) int {
+	if d <= 0 {
+		return 0
+	}
+	if d >= (1<<(LatBuckets-1))*time.Millisecond {
+		return LatFine
+	}
+	return bits.Len64(uint64(d) << latUnitShift / uint64(time.Millisecond))
+}
+
+// Latency is a latency histogram in LatFine+1 buckets with the sum of what it counted.
+type Latency struct {
+	Buckets [LatFine + 1]Counter
+	SumNs   Counter // the latencies counted, in nanoseconds
+	Max     Max     // in ms, as rdma_lat shows it
+}
+
+func (l *Latency) observe(d time.Duration) {
+	l.Buckets[latFine(d)].Inc()
+	if d > 0 {
+		l.SumNs.Add(uint64(d))
+	}
+	l.Max.Observe(uint64(d / time.Millisecond))
+}
+
+// row is what rdma_lat's row k shows (k = LatBuckets: the ">=" row).
+func (l *Latency) row(k int) uint64 {
+	if k > 0 {
+		return l.Buckets[k+latUnitShift].Value()
+	}
+	var v uint64
+	for b := 0; b <= latUnitShift; b++ {
+		v += l.Buckets[b].Value()
+	}
+	return v
+}
+
+// Reset restarts what rdma_lat shows; the totals go on.
+func (l *Latency) Reset() {
+	for b := range l.Buckets {
+		l.Buckets[b].Reset()
+	}
+	l.SumNs.Reset()
+	l.Max.Reset()
+}
+
+// Snapshot returns the monotonic totals: the count in each bucket (not cumulative), the
+// count of all and the sum in nanoseconds. Read while requests finish, the figures may be
+// a few requests apart.
+func (l *Latency) Snapshot() (buckets [LatFine + 1]uint64, count, sumNs uint64) {
+	sumNs = l.SumNs.Total()
+	for b := range l.Buckets {
+		buckets[b] = l.Buckets[b].Total()
+		count += buckets[b]
+	}
+	return buckets, count, sumNs
+}
+
+// Down causes: why a connected client path went into error recovery.
+const (
+	DownHeartbeat  = iota // its heartbeats went unanswered
+	DownDisconnect        // a connection was disconnected
+	DownCompletion        // a work request completed in error
+	DownProtocol          // the server sent what the protocol does not allow
+	DownOther
+	NumDownCauses
+)
+
+// DownCauseNames name the down causes (metric labels).
+var DownCauseNames = [NumDownCauses]string{"heartbeat", "disconnect", "completion", "protocol", "other"}
 
 // ClientPath are the statistics of one client path (stats/ of a path directory).
 type ClientPath struct {
@@ -136,17 +225,25 @@ type ClientPath struct {
 	// CPU migration: completions expected on one CPU (submission) that ran on another.
 	MigFrom, MigTo []Counter
 
-	// Latency histograms (rdma_lat) and maxima, in ms, for reads and writes.
-	LatRead, LatWrite       [LatBuckets + 1]Counter
-	LatMaxRead, LatMaxWrite Max
+	// Latency histograms (rdma_lat) with their maxima, for reads and writes.
+	LatRead, LatWrite Latency
+
+	// Down counts the times the path went into error recovery, by cause (Down*). Not shown
+	// in sysfs; never reset.
+	Down [NumDownCauses]Counter
+
+	// inflightBase is what reset_all took away from Inflight (see InflightTrue).
+	inflightBase atomic.Int64
 
 	// Completions per completion-handler call (wc_completion).
 	WCMax          Max
 	WCTotal, Calls Counter
 
-	// SGEntries[n] counts requests whose data came in n scatter/gather entries (0 or 1:
-	// the Go API takes one buffer).
-	SGEntries [2]Counter
+	// sg_entries: requests whose data came in 0 or 1 scatter/gather entries (the Go API
+	// takes one buffer). Only those without data are counted: the others are the rest of
+	// the read and write counts, which spares the IO path an atomic update per request.
+	sg0     Counter
+	sg1Base atomic.Uint64
 }
 
 // NewClientPath returns zeroed statistics for the CPUs of this machine.
@@ -155,41 +252,33 @@ func NewClientPath() *ClientPath {
 	return &ClientPath{MigFrom: make([]Counter, n), MigTo: make([]Counter, n)}
 }
 
-// latBucket maps a latency to its rdma_lat row: row k (label 2^k ms) holds latencies below
-// 2^k ms not counted in a lower row; the last row holds 65536 ms and more.
-func latBucket(d time.Duration) int {
-	ms := uint64(d / time.Millisecond)
-	for k := 0; k < LatBuckets; k++ {
-		if ms < 1<<k {
-			return k
-		}
-	}
-	return LatBuckets
-}
-
 // Done records a finished request: its direction, size, latency and the CPUs it was
 // submitted and completed on.
 func (s *ClientPath) Done(read bool, size uint64, lat time.Duration, cpuSub, cpuDone int, sgEntries int) {
-	ms := uint64(lat / time.Millisecond)
 	if read {
 		s.ReadCnt.Inc()
 		s.ReadBytes.Add(size)
-		s.LatRead[latBucket(lat)].Inc()
-		s.LatMaxRead.Observe(ms)
+		s.LatRead.observe(lat)
 	} else {
 		s.WriteCnt.Inc()
 		s.WriteBytes.Add(size)
-		s.LatWrite[latBucket(lat)].Inc()
-		s.LatMaxWrite.Observe(ms)
+		s.LatWrite.observe(lat)
 	}
 	if cpuSub != cpuDone && cpuSub < len(s.MigFrom) && cpuDone < len(s.MigTo) {
 		s.MigFrom[cpuSub].Inc()
 		s.MigTo[cpuDone].Inc()
 	}
-	if sgEntries > 1 {
-		sgEntries = 1
+	if sgEntries == 0 {
+		s.sg0.Inc()
 	}
-	s.SGEntries[sgEntries].Inc()
+}
+
+// sg1Total is the total of requests with one scatter/gather entry. sg0 is read first: each
+// request counts itself in the read or write count before sg0, so the difference cannot
+// go below zero.
+func (s *ClientPath) sg1Total() uint64 {
+	sg0 := s.sg0.Total()
+	return s.ReadCnt.Total() + s.WriteCnt.Total() - sg0
 }
 
 // HandlerCall records one completion-handler call that processed n completions.
@@ -272,22 +361,21 @@ func (s *ClientPath) ResetCPUMigration() {
 // RDMALat renders stats/rdma_lat in the seed ABI's format.
 func (s *ClientPath) RDMALat() string {
 	var b strings.Builder
-	for k := 0; k < LatBuckets; k++ {
-		fmt.Fprintf(&b, "%d ms: %d %d\n", 1<<k, s.LatRead[k].Value(), s.LatWrite[k].Value())
+	for k := 0; k <= LatBuckets; k++ {
+		label := fmt.Sprintf("%d ms", 1<<k)
+		if k == LatBuckets {
+			label = fmt.Sprintf(">= %d ms", 1<<(LatBuckets-1))
+		}
+		fmt.Fprintf(&b, "%s: %d %d\n", label, s.LatRead.row(k), s.LatWrite.row(k))
 	}
-	fmt.Fprintf(&b, ">= %d ms: %d %d\n", 1<<(LatBuckets-1), s.LatRead[LatBuckets].Value(), s.LatWrite[LatBuckets].Value())
-	fmt.Fprintf(&b, "maximum ms: %d %d\n", s.LatMaxRead.Value(), s.LatMaxWrite.Value())
+	fmt.Fprintf(&b, "maximum ms: %d %d\n", s.LatRead.Max.Value(), s.LatWrite.Max.Value())
 	return b.String()
 }
 
 // ResetRDMALat resets the histograms and maxima.
 func (s *ClientPath) ResetRDMALat() {
-	for k := range s.LatRead {
-		s.LatRead[k].Reset()
-		s.LatWrite[k].Reset()
-	}
-	s.LatMaxRead.Reset()
-	s.LatMaxWrite.Reset()
+	s.LatRead.Reset()
+	s.LatWrite.Reset()
 }
 
 // WCCompletion renders the client's stats/wc_completion: max average.
@@ -308,13 +396,13 @@ func (s *ClientPath) ResetWCCompletion() {
 
 // SGEntriesTable renders stats/sg_entries: one line per entry count, "<n>: <requests>".
 func (s *ClientPath) SGEntriesTable() string {
-	return fmt.Sprintf("0: %d\n1: %d\n", s.SGEntries[0].Value(), s.SGEntries[1].Value())
+	return fmt.Sprintf("0: %d\n1: %d\n", s.sg0.Value(), s.sg1Total()-s.sg1Base.Load())
 }
 
 // ResetSGEntries resets the distribution.
 func (s *ClientPath) ResetSGEntries() {
-	s.SGEntries[0].Reset()
-	s.SGEntries[1].Reset()
+	s.sg0.Reset()
+	s.sg1Base.Store(s.sg1Total())
 }
 
 // ResetAll resets every file's counters and zeroes inflight (reset_all).
@@ -325,8 +413,11 @@ func (s *ClientPath) ResetAll() {
 	s.ResetRDMALat()
 	s.ResetWCCompletion()
 	s.ResetSGEntries()
-	s.Inflight.Store(0)
+	s.inflightBase.Add(int64(s.Inflight.Swap(0)))
 }
+
+// InflightTrue is Inflight as if reset_all had never zeroed it.
+func (s *ClientPath) InflightTrue() int64 { return int64(s.Inflight.Load()) + s.inflightBase.Load() }
 
 // ServerPath are the statistics of one server path.
 type ServerPath struct {

@@ -166,3 +166,54 @@ func BenchmarkSharded(b *testing.B) {
 		}
 	})
 }
+
+// TestLatencyBuckets: the fine buckets, their bounds, and rdma_lat's rows made of them.
+func TestLatencyBuckets(t *testing.T) {
+	for _, c := range []struct {
+		d time.Duration
+		b int
+	}{{0, 0}, {-time.Second, 0}, {3906 * time.Nanosecond, 0}, {3907 * time.Nanosecond, 1}, {50 * time.Microsecond, 4},
+		{999 * time.Microsecond, 8}, {time.Millisecond, 9}, {65535 * time.Millisecond, LatFine - 1}, {65536 * time.Millisecond, LatFine}, {time.Hour, LatFine}} {
+		b := latFine(c.d)
+		if b != c.b {
+			t.Errorf("latFine(%v) = %d, want %d", c.d, b, c.b)
+		}
+		if b < LatFine && c.d.Seconds() >= LatBoundSeconds(b) {
+			t.Errorf("%v in bucket %d bounded by %g s", c.d, b, LatBoundSeconds(b))
+		}
+		if b > 0 && c.d.Seconds() < LatBoundSeconds(b-1) {
+			t.Errorf("%v in bucket %d belongs lower", c.d, b)
+		}
+	}
+	if LatBoundSeconds(0) != 3.90625e-06 || LatBoundSeconds(8) != 0.001 || LatBoundSeconds(LatFine-1) != 65.536 {
+		t.Fatalf("bounds %g %g %g", LatBoundSeconds(0), LatBoundSeconds(8), LatBoundSeconds(LatFine-1))
+	}
+	s := NewClientPath()
+	for _, d := range []time.Duration{10 * time.Microsecond, 300 * time.Microsecond, 1500 * time.Microsecond, 100 * time.Second} {
+		s.Done(true, 1, d, 0, 0, 1)
+	}
+	if lat := s.RDMALat(); !strings.HasPrefix(lat, "1 ms: 2 0\n2 ms: 1 0\n4 ms: 0 0\n") || !strings.Contains(lat, ">= 65536 ms: 1 0\nmaximum ms: 100000 0\n") {
+		t.Fatalf("rdma_lat:\n%s", lat)
+	}
+	s.ResetAll()
+	s.Done(true, 1, 20*time.Microsecond, 0, 0, 1)
+	b, n, sum := s.LatRead.Snapshot()
+	if n != 5 || sum != uint64(10*time.Microsecond+300*time.Microsecond+1500*time.Microsecond+100*time.Second+20*time.Microsecond) ||
+		b[latFine(10*time.Microsecond)] != 1 || b[latFine(20*time.Microsecond)] != 1 || b[LatFine] != 1 {
+		t.Fatalf("snapshot after reset_all: %v %d %d", b, n, sum)
+	}
+	if !strings.HasPrefix(s.RDMALat(), "1 ms: 1 0\n2 ms: 0 0\n") {
+		t.Fatalf("rdma_lat after reset_all:\n%s", s.RDMALat())
+	}
+}
+
+// TestInflightTrue: reset_all zeroes the inflight stats/rdma shows, not the one exported.
+func TestInflightTrue(t *testing.T) {
+	s := NewClientPath()
+	s.Inflight.Add(3)
+	s.ResetAll()
+	s.Inflight.Add(-2)
+	if s.InflightTrue() != 1 || s.RDMA() != "0 0 0 0 4294967294 0\n" {
+		t.Fatalf("true %d, rdma %q", s.InflightTrue(), s.RDMA())
+	}
+}

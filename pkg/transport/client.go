@@ -102,6 +102,38 @@ type Session struct {
 	established  atomic.Int32
 	opening      atomic.Bool
 	closed       atomic.Bool
+
+	// Requests that failed: no connected path took them (or they had to leave a failed one
+	// and none took them), or the server answered them with an errno. Counted off the
+	// successful path only.
+	failNoPath, failServer stats.Counter
+}
+
+// FailedRequests are the session's requests that failed since it opened: noPath that no
+// connected path took (ECONNABORTED), server that the server answered with an error.
+func (s *Session) FailedRequests() (noPath, server uint64) {
+	return s.failNoPath.Total(), s.failServer.Total()
+}
+
+// InflightByPath counts the requests in flight on each path, whatever the policy (the
+// path's stats/rdma inflight counts only those min-inflight placed). It reads each
+// request's owner, so it costs the IO path nothing.
+func (s *Session) InflightByPath() map[*Path]int {
+	byCon := map[*con]int{}
+	for i := range s.reqs {
+		if c := s.reqs[i].owner.Load(); c != nil {
+			byCon[c]++
+		}
+	}
+	out := map[*Path]int{}
+	for _, p := range s.Paths() {
+		p.mu.Lock()
+		for _, c := range p.cons {
+			out[p] += byCon[c]
+		}
+		p.mu.Unlock()
+	}
+	return out
 }
 
 // Open connects every path, one after the other (rtrs_clt_open); if any fails, the whole
@@ -731,12 +763,28 @@ func (p *Path) errRecovery(cause error) {
 	defer p.mu.Unlock()
 	switch p.state {
 	case StateConnected:
+		p.Stats.Down[downCause(cause)].Inc()
 		p.setStateLocked(StateReconnecting)
 		p.lg().WithError(cause).Warn("path down")
 		p.startWorkerLocked()
 	case StateConnecting:
 		p.setStateLocked(StateConnectingErr)
 	}
+}
+
+// downCause classifies the cause of an error recovery (stats.Down*).
+func downCause(err error) int {
+	switch {
+	case errors.Is(err, syscall.ETIMEDOUT):
+		return stats.DownHeartbeat
+	case errors.Is(err, syscall.ECONNRESET):
+		return stats.DownDisconnect
+	case errors.Is(err, syscall.EIO):
+		return stats.DownCompletion
+	case errors.Is(err, syscall.EPROTO):
+		return stats.DownProtocol
+	}
+	return stats.DownOther
 }
 
 // startWorkerLocked runs the recovery and reconnect loop unless it already runs.

@@ -93,6 +93,7 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 	r.dir, r.usr, r.data, r.done, r.admin = dir, usr, data, done, admin
 	r.start, r.cpu = time.Now(), stats.CPU()
 	if err := s.issue(r, nil, false); err != nil {
+		s.failNoPath.Inc()
 		s.finish(r, nil)
 		return err
 	}
@@ -344,6 +345,9 @@ func (p *Path) recv(c *con, w rdma.WC) {
 		copy(r.data, res.stage.Bytes()[r.permit*s.maxIOSize:])
 	}
 	p.account(r)
+	if errno != 0 {
+		s.failServer.Inc()
+	}
 	s.finish(r, errnoErr(errno))
 }
 
@@ -383,6 +387,7 @@ func (p *Path) failover(cons []*con) {
 			p.Stats.Inflight.Add(-1)
 		}
 		if err := s.issue(r, p, true); err != nil {
+			s.failNoPath.Inc()
 			s.finish(r, err)
 		}
 	}

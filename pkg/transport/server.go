@@ -198,6 +198,12 @@ type Server struct {
 
 	refusals log.Limiter
 	names    *nameStore
+	// Rejected connection requests by errno, and refusals (a reject, or a path closed for
+	// what its client did) by cause: both sets are fixed in this file, so the counts are
+	// bounded whatever peers send.
+	countsMu sync.Mutex
+	rejected map[syscall.Errno]uint64
+	refused  map[string]uint64
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -299,7 +305,13 @@ func (s *Server) acceptLoop() {
 }
 
 // reject answers a connection request with errno in conn_rsp.
-func reject(req *rdma.ConnRequest, errno syscall.Errno) {
+func (s *Server) reject(req *rdma.ConnRequest, errno syscall.Errno) {
+	s.countsMu.Lock()
+	if s.rejected == nil {
+		s.rejected = map[syscall.Errno]uint64{}
+	}
+	s.rejected[errno]++
+	s.countsMu.Unlock()
 	rsp := MsgConnRsp{Errno: -int16(errno)}
 	_ = req.ID.Reject(rsp.Marshal())
 	_ = req.ID.Destroy()
@@ -311,23 +323,23 @@ func (s *Server) connect(req *rdma.ConnRequest) {
 	var m MsgConnReq
 	if err := m.Unmarshal(req.PrivateData); err != nil {
 		s.refuse(peer, "malformed connection request", err.Error())
-		reject(req, syscall.ECONNRESET)
+		s.reject(req, syscall.ECONNRESET)
 		return
 	}
 	if m.CidNum == 0 || int(m.CidNum) > s.opts.Limits.MaxConnsPerPath || m.Cid >= m.CidNum {
 		s.refuse(peer, "connections per path", fmt.Sprintf("connection %d of %d (at most %d per path)", m.Cid, m.CidNum, s.opts.Limits.MaxConnsPerPath))
-		reject(req, syscall.ECONNRESET)
+		s.reject(req, syscall.ECONNRESET)
 		return
 	}
 	ident, ok := s.identify(req.ID)
 	if !ok {
 		s.refuse(peer, "not allowed", fmt.Sprintf("%v is not in the allowlist", ident))
-		reject(req, syscall.EPERM)
+		s.reject(req, syscall.EPERM)
 		return
 	}
 	p, errno := s.findPath(&m, req.ID, ident)
 	if errno != 0 {
-		reject(req, errno)
+		s.reject(req, errno)
 		return
 	}
 	if err := p.addCon(req, int(m.Cid)); err != nil {
@@ -489,13 +501,52 @@ func (s *Server) established(p *SrvPath) {
 
 // refuse logs that the path's client was refused for cause, once per cause and interval.
 func (p *SrvPath) refuse(cause, detail string) {
+	p.sess.srv.countRefusal(cause)
 	p.sess.srv.refusals.Warn(p.lg(), cause, p.src.IP.String(), detail)
 }
 
 // refuse logs a refusal of peer for cause, once per cause and interval.
 func (s *Server) refuse(peer netip.AddrPort, cause, detail string) {
+	s.countRefusal(cause)
 	s.refusals.Warn(s.log, cause, peer.String(), detail)
 }
+
+func (s *Server) countRefusal(cause string) {
+	s.countsMu.Lock()
+	if s.refused == nil {
+		s.refused = map[string]uint64{}
+	}
+	s.refused[cause]++
+	s.countsMu.Unlock()
+}
+
+// Rejected counts the connection requests answered with a reject since the server started,
+// by the errno the reject carried.
+func (s *Server) Rejected() map[syscall.Errno]uint64 {
+	s.countsMu.Lock()
+	defer s.countsMu.Unlock()
+	out := make(map[syscall.Errno]uint64, len(s.rejected))
+	for k, v := range s.rejected {
+		out[k] = v
+	}
+	return out
+}
+
+// Refused counts refusals since the server started by their cause, the words the log's
+// warning starts with ("not allowed", "sessions", "malformed request", …): connection
+// requests rejected and paths closed for what their client did.
+func (s *Server) Refused() map[string]uint64 {
+	s.countsMu.Lock()
+	defer s.countsMu.Unlock()
+	out := make(map[string]uint64, len(s.refused))
+	for k, v := range s.refused {
+		out[k] = v
+	}
+	return out
+}
+
+// CurLatency is the path's last heartbeat round trip (0 before the first was answered).
+func (p *SrvPath) CurLatency() time.Duration { return time.Duration(p.hb.latency.Load()) }
 
 // SrvSess is a server session: the chunks its paths share, keyed by the client's session uuid.
 type SrvSess struct {
@@ -774,7 +825,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	srv := p.sess.srv
 	o := srv.opts
 	if err := p.setupPath(req.ID.Device()); err != nil {
-		reject(req, syscall.ENOMEM)
+		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
 	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD)}
@@ -792,12 +843,12 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
 	var err error
 	if c.cq, err = req.ID.Device().CreateCQ(sendWR + recvWR); err != nil {
-		reject(req, syscall.ENOMEM)
+		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
 	if c.qp, err = req.ID.CreateQP(p.pd, rdma.QPInitAttr{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: sendWR, MaxRecvWR: recvWR, MaxSendSGE: 1, MaxRecvSGE: 1}); err != nil {
 		c.destroy()
-		reject(req, syscall.ENOMEM)
+		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
 	// Connection 0 waits for INFO_REQ; IO connections for requests.
@@ -808,7 +859,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	}
 	if err != nil {
 		c.destroy()
-		reject(req, syscall.ENOMEM)
+		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
 	var wc [16]rdma.WC
