@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/internal/metrics"
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
@@ -95,6 +96,7 @@ Flags:`)
 	provName := fs.String("provider", "auto", pick.Usage)
 	softTLS := daemon.TLSFlags(fs, "tls", "soft provider, mutual TLS")
 	maxMem := fs.String("max-chunk-memory", "256M", "the most chunk memory (queue depth × chunk size) a server may make a session allocate")
+	metricsAddr := fs.String("metrics", "", metrics.FlagUsage)
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach stale mounts and exit")
@@ -163,6 +165,13 @@ Flags:`)
 		defer cancel()
 		c.Close(cctx)
 	}()
+	if *metricsAddr != "" {
+		ml, err := metrics.Serve(*metricsAddr, lg, metrics.NewClient(c))
+		if err != nil {
+			return fmt.Errorf("-metrics: %w", err)
+		}
+		defer ml.Close()
+	}
 	d := &clientd{cfgPath: *cfgPath, c: c, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
 	defer d.wg.Wait()
 	ns := nbd.NewServer(nbd.Options{Exports: d.exports})

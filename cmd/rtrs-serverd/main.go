@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/internal/metrics"
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
@@ -84,6 +85,7 @@ Flags:`)
 	maxPending := fs.Int("max-pending", soft.DefaultMaxPending, "soft provider: connections not yet past the connection request, in all")
 	maxPendingAddr := fs.Int("max-pending-per-addr", soft.DefaultMaxPendingPerAddr, "soft provider: the same, per client address")
 	handshake := fs.Duration("handshake-timeout", soft.DefaultHandshakeTimeout, "soft provider: how long a new connection may take to send its connection request")
+	metricsAddr := fs.String("metrics", "", metrics.FlagUsage)
 	level := fs.String("log-level", "info", "log level")
 	json := fs.Bool("log-json", false, "log JSON lines")
 	cleanup := fs.Bool("cleanup", false, "detach a stale mount at -mount and exit")
@@ -182,6 +184,13 @@ Flags:`)
 		return err
 	}
 	defer srv.Close()
+	if *metricsAddr != "" {
+		ml, err := metrics.Serve(*metricsAddr, lg, metrics.NewServer(srv, rs))
+		if err != nil {
+			return fmt.Errorf("-metrics: %w", err)
+		}
+		defer ml.Close()
+	}
 	fsrv, err := fsview.Mount(*mount, &fsview.ServerTree{S: srv}, fsview.MountOptions{Name: "rtrs-server"})
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", *mount, err)

@@ -187,3 +187,17 @@ type guard struct{ mu sync.Mutex }
 func label(s string) string {
 	return strings.NewReplacer(" ", "_", "-", "_").Replace(strings.ToLower(s))
 }
+
+// Serve registers cs and serves them at http://addr/metrics (Listen), logging where.
+func Serve(addr string, lg *log.Entry, cs ...prometheus.Collector) (*Listener, error) {
+	reg, err := NewRegistry(cs...)
+	if err != nil {
+		return nil, err
+	}
+	l, err := Listen(addr, reg, lg)
+	if err != nil {
+		return nil, err
+	}
+	lg.Infof("metrics at http://%s/metrics", l.Addr())
+	return l, nil
+}
