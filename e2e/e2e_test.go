@@ -188,6 +188,7 @@ type cluster struct {
 	net              *netEnv
 	srvd, clid       *daemon
 	srvMnt, cliMnt   string
+	rnbdMnt          string // the server's rnbd-server tree
 	devMnt, exports  string
 	cliConf, nbdSock string
 	p1, p2, p1s, p2s string // client and server path directory names
@@ -207,6 +208,7 @@ func startClusterWith(t *testing.T, srvArgs, cliArgs []string) *cluster {
 	c := &cluster{net: setupNet(t)}
 	dir := t.TempDir()
 	c.srvMnt, c.cliMnt, c.devMnt = filepath.Join(dir, "srv"), filepath.Join(dir, "cli"), filepath.Join(dir, "dev")
+	c.rnbdMnt = filepath.Join(dir, "rnbd")
 	c.exports = filepath.Join(dir, "exports")
 	if err := os.MkdirAll(c.exports, 0o755); err != nil {
 		t.Fatal(err)
@@ -222,12 +224,12 @@ func startClusterWith(t *testing.T, srvArgs, cliArgs []string) *cluster {
 		t.Fatal(err)
 	}
 	c.srvd = startDaemon(t, c.net.srv, "rtrs-serverd", append([]string{"-config=/dev/null", "-listen=[::]:1234",
-		"-dev-search-path=" + c.exports, "-mount=" + c.srvMnt, "-heartbeat-interval=200ms", "-names-file=" + filepath.Join(dir, "names.json")}, srvArgs...)...)
+		"-dev-search-path=" + c.exports, "-mount=" + c.srvMnt, "-rnbd-mount=" + c.rnbdMnt, "-heartbeat-interval=200ms", "-names-file=" + filepath.Join(dir, "names.json")}, srvArgs...)...)
 	c.clid = startDaemon(t, c.net.cli, "rtrs-clientd", append([]string{"-config=" + c.cliConf, "-mount=" + c.cliMnt,
 		"-dev-mount=" + c.devMnt, "-nbd-socket=" + filepath.Join(dir, "nbd.sock"), fastCli, fastRec, "-con-per-path=3"}, cliArgs...)...)
 	c.nbdSock = filepath.Join(dir, "nbd.sock")
 	testutil.WaitFor(t, 20*time.Second, "both trees mounted", func() bool {
-		return exists(c.srvMnt) && exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device")
+		return exists(c.srvMnt) && exists(c.rnbdMnt+"/ctl/devices") && exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device")
 	})
 	c.p1, c.p2 = "ip:10.77.1.1@ip:10.77.1.2", "ip:10.77.2.1@ip:10.77.2.2"
 	c.p1s, c.p2s = c.p1, c.p2
@@ -436,7 +438,7 @@ func TestNotifyAndSignals(t *testing.T) {
 	if err := os.MkdirAll(exports, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	srvd := startDaemon(t, n.srv, "rtrs-serverd", "-config=/dev/null", "-dev-search-path="+exports, "-mount="+dir+"/srv", "-names-file=")
+	srvd := startDaemon(t, n.srv, "rtrs-serverd", "-config=/dev/null", "-dev-search-path="+exports, "-mount="+dir+"/srv", "-rnbd-mount="+dir+"/rnbd", "-names-file=")
 	_ = srvd
 	sock := filepath.Join(dir, "notify.sock")
 	ln, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})
@@ -570,7 +572,7 @@ func TestServerReload(t *testing.T) {
 	if err := os.WriteFile(dir+"/c.conf", nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	srv := startDaemon(t, n.srv, "rtrs-serverd", "-config="+conf, "-mount="+dir+"/srv")
+	srv := startDaemon(t, n.srv, "rtrs-serverd", "-config="+conf, "-mount="+dir+"/srv", "-rnbd-mount="+dir+"/rnbd")
 	cli := startDaemon(t, n.cli, "rtrs-clientd", "-config="+dir+"/c.conf", "-mount="+dir+"/cli",
 		"-dev-mount="+dir+"/dev", "-nbd-socket=")
 	_ = cli

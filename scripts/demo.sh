@@ -37,7 +37,7 @@ stop() {
 		wait "${pids[i]}" 2>/dev/null || true
 	done
 	bin/rtrs-clientd -cleanup -mount "$run/rtrs-client" -dev-mount "$run/dev" || true
-	bin/rtrs-serverd -cleanup -mount "$run/rtrs-server" || true
+	bin/rtrs-serverd -cleanup -mount "$run/rtrs-server" -rnbd-mount "$run/rnbd-server" || true
 	rm -rf "$run"
 	if [ -z "${RTRS_DEMO_KEEP:-}" ]; then
 		rm -rf "$exports"
@@ -47,7 +47,7 @@ stop() {
 trap stop INT TERM EXIT
 
 bin/rtrs-serverd -config /dev/null -listen 127.0.0.1:11234 -dev-search-path "$exports" \
-	-mount "$run/rtrs-server" -names-file "$run/sessions.json" &
+	-mount "$run/rtrs-server" -rnbd-mount "$run/rnbd-server" -names-file "$run/sessions.json" &
 pids+=($!)
 sleep 0.5
 bin/rtrs-clientd -config "$run/rtrs-clientd.conf" -mount "$run/rtrs-client" -dev-mount "$run/dev" \
@@ -60,6 +60,7 @@ cat <<TXT
 rtrs demo is running.
   client tree   $run/rtrs-client   (/sys/class/rtrs-client's files)
   server tree   $run/rtrs-server   (/sys/class/rtrs-server's files)
+  rnbd-server   $run/rnbd-server   (/sys/class/rnbd-server's: who has which export open)
   device        $run/dev/demo/disk (1 GiB on $exports/disk, over two paths)
   NBD           nbd+unix:///demo/disk?socket=$run/nbd.sock
 
@@ -67,6 +68,7 @@ Try:
   cat $run/rtrs-client/demo/paths/*/state $run/rtrs-client/demo/mpath_policy
   dd if=/dev/urandom of=$run/dev/demo/disk bs=1M count=64 conv=fsync; cat $run/rtrs-client/demo/paths/*/stats/rdma
   echo 1 > "$run/rtrs-client/demo/paths/ip:127.0.0.2@ip:127.0.0.1/disconnect"; ls $run/rtrs-server/demo/paths
+  grep . $run/rnbd-server/ctl/devices/*/sessions/*/*
 
 Ctrl-C stops both daemons.
 TXT

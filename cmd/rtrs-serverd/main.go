@@ -4,7 +4,8 @@
 //
 //	rtrs-serverd [-config /etc/rtrs/rtrs-serverd.conf] [-listen [::]:1234] [-dev-search-path /srv/rtrs]
 //	             [-queue-depth 512] [-chunk-size 128K] [-always-invalidate=true]
-//	             [-mount /run/rtrs/rtrs-server] [-log-level info] [-log-json]
+//	             [-mount /run/rtrs/rtrs-server] [-rnbd-mount /run/rtrs/rnbd-server]
+//	             [-log-level info] [-log-json]
 //	rtrs-serverd -cleanup      (detach a stale mount left by a crash, then exit)
 package main
 
@@ -52,7 +53,9 @@ func run(parent context.Context, args []string) error {
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), `rtrs-serverd: the RTRS server daemon. It accepts RTRS client sessions (the kernel's
 rtrs-client or rtrs-clientd), serves RNBD block IO from the files and block devices under
--dev-search-path, and mounts the rtrs-server tree (/sys/class/rtrs-server's files) at -mount.
+-dev-search-path, and mounts the rtrs-server tree (/sys/class/rtrs-server's files) at -mount
+and the rnbd-server tree (/sys/class/rnbd-server's: who has which export open, force_close)
+at -rnbd-mount.
 Settings come from -config (key = value, the flags' names); flags on the command line win.
 Security knobs: docs/security.md.
 
@@ -68,6 +71,7 @@ Flags:`)
 	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs or ramfs export straight from the page cache (off: never)")
 	hb := fs.Duration("heartbeat-interval", 0, "heartbeat interval (0: the kernel's 5 s)")
 	mount := fs.String("mount", "/run/rtrs/rtrs-server", "where the rtrs-server tree is mounted")
+	rnbdMount := fs.String("rnbd-mount", "/run/rtrs/rnbd-server", "where the rnbd-server tree (ctl/devices/<device>/sessions/<session>/) is mounted (empty: not mounted)")
 	provName := fs.String("provider", "auto", pick.Usage)
 	softTLS := daemon.TLSFlags(fs, "tls", "soft provider, mutual TLS")
 	allowSubj := fs.String("allow-subject", "", "with TLS: certificate subjects that may connect, ';'-separated (CN=host-a,O=x;CN=host-b)")
@@ -98,7 +102,11 @@ Flags:`)
 		return err
 	}
 	if *cleanup {
-		return fsview.CleanupReport(*mount)
+		err := fsview.CleanupReport(*mount)
+		if *rnbdMount != "" {
+			err = errors.Join(err, fsview.CleanupReport(*rnbdMount))
+		}
+		return err
 	}
 	lg := log.G(ctx).WithField("component", "rtrs-serverd")
 	addr, err := netip.ParseAddrPort(*listen)
@@ -201,6 +209,18 @@ Flags:`)
 			_, _ = fsview.Cleanup(*mount)
 		}
 	}()
+	if *rnbdMount != "" {
+		rsrv, err := fsview.Mount(*rnbdMount, &fsview.RNBDServerTree{S: rs}, fsview.MountOptions{Name: "rnbd-server"})
+		if err != nil {
+			return fmt.Errorf("mount %s: %w", *rnbdMount, err)
+		}
+		defer func() {
+			if err := rsrv.Unmount(); err != nil {
+				lg.WithError(err).Warn("unmount")
+				_, _ = fsview.Cleanup(*rnbdMount)
+			}
+		}()
+	}
 	// SIGHUP: the export search path and the log level follow the config file (unless the
 	// command line set them); the rest needs a restart.
 	hup := func() {
@@ -233,7 +253,7 @@ Flags:`)
 		}
 	}
 	reload.Store(&hup)
-	lg.Infof("listening on %v, exports under %s, tree at %s", srv.Addr(), *search, *mount)
+	lg.Infof("listening on %v, exports under %s, trees at %s and %s", srv.Addr(), *search, *mount, *rnbdMount)
 	daemon.Notify("READY=1\nSTATUS=" + status(srv))
 	t := time.NewTicker(5 * time.Second)
 	defer t.Stop()

@@ -170,7 +170,7 @@ kernel_client_our_server() {
 # SRV_PID.
 start_our_server() {
 	rtrs-serverd -provider verbs -config /dev/null -listen "$RTRS_VM_ADDR1:1234" -always-invalidate="$2" \
-		-dev-search-path "$1"/exports -mount "$1"/srv -names-file "$1"/names.json >>"$1"/serverd.log 2>&1 &
+		-dev-search-path "$1"/exports -mount "$1"/srv -rnbd-mount "$1"/rnbd -names-file "$1"/names.json >>"$1"/serverd.log 2>&1 &
 	SRV_PID=$!
 	DAEMON_LOGS="$1/serverd.log"
 	vm_wait 30 mountpoint -q "$1"/srv || {
@@ -207,7 +207,7 @@ kc_faults() {
 	r0=$(reconnects "$K")
 	kill -9 "$SRV_PID"
 	wait "$SRV_PID" || true
-	rtrs-serverd -cleanup -mount "$T"/srv
+	rtrs-serverd -cleanup -mount "$T"/srv -rnbd-mount "$T"/rnbd
 	vm_wait 30 state_is "$K/paths/$pa" disconnected
 	start_our_server "$T" "$inv"
 	vm_wait 90 paths_connected "$K"
@@ -458,7 +458,7 @@ figures() {
 	busybox rmmod rnbd_server rtrs_server
 	# Kernel → our server (the loop device exported from /dev).
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:1234" -dev-search-path /dev \
-		-mount "$T"/srv -names-file "$T"/names.json >"$T"/serverd.log 2>&1 &
+		-mount "$T"/srv -rnbd-mount "$T"/rnbd -names-file "$T"/names.json >"$T"/serverd.log 2>&1 &
 	local spid=$!
 	vm_wait 30 mountpoint -q "$T"/srv
 	echo "sessname=fig-ko path=ip:$A1 path=ip:$A2@ip:$A1 device_path=${loop#/dev/}" >/sys/class/rnbd-client/ctl/map_device

@@ -88,7 +88,7 @@ suite_body() {
 	grep -q -- '--- PASS: TestKernelAttach' $T/kernel-test.out
 
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:$PORT" -dev-search-path $T/exports \
-		-mount $T/srv -names-file $T/names.json >$T/serverd.log 2>&1 &
+		-mount $T/srv -rnbd-mount $T/rnbd -names-file $T/names.json >$T/serverd.log 2>&1 &
 	echo $! >$T/spid
 	start_clientd
 	vm_wait 30 mountpoint -q $T/srv

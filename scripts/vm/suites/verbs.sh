@@ -73,7 +73,7 @@ daemons() {
 	# Not RNBD's port 1234: another suite may have loaded the kernel's rnbd-server, which
 	# listens there.
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:11234" -dev-search-path $T/exports \
-		-mount $T/srv -names-file $T/names.json >$T/serverd.log 2>&1 &
+		-mount $T/srv -rnbd-mount $T/rnbd -names-file $T/names.json >$T/serverd.log 2>&1 &
 	local spid=$!
 	rtrs-clientd -provider verbs -config $T/clientd.conf -mount $T/cli -dev-mount $T/dev \
 		-nbd-socket $T/nbd.sock >$T/clientd.log 2>&1 &
