@@ -9,7 +9,8 @@ import (
 
 // TestDeployConfig: the example config's settings are flags of this daemon.
 func TestDeployConfig(t *testing.T) {
-	if err := run(context.Background(), []string{"-config", "../../deploy/config/rtrs-serverd.conf", "-cleanup", "-mount", t.TempDir() + "/m"}); err != nil {
+	if err := run(context.Background(), []string{"-config", "../../deploy/config/rtrs-serverd.conf", "-cleanup", "-mount", t.TempDir() + "/m",
+		"-rnbd-mount", t.TempDir() + "/r"}); err != nil { // never the host's /run/rtrs
 		t.Fatal(err)
 	}
 	if err := run(context.Background(), []string{"-config", "/dev/null", "-listen", "nonsense", "-mount", t.TempDir() + "/m"}); err == nil {
