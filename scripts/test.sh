@@ -25,6 +25,8 @@ command -v nsenter >/dev/null || need+=(util-linux)
 command -v losetup >/dev/null || need+=(mount)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v tc >/dev/null || need+=(iproute2)
+command -v promtool >/dev/null || need+=(prometheus) # e2e TestMetrics lints the scrapes
+command -v curl >/dev/null || need+=(curl)
 # rdma-core's development files: the verbs provider is vetted and built on every run (its
 # tests run in the VM, scripts/vmtest.sh).
 [ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -241,7 +242,9 @@ func TestScrape(t *testing.T) {
 	before, _ := scrape(t, p.cURL, false)
 	p.io(t, 100)
 	c1, text := scrape(t, p.cURL, false)
-	s1, _ := scrape(t, p.sURL, false)
+	s1, stext := scrape(t, p.sURL, false)
+	promtool(t, text)
+	promtool(t, stext)
 	sess := map[string]string{"session": "sess1"}
 	w := map[string]string{"session": "sess1", "direction": "write"}
 	r := map[string]string{"session": "sess1", "direction": "read"}
@@ -316,6 +319,21 @@ func TestScrape(t *testing.T) {
 	// OpenMetrics and text say the same.
 	if c2.sum(t, "rtrs_client_path_requests_total", w) != c1.sum(t, "rtrs_client_path_requests_total", w) {
 		t.Errorf("OpenMetrics writes %v, text %v", c2.sum(t, "rtrs_client_path_requests_total", w), c1.sum(t, "rtrs_client_path_requests_total", w))
+	}
+}
+
+// promtool runs `promtool check metrics` (Prometheus's own linter and parser) on a scrape
+// where it is installed (the e2e test requires it).
+func promtool(t *testing.T, text string) {
+	t.Helper()
+	if _, err := exec.LookPath("promtool"); err != nil {
+		t.Log("promtool not installed: not linted here")
+		return
+	}
+	cmd := exec.Command("promtool", "check", "metrics")
+	cmd.Stdin = strings.NewReader(text)
+	if out, err := cmd.CombinedOutput(); err != nil || len(out) > 0 {
+		t.Errorf("promtool check metrics: %v\n%s", err, out)
 	}
 }
 
