@@ -13,7 +13,7 @@ import (
 var pathStates = []transport.PathState{transport.StateConnecting, transport.StateConnectingErr,
 	transport.StateReconnecting, transport.StateConnected, transport.StateClosing, transport.StateClosed, transport.StateDead}
 
-var deviceStates = []rnbd.DeviceState{rnbd.StateMapped, rnbd.StateDisconnected, rnbd.StateUnmapped}
+var deviceStates = []rnbd.DeviceState{rnbd.StateMapped, rnbd.StateDisconnected, rnbd.StateUnmapped, rnbd.StateClosedByServer}
 
 // Client collects rtrs-clientd's metrics from its RNBD client at scrape time. Its sessions
 // and paths are the ones the operator declared, so their labels are bounded by the config.
