@@ -199,7 +199,7 @@ func (s *side) close() {
 // next returns the next successful completion.
 func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
 	wc := &s.wc
-	for spins := 0; s.cq.Poll(wc[:]) == 0; spins++ {
+	for spins := 0; s.poll(wc[:], poll) == 0; spins++ {
 		if poll {
 			// The context is looked at now and then: a spin should be one poll, not a lock.
 			if spins%1024 == 1023 && ctx.Err() != nil {
@@ -215,6 +215,19 @@ func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
 		return wc[0], fmt.Errorf("completion %v: %v", wc[0].Opcode, wc[0].Status)
 	}
 	return wc[0], nil
+}
+
+// busySpins is how many empty polls a provider that spins by itself (rdma.BusyPoller) makes
+// before it returns to rdma-perf's loop, which then looks at its context.
+const busySpins = 1 << 12
+
+// poll polls the side's queue; busy, in the provider when it can spin there, as perftest
+// spins on ibv_poll_cq in C.
+func (s *side) poll(wc []rdma.WC, busy bool) int {
+	if bp, ok := s.cq.(rdma.BusyPoller); ok && busy {
+		return bp.PollBusy(wc, busySpins)
+	}
+	return s.cq.Poll(wc)
 }
 
 // serve answers RDMA tests on ap and raw TCP tests on ap's port + 1 until ctx ends.
@@ -254,6 +267,9 @@ func serve(ctx context.Context, prov rdma.Provider, ap netip.AddrPort) error {
 	}
 }
 
+// echoRing is how many receives the send_lat server keeps posted.
+const echoRing = 32
+
 func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	p, err := decodeParams(req.PrivateData)
 	if err != nil {
@@ -275,8 +291,12 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	binary.LittleEndian.PutUint32(info[8:], mr.RKey())
 	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
 	if p.Test == "send_lat" {
-		if _, err := s.qp.PostRecv(recv); err != nil {
-			return err
+		// A ring of receives, as perftest's server posts its rx_depth: each echo's SEND then
+		// leaves before the receive it used is replaced.
+		for range echoRing {
+			if _, err := s.qp.PostRecv(recv); err != nil {
+				return err
+			}
 		}
 	}
 	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: info[:], RNRRetryCount: 7}); err != nil {
@@ -296,7 +316,7 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	var wc [16]rdma.WC
 	echoes := 0
 	drain := func() {
-		for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
+		for n := s.poll(wc[:], p.Poll); n > 0; n = s.cq.Poll(wc[:]) {
 			for _, w := range wc[:n] {
 				if w.Status != rdma.WCSuccess || w.Opcode != rdma.WCRecv {
 					continue
@@ -308,8 +328,8 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 					send[0].Flags = rdma.SendSignaled
 				}
 				echoes++
-				_, _ = s.qp.PostRecv(recv)
 				_, _ = s.qp.PostSend(send)
+				_, _ = s.qp.PostRecv(recv)
 			}
 		}
 	}

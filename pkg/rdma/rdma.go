@@ -362,6 +362,16 @@ type CQ interface {
 	Destroy() error
 }
 
+// BusyPoller is a CQ that can spin for completions inside the provider. A caller that
+// busy-polls anyway (a latency tool, a dedicated polling core) then pays for one call into
+// the provider per completion instead of one per empty poll, which matters where that call
+// is expensive (cgo). Providers whose Poll is a plain Go call need not implement it.
+type BusyPoller interface {
+	// PollBusy polls as Poll does, again and again until it finds a completion or has
+	// found the queue empty spins times, and returns as Poll.
+	PollBusy(wc []WC, spins int) int
+}
+
 // QPState is a queue pair state (enum ibv_qp_state).
 type QPState int
 

@@ -94,6 +94,7 @@ var cases = []testCase{
 	{"Disconnect", testDisconnect},
 	{"ManyQPs", testManyQPs},
 	{"CompletionHandler", testCompletionHandler},
+	{"BusyPoll", testBusyPoll},
 }
 
 // Run runs every conformance case against env, each as a subtest of t (run one with

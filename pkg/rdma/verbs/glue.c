@@ -158,6 +158,14 @@ int rtrs_poll(uintptr_t cq, uintptr_t wc, uintptr_t out, int n) {
 	return poll_cq((struct ibv_cq *)cq, (struct ibv_wc *)wc, (struct gwc *)out, n);
 }
 
+int rtrs_poll_busy(uintptr_t cq, uintptr_t wc, uintptr_t out, int n, int spins) {
+	int got;
+	do
+		got = poll_cq((struct ibv_cq *)cq, (struct ibv_wc *)wc, (struct gwc *)out, n);
+	while (got == 0 && --spins > 0);
+	return got;
+}
+
 int rtrs_req_notify(struct ibv_cq *cq) { return ibv_req_notify_cq(cq, 0); }
 
 // rtrs_get_cq_event takes one event from a non-blocking channel: 1 if there was one, 0 if
