@@ -31,18 +31,19 @@ func TestRNBDServerTree(t *testing.T) {
 	name := strings.ReplaceAll(strings.TrimLeft(real, "/"), "/", "!")
 	d := rt + "/ctl/devices/" + name
 	want := map[string]string{
-		"ls " + rt + "/ctl/devices":              name + "\n",
-		"ls " + d:                                "block_dev\nsessions\n",
-		"readlink " + d + "/block_dev":           real + "\n",
-		"ls " + d + "/sessions":                  "s1\ns2\n",
-		"ls " + d + "/sessions/s1":               "access_mode\nforce_close\nmapping_path\nread_only\n",
-		"cat " + d + "/sessions/s1/access_mode":  "rw\n",
-		"cat " + d + "/sessions/s1/read_only":    "0\n",
-		"cat " + d + "/sessions/s1/mapping_path": "disk\n",
-		"cat " + d + "/sessions/s1/force_close":  "Usage: echo 1 > force_close\n",
-		"cat " + d + "/sessions/s2/access_mode":  "ro\n",
-		"cat " + d + "/sessions/s2/read_only":    "1\n",
-		"cat " + d + "/sessions/s2/mapping_path": "/disk\n",
+		"ls " + rt + "/ctl/devices":                name + "\n",
+		"ls " + d:                                  "block_dev\nsessions\n",
+		"readlink " + d + "/block_dev":             ".\n",
+		"basename $(realpath " + d + "/block_dev)": name + "\n", // how the rnbd tool names it
+		"ls " + d + "/sessions":                    "s1\ns2\n",
+		"ls " + d + "/sessions/s1":                 "access_mode\nforce_close\nmapping_path\nread_only\n",
+		"cat " + d + "/sessions/s1/access_mode":    "rw\n",
+		"cat " + d + "/sessions/s1/read_only":      "0\n",
+		"cat " + d + "/sessions/s1/mapping_path":   "disk\n",
+		"cat " + d + "/sessions/s1/force_close":    "Usage: echo 1 > force_close\n",
+		"cat " + d + "/sessions/s2/access_mode":    "ro\n",
+		"cat " + d + "/sessions/s2/read_only":      "1\n",
+		"cat " + d + "/sessions/s2/mapping_path":   "/disk\n",
 		"stat -c '%A %n' " + d + "/sessions/s1/*": "-r--r--r-- " + d + "/sessions/s1/access_mode\n-rw-r--r-- " + d + "/sessions/s1/force_close\n" +
 			"-r--r--r-- " + d + "/sessions/s1/mapping_path\n-r--r--r-- " + d + "/sessions/s1/read_only\n",
 		"cat " + dev + "/ctl/devices": "s1/disk open rw\ns2/disk open ro\n",

@@ -22,8 +22,11 @@ type Export struct {
 	// kernel's rule for a '/' in a sysfs name), e.g. "srv!rtrs!vol1". Unique among the open
 	// devices: a second device that would get the same name gets "~2", "~3", … appended.
 	Name string
-	// BlockDev is where block_dev points: the sysfs directory of the whole disk for a block
-	// device (as the kernel's link), the file itself for a file export.
+	// BlockDev is where block_dev points. The rnbd tool names a device after the last
+	// component of block_dev's resolved path and closes it through the directory of that
+	// name, so that must be Name: for a block device its sysfs directory (the kernel's link
+	// goes to the whole disk, which is the same but for a partition), for a file export ".",
+	// the device's own directory (the kernel has no file exports).
 	BlockDev string
 	// Sessions are the sessions that have it open, by session name.
 	Sessions []ExportSession
@@ -148,31 +151,21 @@ var sysDevBlock = "/sys/dev/block"
 func exportName(b *backing) (dir, link string) {
 	if b.bdev {
 		sys := filepath.Join(sysDevBlock, fmt.Sprintf("%d:%d", unix.Major(b.rdev), unix.Minor(b.rdev)))
-		if p, err := filepath.EvalSymlinks(sys); err == nil {
-			dir = filepath.Base(p)
-			// block_dev is the whole disk's directory, a partition's parent.
-			if _, err := os.Stat(filepath.Join(p, "partition")); err == nil {
-				p = filepath.Dir(p)
-			}
-			link = p
+		if p, err := filepath.EvalSymlinks(sys); err == nil && validDirName(filepath.Base(p)) {
+			return filepath.Base(p), p
 		}
 	}
-	if dir == "" {
-		// The file's real path: two names of one file (a symlink inside the export
-		// directory) are one device and show under one name.
-		p, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", b.fd))
-		if err != nil || !strings.HasPrefix(p, "/") {
-			p = b.f.Name()
-		}
-		dir = strings.ReplaceAll(strings.TrimLeft(p, "/"), "/", "!")
-		if link == "" {
-			link = p
-		}
+	// The file's real path: two names of one file (a symlink inside the export directory)
+	// are one device and show under one name.
+	p, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", b.fd))
+	if err != nil || !strings.HasPrefix(p, "/") {
+		p = b.f.Name()
 	}
+	dir = strings.ReplaceAll(strings.TrimLeft(p, "/"), "/", "!")
 	if !validDirName(dir) {
 		dir = fmt.Sprintf("dev%d-ino%d", b.dev, b.ino)
 	}
-	return dir, link
+	return dir, "."
 }
 
 // validDirName: a name a directory of the tree can have.
