@@ -83,7 +83,7 @@ type srvDev struct {
 	readers int
 	writers int
 	// dir is the device's name in the rnbd-server tree (unique among open devices), link
-	// what its block_dev points to (ExportInfo).
+	// what its block_dev points to (Export).
 	dir, link string
 }
 
