@@ -5,7 +5,9 @@
 # Usage: scripts/bench.sh [reps] [duration]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
+# Go as go.mod asks for it (fetched through the Go module proxy if the go found is older).
+. scripts/go-toolchain.sh
+rtrs_use_go
 reps=${1:-5}
 dur=${2:-2s}
 go build -o bin/ ./cmd/...

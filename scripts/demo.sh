@@ -8,7 +8,9 @@ set -euo pipefail
 # dead pipe must fail, not kill the script before it has stopped the daemons.
 trap '' PIPE
 cd "$(dirname "$0")/.."
-[ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
+# Go as go.mod asks for it (fetched through the Go module proxy if the go found is older).
+. scripts/go-toolchain.sh
+rtrs_use_go
 if [ "$(id -u)" != 0 ]; then
 	echo "the demo mounts FUSE trees: run it as root" >&2
 	exit 1

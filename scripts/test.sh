@@ -9,10 +9,12 @@ cd "$(dirname "$0")/.."
 fuzz=1
 [ "${1:-}" = "--no-fuzz" ] && fuzz=0
 
-# Go: the machine image has it in /usr/local/go; Debian's package is the fallback.
+# Go: /usr/local/go's when there is one; without any, Debian's golang-go, which is older than
+# go.mod asks for and fetches the Go release go.mod names (scripts/go-toolchain.sh, below).
 [ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
 need=()
 command -v go >/dev/null || need+=(golang-go)
+[ -f /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates) # Go's module proxy is https
 command -v gcc >/dev/null || need+=(gcc libc6-dev) # the race detector needs cgo
 command -v ip >/dev/null || need+=(iproute2)
 # NBD clients the block-service tests drive, and the peers of the benchmarks.
@@ -32,15 +34,13 @@ command -v curl >/dev/null || need+=(curl)
 [ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
 [ -f /usr/include/rdma/rdma_cma.h ] || need+=(librdmacm-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
-if [ ${#need[@]} -gt 0 ]; then
-	if [ "$(id -u)" != 0 ]; then
-		echo "missing ${need[*]}; run as root or install them" >&2
-		exit 1
-	fi
-	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq
-	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+# Shows what it installs; waits for a held apt or dpkg lock instead of failing.
+scripts/apt-install.sh ${need[@]+"${need[@]}"}
+# A go command that builds the module: go.mod's release, fetched through the Go module proxy
+# and checked against the checksum database when the go found is older.
+. scripts/go-toolchain.sh
+rtrs_use_go
+go version
 export CGO_ENABLED=1
 # The NBD clients were installed above: a test that cannot find one fails instead of skipping.
 export RTRS_REQUIRE_TOOLS=1

@@ -25,8 +25,10 @@ export RTRS_VM_REPO=$repo
 timeout_s=${RTRS_VM_TIMEOUT:-2400}
 t_start=$(vm_now)
 
-# Go for the suites' host parts: the machine image keeps it in /usr/local/go.
-[ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
+# Go for the suites' host parts, as go.mod asks for it (scripts/go-toolchain.sh).
+# shellcheck source-path=SCRIPTDIR source=go-toolchain.sh
+. "$here/go-toolchain.sh"
+rtrs_use_go
 
 # ---- suites: names and files -----------------------------------------------------------------
 declare -a names=() files=()

@@ -17,7 +17,8 @@ vm_since() { awk -v a="$1" -v b="$(vm_now)" 'BEGIN { printf "%.1f", b - a }'; }
 vm_apt_update() {
 	[ -n "${RTRS_VM_APT_UPDATED:-}" ] && return 0
 	vm_log "apt-get update"
-	DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -q update >/dev/null
+	# Waits for a held lock (apt-get itself waits for dpkg's only).
+	"$(dirname "${BASH_SOURCE[0]}")/../apt-install.sh" --update
 	export RTRS_VM_APT_UPDATED=1
 }
 
@@ -31,8 +32,7 @@ vm_apt_install() {
 	[ ${#missing[@]} -eq 0 ] && return 0
 	vm_log "installing: ${missing[*]}"
 	vm_apt_update
-	DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -q -y \
-		--no-install-recommends install "${missing[@]}"
+	"$(dirname "${BASH_SOURCE[0]}")/../apt-install.sh" --no-update "${missing[@]}"
 }
 
 # vm_build_kernel_rtrs: build the kernel's own RTRS (rtrs-core/client/server) and RNBD
