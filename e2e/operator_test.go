@@ -1,0 +1,131 @@
+package e2e
+
+import (
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/testutil"
+)
+
+// TestDaemonHelp: -h of each daemon exits 0, says what the daemon is, describes every flag in
+// words rather than by a kernel parameter's name alone, and gives the values that 0 stands for.
+func TestDaemonHelp(t *testing.T) {
+	want := map[string][]string{
+		"rtrs-serverd": {"the RTRS server daemon", "5 s", "1234"},
+		"rtrs-clientd": {"the RTRS client daemon", "30 s", "5 s", "CPUs + 1"},
+	}
+	// A flag line, then its usage lines indented by a tab.
+	flagLine := regexp.MustCompile(`^  -([a-z0-9-]+)`)
+	bare := regexp.MustCompile(`^[a-z_]+(: .{0,20})?( \(default .*\))?$`)
+	for name, phrases := range want {
+		out, err := exec.Command(filepath.Join(binDir, name), "-h").CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s -h: %v\n%s", name, err, out)
+		}
+		text := string(out)
+		for _, p := range phrases {
+			if !strings.Contains(text, p) {
+				t.Errorf("%s -h does not say %q:\n%s", name, p, text)
+			}
+		}
+		flags := 0
+		lines := strings.Split(text, "\n")
+		for i, l := range lines {
+			m := flagLine.FindStringSubmatch(l)
+			if m == nil {
+				continue
+			}
+			flags++
+			if i+1 >= len(lines) || !strings.HasPrefix(lines[i+1], "    \t") {
+				t.Errorf("%s -h: -%s has no description", name, m[1])
+				continue
+			}
+			if u := strings.TrimSpace(lines[i+1]); bare.MatchString(u) {
+				t.Errorf("%s -h: -%s is described only as %q", name, m[1], u)
+			}
+		}
+		if flags < 15 {
+			t.Errorf("%s -h lists %d flags:\n%s", name, flags, text)
+		}
+	}
+}
+
+// TestSettingsSurviveRestart: every setting changed through the tree that the config can
+// express (a path added, mp_policy, mpath_policy, max_reconnect_attempts) is back after the
+// client daemon restarts.
+func TestSettingsSurviveRestart(t *testing.T) {
+	c := startCluster(t)
+	mustBash(t, "echo 'sessname=e2e path="+c.p1+"' > "+c.cliMnt+"/ctl/open_session")
+	sess := c.cliMnt + "/e2e"
+	mustBash(t, "echo "+c.p2+" > "+sess+"/add_path")
+	mustBash(t, "echo min-latency > "+sess+"/mp_policy && echo 17 > "+sess+"/max_reconnect_attempts")
+	check := func(when string) {
+		t.Helper()
+		if got := cat(sess + "/mpath_policy"); got != "min-latency (ML: 2)\n" {
+			t.Fatalf("%s: mpath_policy %q", when, got)
+		}
+		if got := cat(sess + "/max_reconnect_attempts"); got != "17\n" {
+			t.Fatalf("%s: max_reconnect_attempts %q", when, got)
+		}
+	}
+	check("before the restart")
+	c.clid.stop()
+	c.clid.start()
+	testutil.WaitFor(t, 30*time.Second, "both paths back", func() bool {
+		return cat(c.pathFile(c.p1, "state")) == "connected\n" && cat(c.pathFile(c.p2, "state")) == "connected\n"
+	})
+	check("after the restart")
+	// And once more with mpath_policy, the kernel's other name for the file.
+	mustBash(t, "echo round-robin > "+sess+"/mpath_policy")
+	c.clid.stop()
+	c.clid.start()
+	testutil.WaitFor(t, 30*time.Second, "session back", func() bool { return cat(sess+"/mpath_policy") == "round-robin (RR: 0)\n" })
+}
+
+// TestRefusalsLogged: a control write that fails leaves a line naming the file, the input and
+// the reason in the client's log, and the server logs the connection it refused with the
+// peer's address and the cause.
+func TestRefusalsLogged(t *testing.T) {
+	c := startClusterWith(t, []string{"-allow=10.77.1.1"}, nil) // path 2's address is not allowed
+	mustBash(t, "echo 'sessname=e2e path="+c.p1+"' > "+c.cliMnt+"/ctl/open_session")
+	sess := c.cliMnt + "/e2e"
+	for _, tc := range []struct{ file, input, errno string }{
+		{sess + "/mpath_policy", "fastest-please", "invalid argument"},
+		{sess + "/add_path", c.p1, "file exists"},
+		{sess + "/add_path", c.p2, ""}, // refused by the server: its errno is the transport's
+		{c.cliMnt + "/ctl/open_session", "sessname=bad#name path=" + c.p1, "invalid argument"},
+	} {
+		if out, err := bash(t, "echo '"+tc.input+"' > "+tc.file); err == nil {
+			t.Fatalf("%s < %q accepted: %s", tc.file, tc.input, out)
+		}
+		name := filepath.Base(tc.file)
+		testutil.WaitFor(t, 5*time.Second, "log line for "+name+" "+tc.input, func() bool {
+			for _, l := range strings.Split(cat(c.clid.log), "\n") {
+				if strings.Contains(l, "control write refused") && strings.Contains(l, name) &&
+					strings.Contains(l, tc.input) && strings.Contains(strings.ToLower(l), tc.errno) {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	testutil.WaitFor(t, 5*time.Second, "server's refusal logged", func() bool {
+		for _, l := range strings.Split(cat(c.srvd.log), "\n") {
+			if strings.Contains(l, "10.77.2.1") && strings.Contains(l, "not allowed") {
+				return true
+			}
+		}
+		return false
+	})
+	// Nothing refused changed anything.
+	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n" {
+		t.Fatalf("paths after the refusals %q", got)
+	}
+	if got := cat(sess + "/mpath_policy"); got != "min-inflight (MI: 1)\n" {
+		t.Fatalf("mpath_policy after the refusal %q", got)
+	}
+}
