@@ -129,3 +129,24 @@ func TestRefusalsLogged(t *testing.T) {
 		t.Fatalf("mpath_policy after the refusal %q", got)
 	}
 }
+
+// TestMapAfterLastUnmap: unmapping the last device closes the session, as the kernel does; a
+// later map_device without path= fails with ENXIO and the log says what is missing; with
+// path= it opens the session again.
+func TestMapAfterLastUnmap(t *testing.T) {
+	c := startCluster(t)
+	mustBash(t, "echo 'sessname=e2e device_path=disk path="+c.p1+"' > "+c.devMnt+"/ctl/map_device")
+	mustBash(t, "echo 'sessname=e2e device_path=disk' > "+c.devMnt+"/ctl/unmap_device")
+	testutil.WaitFor(t, 10*time.Second, "session closed", func() bool { return !exists(c.cliMnt + "/e2e") })
+	out, err := bash(t, "echo 'sessname=e2e device_path=disk' > "+c.devMnt+"/ctl/map_device")
+	if err == nil || !strings.Contains(out, "No such device or address") {
+		t.Fatalf("short map_device of a closed session: %v %q, want ENXIO", err, out)
+	}
+	testutil.WaitFor(t, 5*time.Second, "the reason in the log", func() bool {
+		return strings.Contains(cat(c.clid.log), "no session \\\"e2e\\\" is open (unmapping its last device closes it) and the request names no path=")
+	})
+	mustBash(t, "echo 'sessname=e2e device_path=disk path="+c.p1+"' > "+c.devMnt+"/ctl/map_device")
+	if !exists(c.devMnt + "/e2e/disk") {
+		t.Fatal("map_device with path= did not map the device again")
+	}
+}
