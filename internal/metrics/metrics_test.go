@@ -426,3 +426,42 @@ func TestListenerTimeouts(t *testing.T) {
 		t.Fatal("still serving after Close")
 	}
 }
+
+// TestCardinalityBounded: clients opening more sessions than -max-sessions allows add no
+// series beyond the bound; the refusals are counted under a fixed cause.
+func TestCardinalityBounded(t *testing.T) {
+	dir := t.TempDir()
+	prov := soft.New(soft.Options{})
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rs.Close()
+	o := transport.DefaultServerOptions()
+	o.Provider, o.Handler, o.Timings, o.QueueDepth = prov, rs, fastTimings(), 16
+	o.Addr = netip.MustParseAddrPort("127.0.0.1:0")
+	o.Limits.MaxSessions = 2
+	srv, err := transport.NewServer(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	url := listen(t, NewServer(srv, rs))
+	opened := 0
+	for i := range 6 {
+		s, err := transport.Open(context.Background(), transport.ClientOptions{Provider: prov, SessName: fmt.Sprintf("h%d", i),
+			Port: srv.Addr().Port(), Paths: []transport.PathAddrs{{Dst: transport.Addr{IP: netip.MustParseAddr("127.0.0.1")}}},
+			ConPerPath: 1, Timings: fastTimings()})
+		if err == nil {
+			opened++
+			defer s.Close()
+		}
+	}
+	f, text := scrape(t, url, false)
+	if opened != 2 || f.sum(t, "rtrs_server_sessions", nil) != 2 || len(f["rtrs_server_path_requests_total"].GetMetric()) != 2*2 {
+		t.Fatalf("%d sessions opened; scrape:\n%s", opened, text)
+	}
+	if f.sum(t, "rtrs_server_refusals_total", map[string]string{"cause": "sessions"}) != 4 {
+		t.Fatalf("refusals:\n%s", text)
+	}
+}

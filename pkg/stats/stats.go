@@ -232,9 +232,6 @@ type ClientPath struct {
 	// in sysfs; never reset.
 	Down [NumDownCauses]Counter
 
-	// inflightBase is what reset_all took away from Inflight (see InflightTrue).
-	inflightBase atomic.Int64
-
 	// Completions per completion-handler call (wc_completion).
 	WCMax          Max
 	WCTotal, Calls Counter
@@ -413,11 +410,8 @@ func (s *ClientPath) ResetAll() {
 	s.ResetRDMALat()
 	s.ResetWCCompletion()
 	s.ResetSGEntries()
-	s.inflightBase.Add(int64(s.Inflight.Swap(0)))
+	s.Inflight.Store(0)
 }
-
-// InflightTrue is Inflight as if reset_all had never zeroed it.
-func (s *ClientPath) InflightTrue() int64 { return int64(s.Inflight.Load()) + s.inflightBase.Load() }
 
 // ServerPath are the statistics of one server path.
 type ServerPath struct {

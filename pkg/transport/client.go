@@ -119,9 +119,12 @@ func (s *Session) FailedRequests() (noPath, server uint64) {
 // path's stats/rdma inflight counts only those min-inflight placed). It reads each
 // request's owner, so it costs the IO path nothing.
 func (s *Session) InflightByPath() map[*Path]int {
+	s.mu.RLock()
+	reqs := s.reqs // set under mu when the first path learns the queue depth
+	s.mu.RUnlock()
 	byCon := map[*con]int{}
-	for i := range s.reqs {
-		if c := s.reqs[i].owner.Load(); c != nil {
+	for i := range reqs {
+		if c := reqs[i].owner.Load(); c != nil {
 			byCon[c]++
 		}
 	}
