@@ -121,6 +121,18 @@ func TestRefusalsLogged(t *testing.T) {
 		}
 		return false
 	})
+	// An OPEN the server refuses: the client's writer sees the errno, the server's log says why.
+	if out, err := bash(t, "echo 'sessname=e2e device_path=no-such-export' > "+c.devMnt+"/ctl/map_device"); err == nil || !strings.Contains(out, "No such file or directory") {
+		t.Fatalf("map_device of a missing export: %v %q", err, out)
+	}
+	testutil.WaitFor(t, 5*time.Second, "server's open refusal logged", func() bool {
+		for _, l := range strings.Split(cat(c.srvd.log), "\n") {
+			if strings.Contains(l, "open refused: no such file or directory") && strings.Contains(l, "no-such-export") && strings.Contains(l, "10.77.1.1") {
+				return true
+			}
+		}
+		return false
+	})
 	// Nothing refused changed anything.
 	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n" {
 		t.Fatalf("paths after the refusals %q", got)

@@ -259,7 +259,12 @@ func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
 	case MsgTypeSessInfo:
 		err = s.processSessInfo(r)
 	case MsgTypeOpen:
-		err = s.processOpen(r)
+		if err = s.processOpen(r); err != nil && err != errResponded {
+			// The client sees only the errno: the operator reads why here (rate-limited by
+			// cause, since the peer chooses how often to ask).
+			s.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+syscall.Errno(-errnoOf(err)).Error(),
+				r.Path().SrcAddr().IP.String(), err.Error())
+		}
 	case MsgTypeClose:
 		err = s.processClose(r)
 	default:
@@ -347,8 +352,6 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	who := ts.Owner()
 	who.Addr = r.Path().SrcAddr().IP
 	if !acl.allows(m.DevName, who, m.AccessMode) {
-		s.refusals.Warn(s.log.WithField("session", ts.Name()), "export access", who.String(),
-			fmt.Sprintf("open of %q %v is not allowed for this client", m.DevName, m.AccessMode))
 		return fmt.Errorf("rnbd: %q %v not allowed for %v: %w", m.DevName, m.AccessMode, who, syscall.EACCES)
 	}
 	// A device the session has open already in the same mode is answered again (a client

@@ -354,10 +354,11 @@ func (s *Server) connect(req *rdma.ConnRequest) {
 func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPath, syscall.Errno) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	peer := id.RemoteAddr()
 	if s.closed {
+		s.refuse(peer, "server closing", "the server is shutting down")
 		return nil, syscall.ECONNRESET
 	}
-	peer := id.RemoteAddr()
 	from := rdma.AddrGroup(peer.Addr())
 	lim := s.opts.Limits
 	if s.conns >= lim.MaxConns {
@@ -375,6 +376,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 	ss := s.sessions[m.PathsUUID]
 	if ss == nil {
 		if !m.FirstConn {
+			s.refuse(peer, "unknown session", fmt.Sprintf("a path of session %v, which the server does not hold (it restarted, or closed the session)", m.PathsUUID))
 			return nil, syscall.ENXIO
 		}
 		if len(s.sessions) >= lim.MaxSessions {
@@ -403,6 +405,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 			if p.state == srvConnecting && time.Since(p.created) > s.opts.Timings.ZombieTimeout {
 				go p.Close()
 			}
+			s.refuse(peer, "connection out of place", fmt.Sprintf("connection %d of %d of path %s, which is past connecting or has %d connections, or that one", m.Cid, m.CidNum, p.name, len(p.cons)))
 			return nil, syscall.ECONNRESET
 		}
 		p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
@@ -412,6 +415,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		return p, 0
 	}
 	if len(ss.paths) >= MaxPathsNum {
+		s.refuse(peer, "paths per session", fmt.Sprintf("the session has %d paths (at most %d)", len(ss.paths), MaxPathsNum))
 		return nil, syscall.ECONNRESET
 	}
 	src, dst := addrOf(id.RemoteAddr()), addrOf(id.LocalAddr())
@@ -429,6 +433,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 			if zombie {
 				go o.Close()
 			}
+			s.refuse(peer, "path exists", fmt.Sprintf("the session already has path %s", o.name))
 			return nil, syscall.EEXIST
 		}
 	}
