@@ -174,8 +174,14 @@ func (d *daemon) stop() {
 	select {
 	case <-done:
 	case <-time.After(20 * time.Second):
-		_ = d.cmd.Process.Kill()
-		<-done
+		// SIGQUIT: Go's runtime writes every goroutine's stack into the log and exits.
+		_ = d.cmd.Process.Signal(syscall.SIGQUIT)
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			_ = d.cmd.Process.Kill()
+			<-done
+		}
 		d.t.Errorf("%s did not stop on SIGTERM; log:\n%s", d.name, cat(d.log))
 	}
 	if d.cmd.ProcessState != nil && !d.cmd.ProcessState.Success() {
