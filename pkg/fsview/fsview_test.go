@@ -347,3 +347,54 @@ func TestCleanupReports(t *testing.T) {
 		t.Fatalf("cleanup with nothing mounted: %v %v", detached, err)
 	}
 }
+
+// A copy of the mount in another mount namespace keeps the FUSE connection after the
+// unmount: Unmount aborts it after UnmountGrace instead of waiting for ever (a daemon that
+// never stopped on SIGTERM).
+func TestUnmountWithCopyElsewhere(t *testing.T) {
+	requireFUSE(t)
+	if _, err := exec.LookPath("unshare"); err != nil {
+		t.Fatal("unshare (util-linux) is needed")
+	}
+	dir := t.TempDir()
+	m, err := Mount(dir, &testTree{}, MountOptions{Name: "fsview-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A process in a private copy of this mount namespace, holding the tree's mount.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	holder := exec.CommandContext(ctx, "unshare", "-m", "--propagation", "private", "sh", "-c", "cat "+dir+"/value && echo ready && exec sleep 60")
+	out, err := holder.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); _ = holder.Wait() }()
+	buf := make([]byte, 256)
+	got := ""
+	for !strings.Contains(got, "ready") {
+		n, err := out.Read(buf)
+		if err != nil {
+			t.Fatalf("holder: %v (%q)", err, got)
+		}
+		got += string(buf[:n])
+	}
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- m.Unmount() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("unmounted in %v", time.Since(start).Round(time.Millisecond))
+	case <-time.After(3 * UnmountGrace):
+		t.Fatal("Unmount still waiting for the FUSE connection that the other namespace holds")
+	}
+	if _, err := os.Stat(dir + "/value"); err == nil {
+		t.Fatal("the tree is still served here")
+	}
+}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
@@ -24,9 +25,9 @@ type MountOptions struct {
 	Debug bool
 }
 
-// Mount serves root at dir until the returned server is unmounted. A stale mount left at
+// Mount serves root at dir until the returned tree is unmounted. A stale mount left at
 // dir by a crashed daemon is cleared first.
-func Mount(dir string, root Dir, o MountOptions) (*fuse.Server, error) {
+func Mount(dir string, root Dir, o MountOptions) (*Mounted, error) {
 	_, _ = Cleanup(dir)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
@@ -51,7 +52,75 @@ func Mount(dir string, root Dir, o MountOptions) (*fuse.Server, error) {
 		NegativeTimeout: &zero,
 		NullPermissions: true,
 	}
-	return fs.Mount(dir, &dirNode{dir: root}, opts)
+	srv, err := fs.Mount(dir, &dirNode{dir: root}, opts)
+	if err != nil {
+		return nil, err
+	}
+	m := &Mounted{srv: srv, dir: dir}
+	var st syscall.Stat_t
+	if err := syscall.Stat(dir, &st); err == nil {
+		m.conn = unix.Minor(st.Dev)
+	}
+	return m, nil
+}
+
+// UnmountGrace is how long Unmount waits for the kernel to end a detached tree's FUSE
+// connection before it aborts it.
+const UnmountGrace = 5 * time.Second
+
+// Mounted is a tree being served at a mount point.
+type Mounted struct {
+	srv  *fuse.Server
+	dir  string
+	conn uint32 // the kernel's number of the FUSE connection (fusectl): the mount's minor
+}
+
+// Unmount detaches the tree and waits until its FUSE server has stopped. The kernel ends the
+// connection only when the last copy of the mount goes: a mount namespace made while the tree
+// was mounted (unshare -m, a container started then, a chroot's bind mount) keeps one. After
+// UnmountGrace the connection is aborted through fusectl, so a daemon always stops; that
+// copy then answers ENOTCONN, as a crashed daemon's mount does.
+func (m *Mounted) Unmount() error {
+	done := make(chan error, 1)
+	go func() { done <- m.srv.Unmount() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(UnmountGrace):
+	}
+	lg := log.L.WithField("component", "fsview")
+	lg.Warnf("%s: the FUSE connection %d outlived the unmount by %v (a copy of the mount in another mount namespace?): aborting it", m.dir, m.conn, UnmountGrace)
+	if err := abortConn(m.conn); err != nil {
+		return fmt.Errorf("unmount %s: connection %d stays open and could not be aborted: %w", m.dir, m.conn, err)
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(UnmountGrace):
+		return fmt.Errorf("unmount %s: FUSE connection %d still served after its abort", m.dir, m.conn)
+	}
+}
+
+// Wait waits until the tree's FUSE server has stopped.
+func (m *Mounted) Wait() { m.srv.Wait() }
+
+// fusectlDir is where the fusectl file system shows the kernel's FUSE connections.
+const fusectlDir = "/sys/fs/fuse/connections"
+
+// abortConn aborts FUSE connection n: every request fails and the server's reads end. The
+// fusectl file system is mounted for it if it is not (systemd mounts it at boot; a container
+// or a VM's init may not).
+func abortConn(n uint32) error {
+	if n == 0 {
+		return errors.New("connection number unknown")
+	}
+	f := fmt.Sprintf("%s/%d/abort", fusectlDir, n)
+	if _, err := os.Stat(f); errors.Is(err, os.ErrNotExist) {
+		if err := syscall.Mount("fusectl", fusectlDir, "fusectl", 0, ""); err != nil && !errors.Is(err, syscall.EBUSY) {
+			return fmt.Errorf("mount fusectl at %s: %w", fusectlDir, err)
+		}
+	}
+	return os.WriteFile(f, []byte("1"), 0)
 }
 
 // Cleanup detaches whatever is mounted at dir (a stale mount of a crashed daemon answers
