@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,8 +9,9 @@ import (
 	"testing"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
+
+	"github.com/rtrs-go/rtrs/internal/metrics/metricstest"
 )
 
 // scrapeNS fetches http://addr/metrics from inside network namespace ns with curl, as
@@ -35,37 +35,11 @@ func scrapeNS(t *testing.T, ns, addr string, openMetrics bool) (counters, gauges
 	if openMetrics != (format.FormatType() == expfmt.TypeOpenMetrics) {
 		t.Fatalf("asked for OpenMetrics %v, got %q", openMetrics, ctype)
 	}
-	counters, gauges = map[string]float64{}, map[string]float64{}
-	dec := expfmt.NewDecoder(strings.NewReader(body), format)
-	for {
-		var mf dto.MetricFamily
-		if err := dec.Decode(&mf); err == io.EOF {
-			break
-		} else if err != nil {
-			t.Fatalf("%s: %s does not parse: %v\n%s", ns, format, err, body)
-		}
-		name := strings.TrimSuffix(mf.GetName(), "_total")
-		for _, m := range mf.GetMetric() {
-			var ls []string
-			for _, l := range m.GetLabel() {
-				ls = append(ls, l.GetName()+"="+l.GetValue())
-			}
-			k := name + "{" + strings.Join(ls, ",") + "}"
-			switch {
-			case m.Counter != nil:
-				counters[k] = m.Counter.GetValue()
-			case m.Gauge != nil:
-				gauges[k] = m.Gauge.GetValue()
-			case m.Histogram != nil:
-				counters[k+"_count"] = float64(m.Histogram.GetSampleCount())
-				counters[k+"_sum"] = m.Histogram.GetSampleSum()
-				for _, bk := range m.Histogram.GetBucket() {
-					counters[fmt.Sprintf("%s_bucket{le=%g}", k, bk.GetUpperBound())] = float64(bk.GetCumulativeCount())
-				}
-			}
-		}
+	fam, err := metricstest.Parse(body, format)
+	if err != nil {
+		t.Fatalf("%s: %s does not parse: %v\n%s", ns, format, err, body)
 	}
-	return counters, gauges, body
+	return fam.Counters(), fam.Gauges(), body
 }
 
 // sumOf adds the samples whose key starts with name{ and contains every label in want.
@@ -140,17 +114,17 @@ func TestMetrics(t *testing.T) {
 	for _, dir := range []string{"read", "write"} {
 		for _, p := range []string{c.p1, c.p2} {
 			d := "direction=" + dir
-			if a, b := sumOf(c1, "rtrs_client_path_requests", d, "path="+p), sumOf(c2, "rtrs_client_path_requests", d, "path="+p); b <= a {
+			if a, b := sumOf(c1, "rtrs_client_path_requests_total", d, "path="+p), sumOf(c2, "rtrs_client_path_requests_total", d, "path="+p); b <= a {
 				t.Errorf("client %s %ss did not move: %v then %v", p, dir, a, b)
 			}
-			if a, b := sumOf(c1, "rtrs_client_path_bytes", d, "path="+p), sumOf(c2, "rtrs_client_path_bytes", d, "path="+p); b <= a {
+			if a, b := sumOf(c1, "rtrs_client_path_bytes_total", d, "path="+p), sumOf(c2, "rtrs_client_path_bytes_total", d, "path="+p); b <= a {
 				t.Errorf("client %s %s bytes did not move: %v then %v", p, dir, a, b)
 			}
 		}
-		if a, b := sumOf(s1, "rtrs_server_path_requests", "direction="+dir), sumOf(s2, "rtrs_server_path_requests", "direction="+dir); b <= a {
+		if a, b := sumOf(s1, "rtrs_server_path_requests_total", "direction="+dir), sumOf(s2, "rtrs_server_path_requests_total", "direction="+dir); b <= a {
 			t.Errorf("server %ss did not move: %v then %v", dir, a, b)
 		}
-		if a, b := sumOf(s1, "rtrs_rnbd_server_requests", "op="+dir), sumOf(s2, "rtrs_rnbd_server_requests", "op="+dir); b <= a {
+		if a, b := sumOf(s1, "rtrs_rnbd_server_requests_total", "op="+dir), sumOf(s2, "rtrs_rnbd_server_requests_total", "op="+dir); b <= a {
 			t.Errorf("RNBD server %ss did not move: %v then %v", dir, a, b)
 		}
 	}
@@ -199,7 +173,7 @@ func TestMetrics(t *testing.T) {
 			}
 		}
 	}
-	if sumOf(after, "rtrs_client_path_requests") == 0 || sumOf(safter, "rtrs_server_path_requests") == 0 {
+	if sumOf(after, "rtrs_client_path_requests_total") == 0 || sumOf(safter, "rtrs_server_path_requests_total") == 0 {
 		t.Errorf("metrics zeroed by reset_all:\n%s\n%s", ctext, stext)
 	}
 }

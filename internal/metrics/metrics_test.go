@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 
 	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/metrics/metricstest"
 	"github.com/rtrs-go/rtrs/internal/testutil"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
@@ -148,31 +149,11 @@ func scrape(t *testing.T, url string, openMetrics bool) (families, string) {
 	if openMetrics && !strings.HasSuffix(string(body), "# EOF\n") {
 		t.Fatalf("OpenMetrics without # EOF:\n%s", body)
 	}
-	dec := expfmt.NewDecoder(strings.NewReader(string(body)), format)
-	out := families{}
-	for {
-		var mf dto.MetricFamily
-		if err := dec.Decode(&mf); err == io.EOF {
-			break
-		} else if err != nil {
-			t.Fatalf("parse %s (%s): %v\n%s", url, format, err, body)
-		}
-		name := mf.GetName()
-		// OpenMetrics names a counter family without its _total.
-		if mf.GetType() == dto.MetricType_COUNTER && !strings.HasSuffix(name, "_total") {
-			name += "_total"
-		}
-		out[name] = &mf
+	fam, err := metricstest.Parse(string(body), format)
+	if err != nil {
+		t.Fatalf("parse %s (%s): %v\n%s", url, format, err, body)
 	}
-	return out, string(body)
-}
-
-func labelsOf(m *dto.Metric) string {
-	var b []string
-	for _, l := range m.GetLabel() {
-		b = append(b, l.GetName()+"="+l.GetValue())
-	}
-	return strings.Join(b, ",")
+	return families(fam), string(body)
 }
 
 func has(m *dto.Metric, want map[string]string) bool {
@@ -213,26 +194,8 @@ func (f families) sum(t *testing.T, name string, want map[string]string) float64
 	return v
 }
 
-// counters are every counter sample and histogram count and bucket of a scrape.
-func (f families) counters() map[string]float64 {
-	out := map[string]float64{}
-	for name, mf := range f {
-		for _, m := range mf.GetMetric() {
-			k := name + "{" + labelsOf(m) + "}"
-			switch {
-			case m.Counter != nil:
-				out[k] = m.Counter.GetValue()
-			case m.Histogram != nil:
-				out[k+"_count"] = float64(m.Histogram.GetSampleCount())
-				out[k+"_sum"] = m.Histogram.GetSampleSum()
-				for _, b := range m.Histogram.GetBucket() {
-					out[fmt.Sprintf("%s_bucket{le=%g}", k, b.GetUpperBound())] = float64(b.GetCumulativeCount())
-				}
-			}
-		}
-	}
-	return out
-}
+// counters are every counter sample and histogram count, sum and bucket of a scrape.
+func (f families) counters() map[string]float64 { return metricstest.Families(f).Counters() }
 
 // TestScrape: both daemons' metrics parse as text and as OpenMetrics, move with IO, agree
 // with the sysfs counters, and do not go back when reset_all resets those.
