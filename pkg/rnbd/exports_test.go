@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,9 +12,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // exportsString renders Exports as "<name>[<session>:<mapping path>:<mode>:<ro> ...]" lines.
@@ -208,6 +212,13 @@ func TestForceClosedIDRaw(t *testing.T) {
 	if err := c.Session("r").Do(ctx, 0, usr[:], make([]byte, 512)); err != syscall.ENODEV {
 		t.Fatalf("IO to an unknown id: %v, want ENODEV", err)
 	}
+	// CLOSE of an id the session does not have open is answered 0, as the kernel does: an
+	// unmap after the server lost the session must not fail.
+	var cl [CloseSize]byte
+	MsgClose{DeviceID: id + 1000}.Put(cl[:])
+	if err := c.Session("r").DoAdmin(ctx, transport.Write, cl[:], nil); err != nil {
+		t.Fatalf("CLOSE of an unknown id: %v, want success", err)
+	}
 }
 
 // TestExportNameBlockDevice: a block device is named as the kernel names it, and its
@@ -271,5 +282,71 @@ func TestExportNameUnique(t *testing.T) {
 	}
 	if got := s.uniqueDirLocked("x"); got != "x" {
 		t.Fatalf("%q", got)
+	}
+}
+
+// An export on a file system that fails with ENOTCONN (a FUSE export whose server went) is an
+// IO error to the client, not the server's force_close: the device stays mapped.
+func TestExportENOTCONNIsEIO(t *testing.T) {
+	leakcheck.Check(t)
+	if os.Geteuid() != 0 {
+		t.Skip("FUSE mounts need root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("no /dev/fuse")
+	}
+	e := newTestEnv(t)
+	// A loopback FUSE file system over a directory, mounted inside the search path.
+	src, mnt := t.TempDir(), filepath.Join(e.dir, "fuse")
+	if err := os.WriteFile(filepath.Join(src, "disk"), make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	root, err := fs.NewLoopbackRoot(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := fs.Mount(mnt, root, &fs.Options{MountOptions: fuse.MountOptions{DirectMount: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(mnt, &st); err != nil {
+		t.Fatal(err)
+	}
+	conn := unix.Minor(st.Dev)
+	t.Cleanup(func() {
+		_ = syscall.Unmount(mnt, syscall.MNT_DETACH)
+		srv.Wait()
+	})
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "s", "fuse/disk", AccessRW)
+	if _, err := d.WriteAt(bytes.Repeat([]byte{7}, 4096), 0); err != nil {
+		t.Fatalf("write through FUSE: %v", err)
+	}
+	// The FUSE server goes: every request on the connection fails with ENOTCONN.
+	abort := fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", conn)
+	if _, err := os.Stat(abort); errors.Is(err, os.ErrNotExist) {
+		if err := syscall.Mount("fusectl", "/sys/fs/fuse/connections", "fusectl", 0, ""); err != nil && !errors.Is(err, syscall.EBUSY) {
+			t.Fatalf("mount fusectl: %v", err)
+		}
+	}
+	if err := os.WriteFile(abort, []byte("1"), 0); err != nil {
+		t.Fatal(err)
+	}
+	// The server keeps the file's pages mapped, so reads and writes are still served from
+	// memory; a flush reaches the file system.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := d.Flush(ctx); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("flush of the dead export: %v, want EIO", err)
+	}
+	if st := d.State(); st != StateMapped {
+		t.Fatalf("device %v after the export's ENOTCONN, want still mapped (only force_close ends it)", st)
+	}
+	if err := d.Unmap(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

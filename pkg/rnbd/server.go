@@ -2,6 +2,7 @@ package rnbd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -493,13 +494,18 @@ func (s *Server) processClose(r *transport.SrvRequest) error {
 			return nil
 		}
 		s.mu.Unlock()
-		return fmt.Errorf("rnbd: close of unknown device %d: %w", m.DeviceID, syscall.ENODEV)
+		// Answered 0, as the kernel answers it: the client's unmap must not fail because
+		// the server lost the device with the session (or never had it).
+		s.log.WithField("session", r.Session().Name()).Debugf("close of device %d, which the session does not have open", m.DeviceID)
+		return nil
 	}
 	delete(ss.devs, m.DeviceID)
-	s.putDevLocked(d)
 	s.publishLocked()
 	s.mu.Unlock()
-	d.close()
+	d.close() // waits for the IO running on it; only then does its access mode stop counting
+	s.mu.Lock()
+	s.putDevLocked(d)
+	s.mu.Unlock()
 	s.log.WithField("session", ss.name).Infof("closed %q (device %d)", d.name, d.id)
 	return nil
 }
@@ -575,7 +581,7 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 			return errWouldBlock
 		}
 		s.Stats.Flushes.Inc(r.ID())
-		return b.flush()
+		return backingErr(b.flush())
 	case OpSecureErase:
 		return fmt.Errorf("rnbd: SECURE_ERASE: %w", syscall.EOPNOTSUPP)
 	default: // DISCARD, WRITE_ZEROES: a range, no data
@@ -606,7 +612,7 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 				return err
 			}
 			if err != errFallback {
-				return err
+				return backingErr(err)
 			}
 		}
 		if err = b.readAt(r.Data, int64(off), nowait); err != errWouldBlock {
@@ -628,6 +634,17 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	}
 	if err == nil && fua && op != OpWrite && op != OpRead {
 		err = b.flush()
+	}
+	return backingErr(err)
+}
+
+// backingErr keeps an export's own failure from saying what the protocol says with the same
+// errno: ENOTCONN answers IO to a device force_close took (the client then gives the device
+// up), ENODEV IO to an unknown one. A file system failing with either (a FUSE or network
+// file system whose server went) is EIO to the client, as a failing disk's error is.
+func backingErr(err error) error {
+	if errors.Is(err, syscall.ENOTCONN) || errors.Is(err, syscall.ENODEV) {
+		return fmt.Errorf("rnbd: export: %v: %w", err, syscall.EIO)
 	}
 	return err
 }
