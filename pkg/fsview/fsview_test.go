@@ -390,11 +390,37 @@ func TestUnmountWithCopyElsewhere(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Logf("unmounted in %v", time.Since(start).Round(time.Millisecond))
+		// Only the abort ends it: the connection outlived the unmount for the whole grace.
+		if took := time.Since(start); took < UnmountGrace {
+			t.Fatalf("unmounted in %v: the other namespace's copy did not hold the connection, so the abort was not tested", took)
+		}
 	case <-time.After(3 * UnmountGrace):
 		t.Fatal("Unmount still waiting for the FUSE connection that the other namespace holds")
 	}
 	if _, err := os.Stat(dir + "/value"); err == nil {
 		t.Fatal("the tree is still served here")
+	}
+}
+
+// A second Mount at a mount point whose tree is alive is refused (EBUSY) and leaves that tree
+// served; a dead one (its server gone) is detached and mounted over.
+func TestMountOverLiveTreeRefused(t *testing.T) {
+	requireFUSE(t)
+	dir := t.TempDir()
+	first, err := Mount(dir, &testTree{}, MountOptions{Name: "fsview-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, err := Mount(dir, &testTree{}, MountOptions{Name: "fsview-test"}); !errors.Is(err, syscall.EBUSY) {
+		if m != nil {
+			_ = m.Unmount()
+		}
+		t.Fatalf("second Mount over a live tree: %v, want EBUSY", err)
+	}
+	if _, err := os.ReadFile(dir + "/value"); err != nil {
+		t.Fatalf("the first tree after the refused Mount: %v", err)
+	}
+	if err := first.Unmount(); err != nil {
+		t.Fatal(err)
 	}
 }

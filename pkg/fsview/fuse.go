@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -28,7 +29,9 @@ type MountOptions struct {
 // Mount serves root at dir until the returned tree is unmounted. A stale mount left at
 // dir by a crashed daemon is cleared first.
 func Mount(dir string, root Dir, o MountOptions) (*Mounted, error) {
-	_, _ = Cleanup(dir)
+	if err := clearStale(dir); err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -121,6 +124,25 @@ func abortConn(n uint32) error {
 		}
 	}
 	return os.WriteFile(f, []byte("1"), 0)
+}
+
+// clearStale detaches a dead mount at dir (its daemon gone: every access is ENOTCONN) and
+// refuses a live one: a second daemon given the same mount point must not take the tree
+// from under the first.
+func clearStale(dir string) error {
+	var st, parent syscall.Stat_t
+	err := syscall.Stat(dir, &st)
+	switch {
+	case errors.Is(err, syscall.ENOTCONN):
+		_, err = Cleanup(dir)
+		return err
+	case err != nil:
+		return nil // nothing there yet, or MkdirAll will say what is wrong
+	}
+	if err := syscall.Stat(filepath.Dir(dir), &parent); err == nil && parent.Dev != st.Dev {
+		return fmt.Errorf("%s: something is mounted there and answers (another daemon's tree?); stop it or choose another mount point: %w", dir, syscall.EBUSY)
+	}
+	return nil
 }
 
 // Cleanup detaches whatever is mounted at dir (a stale mount of a crashed daemon answers
