@@ -393,7 +393,11 @@ func (s *ClientPath) ResetWCCompletion() {
 
 // SGEntriesTable renders stats/sg_entries: one line per entry count, "<n>: <requests>".
 func (s *ClientPath) SGEntriesTable() string {
-	return fmt.Sprintf("0: %d\n1: %d\n", s.sg0.Value(), s.sg1Total()-s.sg1Base.Load())
+	// A request without data that was between its two counts when the baseline was taken
+	// is in the baseline as a one-entry request: clamp rather than wrap below it.
+	total := s.sg1Total()
+	sg1 := total - min(s.sg1Base.Load(), total)
+	return fmt.Sprintf("0: %d\n1: %d\n", s.sg0.Value(), sg1)
 }
 
 // ResetSGEntries resets the distribution.

@@ -206,3 +206,19 @@ func TestLatencyBuckets(t *testing.T) {
 		t.Fatalf("rdma_lat after reset_all:\n%s", s.RDMALat())
 	}
 }
+
+// A request without data that is between its write count and its sg0 count when
+// sg_entries is reset must not make the file show 2^64-1 afterwards.
+func TestSGEntriesResetMidRequest(t *testing.T) {
+	s := &ClientPath{MigFrom: make([]Counter, 1), MigTo: make([]Counter, 1)}
+	s.WriteCnt.Inc() // Done's first count of a flush
+	s.ResetSGEntries()
+	s.sg0.Inc() // and its last
+	if got := s.SGEntriesTable(); got != "0: 1\n1: 0\n" {
+		t.Fatalf("sg_entries %q", got)
+	}
+	s.Done(true, 4096, time.Millisecond, 0, 0, 1)
+	if got := s.SGEntriesTable(); got != "0: 1\n1: 0\n" && got != "0: 1\n1: 1\n" {
+		t.Fatalf("sg_entries after a read %q", got)
+	}
+}
