@@ -68,7 +68,6 @@ type Server struct {
 	// copy rebuilt under s.mu whenever a device opens or closes.
 	ioDevs   atomic.Pointer[map[ioKey]*sessDev]
 	shutdown atomic.Bool
-	refusals log.Limiter
 }
 
 type ioKey struct {
@@ -97,6 +96,9 @@ type srvSess struct {
 	// them is refused with ENOTCONN (not ENODEV, which makes a client remap), and a CLOSE
 	// of one is answered 0 and forgets it (the kernel's keep_id).
 	forced map[uint32]*sessDev
+	// refusals limits the log lines of the session's refused OPENs per cause: one client
+	// asking again and again does not hide another's refusals, and goes with its session.
+	refusals log.Limiter
 }
 
 // sessDev is a device opened by a session (rnbd_srv_sess_dev).
@@ -261,9 +263,12 @@ func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
 		err = s.processSessInfo(r)
 	case MsgTypeOpen:
 		if err = s.processOpen(r); err != nil && err != errResponded {
-			// The client sees only the errno: the operator reads why here (rate-limited by
-			// cause, since the peer chooses how often to ask).
-			s.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+syscall.Errno(-errnoOf(err)).Error(),
+			// The client sees only the errno: the operator reads why here (rate-limited per
+			// session and cause, since the peer chooses how often to ask).
+			s.mu.Lock()
+			ss := s.sess(r.Session())
+			s.mu.Unlock()
+			ss.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+syscall.Errno(-errnoOf(err)).Error(),
 				r.Path().SrcAddr().IP.String(), err.Error())
 		}
 	case MsgTypeClose:
