@@ -368,7 +368,8 @@ type CQ interface {
 // is expensive (cgo). Providers whose Poll is a plain Go call need not implement it.
 type BusyPoller interface {
 	// PollBusy polls as Poll does, again and again until it finds a completion or has
-	// found the queue empty spins times, and returns as Poll.
+	// found the queue empty spins times, and returns as Poll. It holds the queue while it
+	// spins (other Polls of it wait): for a caller that owns the queue, with spins bounded.
 	PollBusy(wc []WC, spins int) int
 }
 
