@@ -342,6 +342,16 @@ func TestRefusals(t *testing.T) {
 		f.sum(t, "rtrs_server_refusals_total", map[string]string{"cause": "connections_per_path"}) < 1 {
 		t.Fatalf("refusal not counted:\n%s", text)
 	}
+	// A map_device of an export that is not there: the OPEN's refusal by its errno.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := p.c.Map(ctx, rnbd.MapOptions{SessName: "sess1", DevicePath: "missing", AccessMode: rnbd.AccessRO}); err == nil {
+		t.Fatal("map of a missing export succeeded")
+	}
+	f, text = scrape(t, p.sURL, false)
+	if f.sum(t, "rtrs_rnbd_server_open_refusals_total", map[string]string{"errno": "ENOENT"}) != 1 {
+		t.Fatalf("OPEN refusal not counted:\n%s", text)
+	}
 }
 
 // TestDuplicateLabels: a second metric with the same labels is left out, not an error that

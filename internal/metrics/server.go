@@ -3,6 +3,7 @@ package metrics
 import (
 	"sort"
 	"strconv"
+	"syscall"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
@@ -24,7 +25,7 @@ type Server struct {
 	sessions, paths, chunkMem, rejected, refused   *prometheus.Desc
 	reqs, bytes, inflight, state, hbRTT            *prometheus.Desc
 	rnbdReqs, rnbdZC, rnbdFUA, rnbdErrors, devOpen *prometheus.Desc
-	devices                                        *prometheus.Desc
+	devices, openRefused                           *prometheus.Desc
 }
 
 // NewServer returns the collector of s and its RNBD server r.
@@ -46,9 +47,18 @@ func NewServer(s *transport.Server, r *rnbd.Server) *Server {
 	m.rnbdZC = m.ds.add("rtrs_rnbd_server_zero_copy_reads_total", "Reads answered straight from the page cache (a part of the reads).")
 	m.rnbdFUA = m.ds.add("rtrs_rnbd_server_fua_writes_total", "Writes with FUA (a part of the writes).")
 	m.rnbdErrors = m.ds.add("rtrs_rnbd_server_errors_total", "RNBD requests answered with an error.")
+	m.openRefused = m.ds.add("rtrs_rnbd_server_open_refusals_total", "OPENs (map_device) answered with an error, by errno: ENOENT no such export, EACCES outside the search path or the ACL, EPERM the access mode, EEXIST open in another mode.", "errno")
 	m.devices = m.ds.add("rtrs_rnbd_server_devices", "Devices the session has open.", "session")
 	m.devOpen = m.ds.add("rtrs_rnbd_server_device_open", "An export a session has open: always 1, its access mode as a label.", "session", "device", "access_mode")
 	return m
+}
+
+// errnoLabel names errno as a label value: EACCES, or its number if it has no name.
+func errnoLabel(errno syscall.Errno) string {
+	if name := unix.ErrnoName(errno); name != "" {
+		return name
+	}
+	return strconv.Itoa(int(errno))
 }
 
 // Describe implements prometheus.Collector.
@@ -63,14 +73,15 @@ func (m *Server) Collect(ch chan<- prometheus.Metric) {
 	e.gauge(m.sessions, float64(len(sessions)))
 	e.gauge(m.chunkMem, float64(m.S.ChunkMemory()))
 	for errno, n := range m.S.Rejected() {
-		name := unix.ErrnoName(errno)
-		if name == "" {
-			name = strconv.Itoa(int(errno))
-		}
-		e.counter(m.rejected, n, name)
+		e.counter(m.rejected, n, errnoLabel(errno))
 	}
 	for cause, n := range m.S.Refused() {
 		e.counter(m.refused, n, label(cause))
+	}
+	if m.R != nil {
+		for errno, n := range m.R.OpenRefused() {
+			e.counter(m.openRefused, n, errnoLabel(errno))
+		}
 	}
 	for _, ss := range sessions {
 		name := ss.Name()

@@ -68,6 +68,20 @@ type Server struct {
 	// copy rebuilt under s.mu whenever a device opens or closes.
 	ioDevs   atomic.Pointer[map[ioKey]*sessDev]
 	shutdown atomic.Bool
+	// openRefused counts the OPENs answered with an error, by errno (under mu).
+	openRefused map[syscall.Errno]uint64
+}
+
+// OpenRefused is how many OPENs were answered with an error since the server started, by
+// errno (the errnos come from the server's own checks, a fixed set).
+func (s *Server) OpenRefused() map[syscall.Errno]uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[syscall.Errno]uint64, len(s.openRefused))
+	for k, v := range s.openRefused {
+		out[k] = v
+	}
+	return out
 }
 
 type ioKey struct {
@@ -265,10 +279,15 @@ func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
 		if err = s.processOpen(r); err != nil && err != errResponded {
 			// The client sees only the errno: the operator reads why here (rate-limited per
 			// session and cause, since the peer chooses how often to ask).
+			errno := syscall.Errno(-errnoOf(err))
 			s.mu.Lock()
 			ss := s.sess(r.Session())
+			if s.openRefused == nil {
+				s.openRefused = map[syscall.Errno]uint64{}
+			}
+			s.openRefused[errno]++
 			s.mu.Unlock()
-			ss.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+syscall.Errno(-errnoOf(err)).Error(),
+			ss.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+errno.Error(),
 				r.Path().SrcAddr().IP.String(), err.Error())
 		}
 	case MsgTypeClose:
