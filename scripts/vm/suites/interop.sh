@@ -11,6 +11,8 @@
 #   export; with Y, fio keeps verifying while a path is disconnected from our tree and another
 #   from the kernel server's tree, and while the kernel's modules are removed and loaded
 #   again; mpath_policy is switched under load and each policy's split shows in stats/rdma;
+# - force_close both ways: in our rnbd-server tree with the kernel's client on it, and in the
+#   kernel's /sys/class/rnbd-server with our client on it (kc_force_close, ks_force_close);
 # - the kernel's trees and ours are listed file by file and compared (compare_trees);
 # - fio figures (4 KiB QD32, 1 MiB QD8) kernel→kernel, kernel→ours, ours→kernel
 #   (results/interop-figures.md).
@@ -158,12 +160,34 @@ kernel_client_our_server() {
 		dump_tree "$K" "$R"/trees/kernel-client
 		dump_tree "$T/srv/$s" "$R"/trees/our-server
 	fi
+	if [ -z "$faults" ]; then
+		kc_force_close "$T" "$s"
+	fi
 	echo normal >/sys/block/rnbd0/rnbd/unmap_device
 	vm_wait 10 test ! -e /dev/rnbd0
 	kill "$SRV_PID"
 	wait "$SRV_PID"
 	# The guest's /tmp is memory, shared with the suites after this one.
 	rm -rf "$T"
+}
+
+# kc_force_close T S: force_close in our rnbd-server tree ends the kernel client's use of the
+# device: its IO fails (the server answers ENOTCONN, as the kernel's does), the tree entry
+# goes, and the client's unmap afterwards goes through (its CLOSE answered 0).
+kc_force_close() {
+	local T=$1 s=$2 d
+	echo "-- force_close in our rnbd-server tree, the kernel's client on it"
+	d=$(ls "$T"/rnbd/ctl/devices)
+	[ "$(cat "$T/rnbd/ctl/devices/$d/sessions/$s/access_mode")" = rw ]
+	[ "$(cat "$T/rnbd/ctl/devices/$d/sessions/$s/mapping_path")" = disk ]
+	echo 1 >"$T/rnbd/ctl/devices/$d/sessions/$s/force_close"
+	test ! -e "$T/rnbd/ctl/devices/$d"
+	if dd if="$T"/pat of=/dev/rnbd0 bs=4k count=1 oflag=direct status=none 2>"$T"/dd.err; then
+		echo "the kernel client's write after force_close succeeded"
+		return 1
+	fi
+	echo "kernel client after force_close: $(cat "$T"/dd.err)"
+	grep "force_close: closed" "$T"/serverd.log
 }
 
 # start_our_server T INV: rtrs-serverd on port 1234 exporting T/exports, tree at T/srv; sets
@@ -274,6 +298,9 @@ our_client_kernel_server() {
 		dump_tree "/sys/class/rtrs-server/$s" "$R"/trees/kernel-server
 		dump_tree "$T/cli/$s" "$R"/trees/our-client
 	fi
+	if [ -z "$faults" ]; then
+		ks_force_close "$T" "$s" "$loop" "$dev"
+	fi
 	echo "sessname=$s device_path=$loop" >"$T"/dev/ctl/unmap_device
 	echo "$s" >"$T"/cli/ctl/close_session
 	kill $cpid
@@ -281,6 +308,26 @@ our_client_kernel_server() {
 	busybox rmmod rnbd_server rtrs_server
 	losetup -d "$loop"
 	rm -rf "$T"
+}
+
+# ks_force_close T S LOOP DEV: force_close in the kernel's rnbd-server tree ends our client's
+# use of the device: its IO fails with EIO at once, the device shows closed-by-server and the
+# log says why; the unmap afterwards goes through.
+ks_force_close() {
+	local T=$1 s=$2 loop=$3 dev=$4 K
+	echo "-- force_close in the kernel's rnbd-server tree, our client on it"
+	K=/sys/class/rnbd-server/ctl/devices/$(basename "$loop")/sessions/$s
+	[ "$(cat "$K"/access_mode)" = rw ]
+	[ "$(cat "$K"/mapping_path)" = "$loop" ]
+	echo 1 >"$K"/force_close
+	if timeout 30 dd if="$dev" of=/dev/null bs=64k count=1 iflag=direct status=none 2>"$T"/dd.err; then
+		echo "our client's read after the kernel's force_close succeeded"
+		return 1
+	fi
+	echo "our client after force_close: $(cat "$T"/dd.err)"
+	grep -q "Input/output error" "$T"/dd.err
+	grep "$s/$(printf '%s' "${loop#/}" | tr / '!') closed-by-server" "$T"/dev/ctl/devices
+	grep "the server closed the device" "$T"/clientd.log
 }
 
 # ks_faults T S INV DEV: faults under fio with our client on the kernel's server.
