@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"sort"
@@ -77,11 +78,7 @@ type Server struct {
 func (s *Server) OpenRefused() map[syscall.Errno]uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make(map[syscall.Errno]uint64, len(s.openRefused))
-	for k, v := range s.openRefused {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(s.openRefused)
 }
 
 type ioKey struct {

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -530,11 +531,7 @@ func (s *Server) countRefusal(cause string) {
 func (s *Server) Rejected() map[syscall.Errno]uint64 {
 	s.countsMu.Lock()
 	defer s.countsMu.Unlock()
-	out := make(map[syscall.Errno]uint64, len(s.rejected))
-	for k, v := range s.rejected {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(s.rejected)
 }
 
 // Refused counts refusals since the server started by their cause, the words the log's
@@ -543,11 +540,7 @@ func (s *Server) Rejected() map[syscall.Errno]uint64 {
 func (s *Server) Refused() map[string]uint64 {
 	s.countsMu.Lock()
 	defer s.countsMu.Unlock()
-	out := make(map[string]uint64, len(s.refused))
-	for k, v := range s.refused {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(s.refused)
 }
 
 // CurLatency is the path's last heartbeat round trip (0 before the first was answered).
