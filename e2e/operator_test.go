@@ -55,8 +55,8 @@ func TestDaemonHelp(t *testing.T) {
 }
 
 // TestSettingsSurviveRestart: every setting changed through the tree that the config can
-// express (a path added, mp_policy, mpath_policy, max_reconnect_attempts) is back after the
-// client daemon restarts.
+// express (a path added or removed, mp_policy, mpath_policy, max_reconnect_attempts, a device
+// unmapped, a session closed) is as it was left after the client daemon restarts.
 func TestSettingsSurviveRestart(t *testing.T) {
 	c := startCluster(t)
 	mustBash(t, "echo 'sessname=e2e path="+c.p1+"' > "+c.cliMnt+"/ctl/open_session")
@@ -84,6 +84,22 @@ func TestSettingsSurviveRestart(t *testing.T) {
 	c.clid.stop()
 	c.clid.start()
 	testutil.WaitFor(t, 30*time.Second, "session back", func() bool { return cat(sess+"/mpath_policy") == "round-robin (RR: 0)\n" })
+	// What is taken away stays away: a path removed, a device unmapped, a session closed.
+	dev := c.mapDisk(t)
+	mustBash(t, "echo 1 > "+c.pathFile(c.p2, "remove_path"))
+	mustBash(t, "echo 'sessname=e2e device_path=disk' > "+c.devMnt+"/ctl/unmap_device")
+	mustBash(t, "echo 'sessname=other path="+c.p1+"' > "+c.cliMnt+"/ctl/open_session")
+	mustBash(t, "echo other > "+c.cliMnt+"/ctl/close_session")
+	c.clid.stop()
+	c.clid.start()
+	testutil.WaitFor(t, 30*time.Second, "tree back", func() bool { return exists(c.cliMnt+"/ctl/open_session") && exists(c.devMnt+"/ctl/map_device") })
+	// The session opened with open_session stays (with its one path left); the device and
+	// the closed session do not come back.
+	testutil.WaitFor(t, 30*time.Second, "session e2e back", func() bool { return cat(c.pathFile(c.p1, "state")) == "connected\n" })
+	time.Sleep(2 * time.Second) // time for anything the config still named to come back
+	if got := mustBash(t, "ls "+sess+"/paths"); got != c.p1+"\n" || exists(dev) || exists(c.cliMnt+"/other") {
+		t.Fatalf("after the restart: paths %q, device %v, session other %v; config:\n%s", got, exists(dev), exists(c.cliMnt+"/other"), cat(c.cliConf))
+	}
 }
 
 // TestRefusalsLogged: a control write that fails leaves a line naming the file, the input and
