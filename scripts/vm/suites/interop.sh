@@ -288,6 +288,10 @@ our_client_kernel_server() {
 		ks_faults "$T" "$s" "$inv" "$dev"
 		policies "$T/cli/$s" "$dev"
 	fi
+	# The kernel's rtrs-server on rxe sometimes closes a path on its own ("REG MR failed: local
+	# QP operation error", always_invalidate=Y); our client reconnects it after its delay. The
+	# counts are compared once both sides hold both paths again.
+	vm_wait 90 both_sides_connected "$T/cli/$s" "/sys/class/rtrs-server/$s"
 	reset_rdma "$T/cli/$s"
 	reset_rdma "/sys/class/rtrs-server/$s"
 	dd if="$T"/pat of="$dev" bs=1M seek=32 conv=fsync status=none
@@ -554,6 +558,12 @@ paths_connected() {
 	for f in "$1"/paths/*/state; do
 		[ "$(cat "$f")" = connected ] || return 1
 	done
+}
+
+# both_sides_connected CLIENT SERVER: the client's paths are all connected and the server
+# lists the same paths.
+both_sides_connected() {
+	paths_connected "$1" && [ "$(ls "$1"/paths)" = "$(ls "$2"/paths)" ]
 }
 
 # reconnects SESSDIR: successful reconnects summed over the session's paths.
