@@ -49,6 +49,23 @@ else
 fi
 [ ${#names[@]} -gt 0 ] || vm_die "no suites"
 
+# ---- the run's work folder --------------------------------------------------------------------
+# Under /tmp so that the guest mounts it at the same path (its /tmp is a tmpfs): paths built on
+# the host (binaries, files) mean the same thing on both sides. It holds the scripts in the
+# layout they have under scripts/ (vm/ and what vm/lib.sh calls beside it), and everything from
+# here on, host parts included, runs from that copy: a file the copy lacks fails every run at
+# once, not only the run on a machine that takes the path needing it.
+work=$(mktemp -d /tmp/rtrs-vmtest.XXXXXX)
+export RTRS_VM_WORK=$work
+mkdir -p "$work/bin" "$work/results" "$work/vm/suites"
+cp "$here/vm/lib.sh" "$here/vm/guest.sh" "$work/vm/"
+cp "$here/apt-install.sh" "$work/"
+for i in "${!names[@]}"; do cp "${files[$i]}" "$work/vm/suites/${names[$i]}.sh"; done
+# shellcheck source=vm/lib.sh
+. "$work/vm/lib.sh"
+# env.sh is written just before the boot.
+vm_check_layout "$work" env.sh || vm_die "the work folder lacks files its scripts use (above)"
+
 # ---- packages ---------------------------------------------------------------------------------
 # A suite may name extra Debian packages in SUITE_PACKAGES (read without running its hooks).
 pkgs=(qemu-system-x86 busybox-static cpio gzip coreutils util-linux iproute2 rdma-core
@@ -149,15 +166,6 @@ if [ ! -f "$initrd" ]; then
 	vm_log "initramfs built in $(vm_since "$t0") s: $initrd (modules: ${order[*]})"
 fi
 exec 9>&- # unlock
-
-# ---- the run's work folder --------------------------------------------------------------------
-# Under /tmp so that the guest mounts it at the same path (its /tmp is a tmpfs): paths built on
-# the host (binaries, files) mean the same thing on both sides.
-work=$(mktemp -d /tmp/rtrs-vmtest.XXXXXX)
-export RTRS_VM_WORK=$work
-mkdir -p "$work/bin" "$work/results" "$work/vm/suites"
-cp "$here/vm/lib.sh" "$here/vm/guest.sh" "$work/vm/"
-for i in "${!names[@]}"; do cp "${files[$i]}" "$work/vm/suites/${names[$i]}.sh"; done
 
 # ---- host parts ---------------------------------------------------------------------------------
 declare -A host_rc=() host_time=()

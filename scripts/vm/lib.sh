@@ -13,6 +13,29 @@ vm_since() { awk -v a="$1" -v b="$(vm_now)" 'BEGIN { printf "%.1f", b - a }'; }
 # ---------------------------------------------------------------------------------------------
 # Host side
 
+# vm_check_layout DIR [GENERATED...]: every file that a script under DIR names relative to its
+# own folder ("$(dirname "${BASH_SOURCE[0]}")/...") or to the work folder ("$W/...", guest.sh)
+# exists in DIR, except the GENERATED ones (written later in the run). Lists each one missing.
+vm_check_layout() {
+	local dir=$1 f ref rel target bad=0
+	shift
+	while IFS= read -r f; do
+		while IFS= read -r ref; do
+			case $ref in
+			'$W/'*) rel=${ref#'$W/'} target=$dir/$rel ;;
+			*) rel=${ref#*)/} target=$(dirname "$f")/$rel ;;
+			esac
+			case " $* " in *" $rel "*) continue ;; esac
+			if [ ! -e "$target" ]; then
+				vm_log "missing: ${f#"$dir"/} uses $rel, not in the copy ($target)"
+				bad=1
+			fi
+		done < <(grep -v '^[[:space:]]*#' "$f" |
+			grep -oE '\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/[A-Za-z0-9_./-]+|\$W/[A-Za-z0-9_./-]+' | sort -u)
+	done < <(find "$dir" -name '*.sh' -type f)
+	return "$bad"
+}
+
 # apt-get update once per run (the package lists decide which kernel the VM boots).
 vm_apt_update() {
 	[ -n "${RTRS_VM_APT_UPDATED:-}" ] && return 0
