@@ -9,6 +9,32 @@ cd "$(dirname "$0")/.."
 fuzz=1
 [ "${1:-}" = "--no-fuzz" ] && fuzz=0
 
+# fuzz_target PKG NAME: a short fuzz run of one target. Any failure fails, a crasher above all:
+# the fuzz engine writes it under the package's testdata/fuzz/NAME, where it stays a seed that
+# fails every later `go test`, and it is never run again to see whether it "reproduces". The
+# one thing tried again (twice at most) is the engine failing to start a worker, which it
+# reports as "fuzzing process terminated without fuzzing" and for which it records no input.
+fuzz_target() {
+	local pkg=$1 f=$2 try out
+	for try in 1 2 3; do
+		if out=$(go test -run '^$' -fuzz "^$f\$" -fuzztime "${FUZZTIME:-5s}" "$pkg" 2>&1); then
+			return 0
+		fi
+		printf '%s\n' "$out" | tail -n 40
+		if grep -q 'Failing input written to' <<<"$out"; then
+			echo "-- $pkg $f: CRASH, input saved: $(grep -o 'testdata/fuzz/[^ ]*' <<<"$out" | head -1)"
+			return 1
+		fi
+		if ! grep -q 'fuzzing process terminated without fuzzing' <<<"$out"; then
+			echo "-- $pkg $f: FAILED"
+			return 1
+		fi
+		echo "-- $pkg $f: the fuzz engine could not run its worker (above, no input recorded); try $((try + 1))"
+	done
+	echo "-- $pkg $f: the fuzz engine failed three times"
+	return 1
+}
+
 # Go: /usr/local/go's when there is one; without any, Debian's golang-go, which is older than
 # go.mod asks for and fetches the Go release go.mod names (scripts/go-toolchain.sh, below).
 [ -x /usr/local/go/bin/go ] && export PATH="/usr/local/go/bin:$PATH"
@@ -74,20 +100,18 @@ scripts/vmtest.sh
 
 if [ "$fuzz" = 1 ]; then
 	echo "== fuzz (short runs of every target)"
+	fuzz_fail=()
 	# Each target runs from its committed seed corpus plus a few seconds of new inputs.
 	for pkg in $(go list ./...); do
 		dir=$(go list -f '{{.Dir}}' "$pkg")
 		for f in $(grep -ho '^func Fuzz[A-Za-z0-9_]*' "$dir"/*_test.go 2>/dev/null | sed 's/^func //'); do
 			echo "-- $pkg $f"
-			# A crasher the run finds is saved under testdata and fails the second run too;
-			# a second run only forgives the fuzz engine itself failing (a worker that did not
-			# answer on a starved machine), and the first run's words are shown either way.
-			if ! out=$(go test -run '^$' -fuzz "^$f\$" -fuzztime "${FUZZTIME:-5s}" "$pkg" 2>&1); then
-				printf '%s\n' "$out" | tail -n 30
-				echo "-- $pkg $f: again"
-				go test -run '^$' -fuzz "^$f\$" -fuzztime "${FUZZTIME:-5s}" "$pkg"
-			fi
+			fuzz_target "$pkg" "$f" || fuzz_fail+=("$pkg $f")
 		done
 	done
+	if [ ${#fuzz_fail[@]} -gt 0 ]; then
+		printf 'fuzz failed: %s\n' "${fuzz_fail[@]}"
+		exit 1
+	fi
 fi
 echo "all tests passed"
