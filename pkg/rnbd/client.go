@@ -274,6 +274,11 @@ func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transp
 		return nil, err
 	}
 	if closed {
+		// As putSessIfIdle: a remap a link event started meanwhile ends first.
+		s.mu.Lock()
+		s.closing = true
+		s.mu.Unlock()
+		s.remapped.Wait()
 		_ = s.rtrs.Close()
 		return nil, transport.ErrClosed
 	}
