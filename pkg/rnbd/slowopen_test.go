@@ -117,10 +117,12 @@ func (p *holdingProxy) close() {
 }
 
 // slowClient is a client whose connect timeout outlasts the test's steps, so only the test
-// decides when a held open ends.
+// decides when a held open ends; its heartbeats are slow enough that a loaded machine does
+// not make a path reconnect (the test counts connections).
 func slowClient(t *testing.T, e *testEnv) *Client {
 	tm := fastTimings()
 	tm.ConnectTimeout = 60 * time.Second
+	tm.HeartbeatInterval = time.Second
 	c := NewClient(ClientOptions{
 		Session: transport.ClientOptions{Provider: e.prov, ConPerPath: 3, MaxReconnectAttempts: -1,
 			Policy: transport.MinInflight, Timings: tm},
