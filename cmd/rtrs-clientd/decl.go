@@ -3,11 +3,13 @@ package main
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
@@ -31,7 +33,7 @@ func (d *clientd) applyOne(ctx context.Context, line string) (done bool, err err
 		if d.c.Session(o.SessName) != nil {
 			return true, nil
 		}
-		return false, d.c.OpenSession(ctx, o, func(co *transport.ClientOptions) {
+		err = d.c.OpenSession(ctx, o, func(co *transport.ClientOptions) {
 			if pol != nil {
 				co.Policy = *pol
 			}
@@ -39,6 +41,10 @@ func (d *clientd) applyOne(ctx context.Context, line string) (done bool, err err
 				co.MaxReconnectAttempts = *mra
 			}
 		})
+		if errors.Is(err, syscall.EEXIST) {
+			return true, nil // opened meanwhile through the tree, which OpenSession waited for
+		}
+		return false, err
 	case "map_device":
 		r, err := fsview.ParseMapRequest(rest)
 		if err != nil {

@@ -36,8 +36,17 @@ type Client struct {
 	hmu   sync.Mutex
 
 	mu       sync.Mutex
-	sessions map[string]*cltSess
-	closed   bool
+	sessions map[string]*cltSess // open sessions only: what every reader lists
+	// opening reserves the names of sessions being opened. The open runs without mu, so a
+	// server that does not answer holds up only requests for that same name.
+	opening map[string]*pendingOpen
+	closed  bool
+}
+
+// pendingOpen is the reservation of a session name while its session opens.
+type pendingOpen struct {
+	done   chan struct{}      // closed once the open ended, whatever its outcome
+	cancel context.CancelFunc // Close aborts the open with it
 }
 
 // NewClient returns a client with no sessions.
@@ -45,7 +54,7 @@ func NewClient(opts ClientOptions) *Client {
 	if opts.ReconnectTimeout <= 0 {
 		opts.ReconnectTimeout = DefaultReconnectTimeout
 	}
-	return &Client{opts: opts, sessions: map[string]*cltSess{},
+	return &Client{opts: opts, sessions: map[string]*cltSess{}, opening: map[string]*pendingOpen{},
 		log: log.G(context.Background()).WithField("component", "rnbd-clt")}
 }
 
@@ -87,12 +96,20 @@ func (c *Client) Map(ctx context.Context, o MapOptions) (*Device, error) {
 	if o.AccessMode > AccessMigration {
 		return nil, fmt.Errorf("rnbd: access mode %d: %w", o.AccessMode, syscall.EINVAL)
 	}
-	s, err := c.session(ctx, o)
-	if err != nil {
-		return nil, err
+	var s *cltSess
+	for {
+		var err error
+		if s, err = c.sessionWith(ctx, o, nil, false); err != nil {
+			return nil, err
+		}
+		s.mu.Lock()
+		if !s.closing {
+			break
+		}
+		// Its last device went away since we found it: find or open the session again.
+		s.mu.Unlock()
 	}
 	d := &Device{sess: s, path: o.DevicePath, mode: o.AccessMode, changed: make(chan struct{})}
-	s.mu.Lock()
 	for _, e := range s.devs {
 		if e.path == o.DevicePath {
 			s.mu.Unlock()
@@ -157,29 +174,21 @@ func (d *Device) AfterCompletions(fn func()) (remove func()) { return d.sess.c.A
 
 // OpenSession opens a session without mapping anything (the daemon's ctl/open_session); it
 // stays until CloseSession, devices or not. mod, if not nil, adjusts the session's options
-// (policy, reconnect attempts). An existing session of that name is EEXIST.
+// (policy, reconnect attempts). An existing session of that name is EEXIST; while another
+// request opens a session of that name, OpenSession waits for it (see sessionWith).
 func (c *Client) OpenSession(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions)) error {
-	c.mu.Lock()
-	exists := c.sessions[o.SessName] != nil
-	c.mu.Unlock()
-	if exists {
-		return fmt.Errorf("rnbd: session %q exists: %w", o.SessName, syscall.EEXIST)
-	}
-	s, err := c.sessionWith(ctx, o, mod)
-	if err != nil {
-		return err
-	}
-	s.mu.Lock()
-	s.pinned = true
-	s.mu.Unlock()
-	return nil
+	_, err := c.sessionWith(ctx, o, mod, true)
+	return err
 }
 
 // CloseSession closes a session that has no device mapped (EBUSY otherwise).
 func (c *Client) CloseSession(name string) error {
 	c.mu.Lock()
-	s := c.sessions[name]
+	s, opening := c.sessions[name], c.opening[name] != nil
 	c.mu.Unlock()
+	if s == nil && opening {
+		return fmt.Errorf("rnbd: session %q is still being opened: %w", name, syscall.EBUSY)
+	}
 	if s == nil {
 		return fmt.Errorf("rnbd: no session %q: %w", name, syscall.ENOENT)
 	}
@@ -195,7 +204,7 @@ func (c *Client) CloseSession(name string) error {
 	return nil
 }
 
-// SessionNames lists the sessions, sorted.
+// SessionNames lists the open sessions, sorted; sessions still being opened are not listed.
 func (c *Client) SessionNames() []string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -207,26 +216,79 @@ func (c *Client) SessionNames() []string {
 	return out
 }
 
-// session finds or opens the RTRS session and exchanges SESS_INFO on a new one.
-func (c *Client) session(ctx context.Context, o MapOptions) (*cltSess, error) {
-	return c.sessionWith(ctx, o, nil)
-}
-
-func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions)) (*cltSess, error) {
+// sessionWith finds the session o.SessName or opens it (RTRS open, then SESS_INFO). With
+// fresh (OpenSession) an existing session is EEXIST and a new one is pinned before anyone
+// can see it. The name is reserved in c.opening while the open runs without c.mu, and the
+// session is published in c.sessions only once it is usable. A request for a name being
+// opened waits for that open, bounded by its ctx, as the kernel's rnbd waits for the RTRS
+// connection of a session it found: if the open succeeded the session is used (or EEXIST),
+// if it failed the request opens its own. So a name never gets two sessions.
+func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions), fresh bool) (*cltSess, error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return nil, transport.ErrClosed
-	}
-	if s := c.sessions[o.SessName]; s != nil {
-		return s, nil
+	for {
+		if c.closed {
+			c.mu.Unlock()
+			return nil, transport.ErrClosed
+		}
+		if s := c.sessions[o.SessName]; s != nil {
+			c.mu.Unlock()
+			if fresh {
+				return nil, fmt.Errorf("rnbd: session %q exists: %w", o.SessName, syscall.EEXIST)
+			}
+			return s, nil
+		}
+		p := c.opening[o.SessName]
+		if p == nil {
+			break
+		}
+		c.mu.Unlock()
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("rnbd: waiting for session %q, which another request is opening: %w", o.SessName, ctx.Err())
+		}
+		c.mu.Lock()
 	}
 	if len(o.Paths) == 0 {
+		c.mu.Unlock()
 		// As in the kernel, unmapping a session's last device closes the session, so a short
 		// map_device after that names a session that is gone.
 		return nil, fmt.Errorf("rnbd: no session %q is open (unmapping its last device closes it) and the request names no path=: add path=... or open the session first: %w", o.SessName, syscall.ENXIO)
 	}
-	s := &cltSess{c: c, name: o.SessName}
+	octx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	p := &pendingOpen{done: make(chan struct{}), cancel: cancel}
+	c.opening[o.SessName] = p
+	c.mu.Unlock()
+	defer close(p.done) // last: Close waits for it, so the session is closed or published by then
+
+	s, err := c.open(octx, o, mod, fresh)
+	c.mu.Lock()
+	delete(c.opening, o.SessName)
+	closed := c.closed
+	if err == nil && !closed {
+		c.sessions[o.SessName] = s
+	}
+	c.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	if closed {
+		// As putSessIfIdle: a remap a link event started meanwhile ends first.
+		s.mu.Lock()
+		s.closing = true
+		s.mu.Unlock()
+		s.remapped.Wait()
+		_ = s.rtrs.Close()
+		return nil, transport.ErrClosed
+	}
+	return s, nil
+}
+
+// open opens a session's RTRS session and exchanges SESS_INFO on it; c.mu is not held.
+// A pinned session is pinned from the start: no failed Map can close it once published.
+func (c *Client) open(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions), pinned bool) (*cltSess, error) {
+	s := &cltSess{c: c, name: o.SessName, pinned: pinned}
 	so := c.opts.Session
 	if mod != nil {
 		mod(&so)
@@ -249,7 +311,6 @@ func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transp
 		rs.Close()
 		return nil, err
 	}
-	c.sessions[o.SessName] = s
 	return s, nil
 }
 
@@ -423,11 +484,23 @@ func (c *Client) Devices() []*Device {
 	return out
 }
 
-// Close unmaps every device and closes the sessions.
+// Close aborts the sessions being opened, unmaps every device and closes the sessions.
 func (c *Client) Close(ctx context.Context) {
 	c.mu.Lock()
 	c.closed = true
+	var pending []*pendingOpen
+	for _, p := range c.opening {
+		p.cancel()
+		pending = append(pending, p)
+	}
 	c.mu.Unlock()
+	// An aborted open returns soon; waiting for it means no session outlives Close.
+	for _, p := range pending {
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+		}
+	}
 	for _, d := range c.Devices() {
 		_ = d.Unmap(ctx)
 	}

@@ -323,8 +323,9 @@ func TestSessionDownLong(t *testing.T) {
 	d := mustMap(t, e, c, "long", "disk", AccessRW)
 	oldID := d.ID()
 	port := e.port
-	e.stop()
+	// The timeout runs from the disconnect, which e.stop may cause well before it returns.
 	start := time.Now()
+	e.stop()
 	_, err := d.ReadAt(make([]byte, 4096), 0)
 	if !errors.Is(err, syscall.EIO) {
 		t.Fatalf("read with the server gone: %v", err)
