@@ -211,10 +211,10 @@ func (t *ClientTree) pathEntries(p *transport.Path) []Entry {
 	}
 }
 
-// resetStore accepts 1 (the kernel) and 0 (the seed ABI's documentation) and resets.
+// resetStore is a stats file's store: 1 resets; anything else, 0 included, is EINVAL, as the
+// kernel's STAT_STORE_FUNC answers (it hands 0 to the reset helpers, which refuse it).
 func resetStore(reset func()) func(string) error {
 	return func(v string) error {
-		// The kernel resets on 1 only; 0, which its older docs name, is EINVAL.
 		if v != "1" {
 			return fmt.Errorf("%q: write 1 to reset: %w", v, syscall.EINVAL)
 		}
@@ -252,8 +252,8 @@ func policyShow(p transport.Policy) string {
 	return fmt.Sprintf("Unknown (%d)\n", int(p))
 }
 
-// ParsePolicy reads mpath_policy as the kernel does: 0, 1 or 2; or a case-insensitive
-// prefix round-robin, min-inflight, min-latency; or exactly rr, mi, ml.
+// ParsePolicy reads mpath_policy as the kernel does: 0, 1 or 2; or, in any case, a value
+// that begins with round-robin, min-inflight or min-latency, or is rr, mi or ml.
 func ParsePolicy(v string) (transport.Policy, error) {
 	if n, err := parseKInt(v); err == nil {
 		if n >= 0 && n <= 2 {
@@ -288,7 +288,7 @@ func parseKInt(v string) (int, error) {
 
 // ParseOpenSession reads open_session's tokens: sessname= (required), path= (1..), dest_port=
 // (applies to the path= tokens after it, as in map_device; all paths of a session share one
-// port), mpath_policy=, max_reconnect_attempts=.
+// port), mpath_policy= (or mp_policy=), max_reconnect_attempts= (-1..9999).
 func ParseOpenSession(v string) (rnbd.MapOptions, *transport.Policy, *int, error) {
 	var o rnbd.MapOptions
 	var pol *transport.Policy

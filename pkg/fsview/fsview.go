@@ -1,6 +1,6 @@
 // Package fsview shows the daemons' state as sysfs-like trees over FUSE: one attribute model
-// (the kernel's show/store pairs, declared per directory type) and one go-fuse node type for
-// files, one for directories and one for block-device files.
+// (the kernel's show/store pairs, declared per directory type) and a go-fuse node type for
+// each kind of Entry: directories, attribute files, block-device files and symbolic links.
 package fsview
 
 import (
@@ -59,7 +59,10 @@ type DirFunc func() []Entry
 // Entries calls f.
 func (f DirFunc) Entries() []Entry { return f() }
 
-// Errno is the one mapping from the daemons' errors to what a writer or reader sees.
+// Errno maps an error to the errno a reader or writer of a tree's file sees (control and
+// attribute files, and the device view's block files): the errno the error carries, else one
+// for a context's end or a missing object, else EIO. The wire has its own mappings:
+// transport.Errno for RTRS responses and the NBD server's for NBD replies.
 func Errno(err error) syscall.Errno {
 	if err == nil {
 		return 0

@@ -7,7 +7,8 @@ import (
 )
 
 // ServerTree is the rtrs-server tree (/sys/class/rtrs-server): a directory per named session,
-// a directory per connected path.
+// and in it a directory per path from its INFO_REQ until its close has finished, as the
+// kernel's sysfs does (a closing path is listed without its disconnect file).
 type ServerTree struct {
 	S *transport.Server
 }
