@@ -296,6 +296,11 @@ type Path struct {
 	dst  Addr
 	logp atomic.Pointer[log.Entry]
 
+	// postMu is held shared by every post for as long as it uses the path's resources and the
+	// request's work requests, and taken once exclusively by teardown before the failover: a
+	// request must not be rebuilt for another path while its PostSend here still reads it.
+	postMu sync.RWMutex
+
 	mu        sync.Mutex
 	stateCond *sync.Cond
 	state     PathState
@@ -876,6 +881,11 @@ func (p *Path) teardown() {
 		}
 	}
 	p.hb.wait()
+	// Posts that found the path connected end before their requests fail over; later ones
+	// find p.res nil.
+	p.postMu.Lock()
+	//lint:ignore SA2001 a barrier: the lock is taken only to wait for the posts holding it shared
+	p.postMu.Unlock()
 	p.failover(cons)
 	for _, c := range cons {
 		if c != nil {
