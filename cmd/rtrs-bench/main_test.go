@@ -39,10 +39,17 @@ func startServer(t *testing.T, addr string) *exec.Cmd {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	waitListen(t, addr)
+	return cmd
+}
+
+// waitListen waits up to 10 s for a server process to listen on addr.
+func waitListen(t *testing.T, addr string) {
+	t.Helper()
 	for end := time.Now().Add(10 * time.Second); ; {
-		if c, err := net.Dial("tcp", addr); err == nil {
+		if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
 			c.Close()
-			return cmd
+			return
 		}
 		if time.Now().After(end) {
 			t.Fatal("server process did not start")

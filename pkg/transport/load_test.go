@@ -323,8 +323,11 @@ func TestLoadStorm(t *testing.T) {
 	}
 	// What stays is mostly the Go runtime's goroutine records (it never frees them: about
 	// 65 MiB after the test's 8192 IO goroutines, by a heap profile), not the server's memory.
-	if grown := f.rssLoad - f.rssIdle; f.rssAfter-f.rssIdle > grown/4 {
-		t.Errorf("RSS %d MiB after, %d MiB idle, %d MiB under load: most of it was not given back", f.rssAfter>>20, f.rssIdle>>20, f.rssLoad>>20)
+	// The bound is absolute: once the soft provider stopped copying its key table on every
+	// registration, the load figure fell from 570 to 170 MiB while that residue stayed, so a
+	// share of the growth no longer tells the two apart.
+	if f.rssAfter-f.rssIdle > 128<<20 {
+		t.Errorf("RSS %d MiB after, %d MiB idle (%d MiB under load): more than 128 MiB was not given back", f.rssAfter>>20, f.rssIdle>>20, f.rssLoad>>20)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"sort"
 	"strconv"
 	"strings"
@@ -206,10 +207,19 @@ type Server struct {
 	rejected map[syscall.Errno]uint64
 	refused  map[string]uint64
 
+	// A pending return of freed memory to the system (returnMem), under mu; memWG counts
+	// its run so that Close can wait for it.
+	memReturn *time.Timer
+	memWG     sync.WaitGroup
+
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 }
+
+// memReturnDelay gathers the sessions that go together (clients that exited at once) into
+// one return of memory to the system.
+const memReturnDelay = time.Second
 
 // NewServer validates opts and starts listening.
 func NewServer(opts ServerOptions) (*Server, error) {
@@ -273,6 +283,13 @@ func (s *Server) Close() error {
 		<-p.closed
 	}
 	s.wg.Wait()
+	s.mu.Lock()
+	if s.memReturn != nil && s.memReturn.Stop() {
+		s.memWG.Done()
+	}
+	s.memReturn = nil
+	s.mu.Unlock()
+	s.memWG.Wait()
 	return err
 }
 
@@ -694,6 +711,29 @@ func (ss *SrvSess) freeMem() {
 	}
 	_ = rdma.Free(mem)
 	ss.srv.unchargeMem(int64(len(mem)))
+	ss.srv.returnMem()
+}
+
+// returnMem hands the Go heap that sessions leave behind back to the system, memReturnDelay
+// after a session has gone (one run for all that go meanwhile). Their chunks are unmapped
+// already; what is left are their connections' buffers, goroutine stacks and request state.
+// The collector would keep that resident: a server that goes idle allocates nothing, so no
+// collection comes for two minutes, and the scavenger keeps what lies under the last heap
+// goal, twice the live heap of the busy server.
+func (s *Server) returnMem() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.memReturn != nil || s.closed {
+		return
+	}
+	s.memWG.Add(1)
+	s.memReturn = time.AfterFunc(memReturnDelay, func() {
+		defer s.memWG.Done()
+		s.mu.Lock()
+		s.memReturn = nil
+		s.mu.Unlock()
+		debug.FreeOSMemory()
+	})
 }
 
 // unchargeMem takes n bytes of chunk memory off the server's account.

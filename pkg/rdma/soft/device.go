@@ -188,13 +188,21 @@ type device struct {
 	qpn atomic.Uint32
 
 	mu sync.Mutex
-	// mrs is the table of regions, index = key >> 8. Every access to memory looks a key up,
-	// from every QP's goroutine, so lookups take no lock: the table is replaced, never
-	// changed, under mu when a region is added or removed (rare, not per IO).
-	mrs     atomic.Pointer[[]*mr]
+	// mrs is the table of regions, index = key >> 8, in pages of mrPageLen. Every access to
+	// memory looks a key up, from every QP's goroutine, so lookups take no lock: entries are
+	// atomic, and the list of pages is replaced, never changed, under mu when it grows. A
+	// region added or removed costs a store, not a copy of the table: a server registers a
+	// region per chunk on every path (a 64-client storm: 65 000), and copying the whole table
+	// for each of them allocated gigabytes as the sessions came and went.
+	mrs     atomic.Pointer[[]*mrPage]
+	n       uint32   // indexes handed out
 	keyByte []uint8  // last key byte used per index, so a reused index gets a fresh key
 	free    []uint32 // free indexes
 }
+
+const mrPageLen = 1024
+
+type mrPage [mrPageLen]atomic.Pointer[mr]
 
 var _ rdma.Device = (*device)(nil)
 
@@ -239,29 +247,36 @@ func (d *device) Close() error { return nil }
 func (d *device) addMR(m *mr) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	tab := d.table()
 	var idx uint32
 	if n := len(d.free); n > 0 {
 		idx = d.free[n-1]
 		d.free = d.free[:n-1]
 	} else {
-		idx = uint32(len(tab))
-		tab = append(tab, nil)
+		idx = d.n
+		d.n++
 		d.keyByte = append(d.keyByte, 0)
+		var pages []*mrPage
+		if t := d.mrs.Load(); t != nil {
+			pages = *t
+		}
+		if int(idx/mrPageLen) == len(pages) {
+			grown := append(make([]*mrPage, 0, len(pages)+1), pages...)
+			grown = append(grown, new(mrPage))
+			d.mrs.Store(&grown)
+		}
 	}
 	d.keyByte[idx]++
-	tab[idx] = m
 	m.st.Store(m.st.Load()&^0xffffffff | uint64(idx<<8|uint32(d.keyByte[idx])))
-	d.mrs.Store(&tab)
+	d.entry(idx).Store(m)
 }
 
-// table returns a copy of the region table to change and store; d.mu is held.
-func (d *device) table() []*mr {
-	var cur []*mr
-	if t := d.mrs.Load(); t != nil {
-		cur = *t
+// entry is index idx's slot, or nil past the table.
+func (d *device) entry(idx uint32) *atomic.Pointer[mr] {
+	t := d.mrs.Load()
+	if t == nil || int(idx/mrPageLen) >= len(*t) {
+		return nil
 	}
-	return append(make([]*mr, 0, len(cur)+1), cur...)
+	return &(*t)[idx/mrPageLen][idx%mrPageLen]
 }
 
 func (d *device) removeMR(m *mr) {
@@ -269,21 +284,19 @@ func (d *device) removeMR(m *mr) {
 	defer d.mu.Unlock()
 	key := m.key()
 	idx := key >> 8
-	if tab := d.table(); int(idx) < len(tab) && tab[idx] == m {
+	if e := d.entry(idx); e != nil && e.Load() == m {
 		d.keyByte[idx] = uint8(key)
-		tab[idx] = nil
+		e.Store(nil)
 		d.free = append(d.free, idx)
-		d.mrs.Store(&tab)
 	}
 }
 
 // lookup returns the MR whose index key names, or nil. The caller checks the full key.
 func (d *device) lookup(key uint32) *mr {
-	t := d.mrs.Load()
-	if t == nil || int(key>>8) >= len(*t) {
-		return nil
+	if e := d.entry(key >> 8); e != nil {
+		return e.Load()
 	}
-	return (*t)[key>>8]
+	return nil
 }
 
 type pd struct {
