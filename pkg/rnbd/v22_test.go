@@ -212,3 +212,57 @@ func TestClientNegotiation(t *testing.T) {
 		t.Errorf("discard to a 6.1-like server: %v", err)
 	}
 }
+
+// TestWriteZeroesDiskFile runs writeZeroes on a file of the disk's file system (the test's
+// temporary directory), where FALLOC_FL_ZERO_RANGE serves NOUNMAP, unlike tmpfs.
+func TestWriteZeroesDiskFile(t *testing.T) {
+	dir := t.TempDir()
+	data := bytes.Repeat([]byte{0x5a}, 4<<20)
+	if err := os.WriteFile(filepath.Join(dir, "disk"), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	b, err := openBeneath(root, "disk", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.close()
+	if err := b.flush(); err != nil { // allocate the written blocks
+		t.Fatal(err)
+	}
+	blocks := func() int64 {
+		var st unix.Stat_t
+		if err := unix.Fstat(b.fd, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Blocks
+	}
+	before := blocks()
+	if err := b.writeZeroes(1<<20, 1<<20, true); err != nil {
+		t.Fatal(err)
+	}
+	if after := blocks(); after < before {
+		t.Errorf("NOUNMAP zeroing deallocated: %d → %d blocks", before, after)
+	}
+	if err := b.writeZeroes(2<<20, 1<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	if after := blocks(); after > before-(1<<20)/512 {
+		t.Errorf("zeroing without NOUNMAP kept its blocks: %d → %d", before, after)
+	}
+	if h, err := unix.Seek(b.fd, 2<<20, unix.SEEK_HOLE); err != nil || h != 2<<20 {
+		t.Errorf("no hole at 2 MiB: %d %v", h, err)
+	}
+	got := make([]byte, 4<<20)
+	if err := b.readAt(got, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	want := append(append(bytes.Repeat([]byte{0x5a}, 1<<20), make([]byte, 2<<20)...), bytes.Repeat([]byte{0x5a}, 1<<20)...)
+	if !bytes.Equal(got, want) {
+		t.Error("zeroed ranges wrong or spilled over")
+	}
+}
