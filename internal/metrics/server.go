@@ -20,12 +20,12 @@ type Server struct {
 	S *transport.Server
 	R *rnbd.Server // may be nil
 
-	g                                              guard
-	ds                                             descs
-	sessions, paths, chunkMem, rejected, refused   *prometheus.Desc
-	reqs, bytes, inflight, state, hbRTT            *prometheus.Desc
-	rnbdReqs, rnbdZC, rnbdFUA, rnbdErrors, devOpen *prometheus.Desc
-	devices, openRefused                           *prometheus.Desc
+	g                                                         guard
+	ds                                                        descs
+	sessions, paths, chunkMem, rejected, refused              *prometheus.Desc
+	reqs, bytes, inflight, state, hbRTT                       *prometheus.Desc
+	rnbdReqs, rnbdZC, rnbdFUA, rnbdFlags, rnbdErrors, devOpen *prometheus.Desc
+	devices, openRefused                                      *prometheus.Desc
 }
 
 // NewServer returns the collector of s and its RNBD server r.
@@ -46,6 +46,7 @@ func NewServer(s *transport.Server, r *rnbd.Server) *Server {
 	m.rnbdReqs = m.ds.add("rtrs_rnbd_server_requests_total", "RNBD requests served, by operation.", "op")
 	m.rnbdZC = m.ds.add("rtrs_rnbd_server_zero_copy_reads_total", "Reads answered straight from the page cache (a part of the reads).")
 	m.rnbdFUA = m.ds.add("rtrs_rnbd_server_fua_writes_total", "Writes with FUA (a part of the writes).")
+	m.rnbdFlags = m.ds.add("rtrs_rnbd_server_request_flags_total", "RNBD requests by protocol 2.2 flag: preflush, nounmap.", "flag")
 	m.rnbdErrors = m.ds.add("rtrs_rnbd_server_errors_total", "RNBD requests answered with an error.")
 	m.openRefused = m.ds.add("rtrs_rnbd_server_open_refusals_total", "OPENs (map_device) answered with an error, by errno: ENOENT no such export, EACCES outside the search path or the ACL, EPERM the access mode, EEXIST open in another mode.", "errno")
 	m.devices = m.ds.add("rtrs_rnbd_server_devices", "Devices the session has open.", "session")
@@ -120,6 +121,8 @@ func (m *Server) Collect(ch chan<- prometheus.Metric) {
 	}
 	e.counter(m.rnbdZC, st.ZeroCopyReads.Total())
 	e.counter(m.rnbdFUA, st.FUAWrites.Total())
+	e.counter(m.rnbdFlags, st.Preflushes.Total(), "preflush")
+	e.counter(m.rnbdFlags, st.NoUnmapZeroes.Total(), "nounmap")
 	e.counter(m.rnbdErrors, st.Errors.Total())
 	perSess := map[string]int{}
 	for _, ss := range sessions {

@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -309,5 +310,51 @@ func TestLibnbdStartTLS(t *testing.T) {
 	}
 	if out, err := exec.Command("nbdinfo", "nbds://"+ln.Addr().String()+"/blk/disk?tls-certificates="+nocert).CombinedOutput(); err == nil {
 		t.Fatalf("nbdinfo without a client certificate was served:\n%s", out)
+	}
+}
+
+// TestRangeOpsOverRNBD sends TRIM and WRITE_ZEROES with and without NO_HOLE through the whole
+// chain: the RNBD server sees DISCARD and WRITE_ZEROES, with NOUNMAP only for NO_HOLE, and the
+// backing file keeps exactly the NO_HOLE range allocated.
+func TestRangeOpsOverRNBD(t *testing.T) {
+	leakcheck.Check(t)
+	st := newStack(t, 4<<20)
+	cl := nbd.DialRaw(t, st.sock, "blk/disk")
+	if cl.Flags()&(nbd.TFlagSendTrim|nbd.TFlagWriteZeroes) != nbd.TFlagSendTrim|nbd.TFlagWriteZeroes {
+		t.Fatalf("flags %#x: TRIM or WRITE_ZEROES not advertised", cl.Flags())
+	}
+	if e := cl.Do(nbd.Request{Type: nbd.CmdWrite, Cookie: 1, Length: 4 << 20}, bytes.Repeat([]byte{0xa5}, 4<<20)); e != 0 {
+		t.Fatalf("write: errno %d", e)
+	}
+	blocks := func() int64 {
+		var s syscall.Stat_t
+		if err := syscall.Stat(st.backing, &s); err != nil {
+			t.Fatal(err)
+		}
+		return s.Blocks
+	}
+	full := blocks()
+	for i, r := range []nbd.Request{
+		{Type: nbd.CmdTrim, Offset: 1 << 20, Length: 1 << 20},
+		{Type: nbd.CmdWriteZeroes, Offset: 2 << 20, Length: 1 << 20},
+		{Type: nbd.CmdWriteZeroes, Flags: nbd.CmdFlagNoHole, Offset: 3 << 20, Length: 1 << 20},
+	} {
+		r.Cookie = uint64(10 + i)
+		if e := cl.Do(r, nil); e != 0 {
+			t.Fatalf("%+v: errno %d", r, e)
+		}
+	}
+	s := &st.rs.Stats
+	if s.Discards.Value() != 1 || s.WriteZeroes.Value() != 2 || s.NoUnmapZeroes.Value() != 1 {
+		t.Errorf("server saw discards %d write zeroes %d (nounmap %d), want 1 2 1",
+			s.Discards.Value(), s.WriteZeroes.Value(), s.NoUnmapZeroes.Value())
+	}
+	// Two of the four MiB punched, the NO_HOLE one still allocated.
+	if got, want := blocks(), full-2*(1<<20)/512; got != want {
+		t.Errorf("%d blocks allocated after TRIM and WRITE_ZEROES, want %d", got, want)
+	}
+	data, err := os.ReadFile(st.backing)
+	if err != nil || !bytes.Equal(data[1<<20:], make([]byte, 3<<20)) || data[1<<20-1] != 0xa5 {
+		t.Errorf("backing file not zeroed as asked (%v)", err)
 	}
 }

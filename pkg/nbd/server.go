@@ -27,7 +27,16 @@ type Device interface {
 	WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error
 	Flush(ctx context.Context) error
 	Discard(ctx context.Context, off, n int64) error
-	WriteZeroes(ctx context.Context, off, n int64) error
+	// WriteZeroes zeroes the range; noUnmap (NBD_CMD_FLAG_NO_HOLE) keeps it allocated.
+	WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) error
+}
+
+// RangeOps is implemented by a Device that takes DISCARD or WRITE_ZEROES only where its
+// backend does (rnbd.Device: what the RNBD server announced). Without it a writable export
+// advertises both.
+type RangeOps interface {
+	CanDiscard() bool
+	CanWriteZeroes() bool
 }
 
 // Export is one named device.
@@ -382,9 +391,14 @@ func (c *conn) startTLS(n uint32) error {
 func (c *conn) tflags() uint16 {
 	f := uint16(tflagHasFlags | tflagSendFlush | tflagSendFUA | tflagCanMultiConn)
 	if c.exp.ReadOnly {
-		f |= tflagReadOnly
-	} else {
-		f |= tflagSendTrim | tflagWriteZeroes
+		return f | tflagReadOnly
+	}
+	ro, ok := c.exp.Dev.(RangeOps)
+	if !ok || ro.CanDiscard() {
+		f |= tflagSendTrim
+	}
+	if !ok || ro.CanWriteZeroes() {
+		f |= tflagWriteZeroes
 	}
 	return f
 }
@@ -631,7 +645,7 @@ func (c *conn) serve(req Request, payload []byte) {
 			err = d.Flush(ctx)
 		}
 	case CmdWriteZeroes:
-		if err = d.WriteZeroes(ctx, off, n); err == nil && fua {
+		if err = d.WriteZeroes(ctx, off, n, req.Flags&CmdFlagNoHole != 0); err == nil && fua {
 			err = d.Flush(ctx)
 		}
 	}

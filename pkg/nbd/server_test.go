@@ -19,12 +19,13 @@ import (
 
 func TestMain(m *testing.M) { testutil.Main(m) }
 
-// memDev is a Device in memory that counts flushes.
+// memDev is a Device in memory that counts flushes, FUA writes, and zeroings by kind.
 type memDev struct {
-	mu      sync.Mutex
-	b       []byte
-	flushes int
-	fua     int
+	mu                       sync.Mutex
+	b                        []byte
+	flushes                  int
+	fua                      int
+	discards, zeroes, noHole int
 }
 
 func (m *memDev) Size() int64    { return int64(len(m.b)) }
@@ -46,14 +47,31 @@ func (m *memDev) WriteAtContext(_ context.Context, p []byte, off int64, fua bool
 }
 func (m *memDev) Flush(context.Context) error { m.mu.Lock(); m.flushes++; m.mu.Unlock(); return nil }
 func (m *memDev) Discard(_ context.Context, off, n int64) error {
-	return m.WriteZeroes(context.Background(), off, n)
-}
-func (m *memDev) WriteZeroes(_ context.Context, off, n int64) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.discards++
 	clear(m.b[off : off+n])
 	return nil
 }
+func (m *memDev) WriteZeroes(_ context.Context, off, n int64, noUnmap bool) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.zeroes++
+	if noUnmap {
+		m.noHole++
+	}
+	clear(m.b[off : off+n])
+	return nil
+}
+
+// rangeDev is a memDev whose backend takes DISCARD or WRITE_ZEROES only as told (RangeOps).
+type rangeDev struct {
+	*memDev
+	discard, writeZeroes bool
+}
+
+func (r rangeDev) CanDiscard() bool     { return r.discard }
+func (r rangeDev) CanWriteZeroes() bool { return r.writeZeroes }
 
 // client is a minimal NBD client for tests: handshake with GO, then requests.
 type client struct {
@@ -586,4 +604,41 @@ func TestPlugging(t *testing.T) {
 		t.Fatalf("%d plugs, %d requests held after every reply came", plugs, held)
 	}
 	cl.c.Close()
+}
+
+// TestTrimWriteZeroes: TRIM becomes a discard, WRITE_ZEROES a zeroing that keeps the range
+// allocated exactly when NO_HOLE is set; TRIM and WRITE_ZEROES are advertised only where the
+// device takes them.
+func TestTrimWriteZeroes(t *testing.T) {
+	leakcheck.Check(t)
+	dev := &memDev{b: bytes.Repeat([]byte{7}, 1<<20)}
+	sock := startServer(t, Export{Name: "d", Dev: dev},
+		Export{Name: "none", Dev: rangeDev{memDev: dev}},
+		Export{Name: "trim", Dev: rangeDev{memDev: dev, discard: true}},
+		Export{Name: "wz", Dev: rangeDev{memDev: dev, writeZeroes: true}})
+	for name, want := range map[string]uint16{"d": tflagSendTrim | tflagWriteZeroes, "none": 0,
+		"trim": tflagSendTrim, "wz": tflagWriteZeroes} {
+		if got := dial(t, sock, name).flags & (tflagSendTrim | tflagWriteZeroes); got != want {
+			t.Errorf("export %s: trim/write-zeroes flags %#x, want %#x", name, got, want)
+		}
+	}
+	cl := dial(t, sock, "d")
+	cl.send(Request{Type: CmdTrim, Cookie: 1, Offset: 4096, Length: 4096}, nil)
+	cl.send(Request{Type: CmdWriteZeroes, Cookie: 2, Offset: 16384, Length: 8192}, nil)
+	cl.send(Request{Type: CmdWriteZeroes, Flags: CmdFlagNoHole, Cookie: 3, Offset: 65536, Length: 512}, nil)
+	for i := 0; i < 3; i++ {
+		if ck, e, _ := cl.recv(0); e != 0 {
+			t.Fatalf("request %d: errno %d", ck, e)
+		}
+	}
+	dev.mu.Lock()
+	defer dev.mu.Unlock()
+	if dev.discards != 1 || dev.zeroes != 2 || dev.noHole != 1 {
+		t.Errorf("discards %d zeroings %d of them no-hole %d, want 1 2 1", dev.discards, dev.zeroes, dev.noHole)
+	}
+	for _, r := range [][2]int{{4096, 4096}, {16384, 8192}, {65536, 512}} {
+		if !bytes.Equal(dev.b[r[0]:r[0]+r[1]], make([]byte, r[1])) || dev.b[r[0]-1] != 7 || dev.b[r[0]+r[1]] != 7 {
+			t.Errorf("range %d+%d not zeroed exactly", r[0], r[1])
+		}
+	}
 }

@@ -313,19 +313,35 @@ func (b *backing) discard(off, n int64) error {
 	return unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
 }
 
-// writeZeroes makes the range read as zeroes: BLKZEROOUT, or for a file ZERO_RANGE, a
-// punched hole where that is not supported (tmpfs), and written zeroes as the last resort.
-func (b *backing) writeZeroes(off, n int64) error {
+// writeZeroes makes the range read as zeroes. noUnmap (RNBD_F_NOUNMAP) keeps it allocated:
+// BLKZEROOUT on a block device, for a file ZERO_RANGE, or where that is not supported (tmpfs) a
+// punched hole allocated again, or written zeroes as the last resort. Without it the range may
+// be deallocated: a punched hole (on a block device, fallocate's PUNCH_HOLE, which zeroes by
+// unmapping where the device can), falling back to the allocating ways.
+func (b *backing) writeZeroes(off, n int64, noUnmap bool) error {
+	if !noUnmap {
+		err := unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+		if !unsupported(err) {
+			return err
+		}
+	}
 	if b.bdev {
 		r := [2]uint64{uint64(off), uint64(n)}
 		return ioctlPtr(b.fd, unix.BLKZEROOUT, unsafe.Pointer(&r))
 	}
 	err := unix.Fallocate(b.fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n)
-	if err == nil || (err != unix.EOPNOTSUPP && err != unix.EINVAL) {
+	if !unsupported(err) {
 		return err
 	}
-	if err = unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n); err == nil || (err != unix.EOPNOTSUPP && err != unix.EINVAL) {
-		return err
+	if noUnmap {
+		// A hole allocated again reads as zeroes and keeps its blocks, without writing them.
+		err = unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+		if err == nil {
+			err = unix.Fallocate(b.fd, unix.FALLOC_FL_KEEP_SIZE, off, n)
+		}
+		if !unsupported(err) {
+			return err
+		}
 	}
 	zero := make([]byte, min(n, 1<<20))
 	for n > 0 {
@@ -337,6 +353,9 @@ func (b *backing) writeZeroes(off, n int64) error {
 	}
 	return nil
 }
+
+// unsupported: the file system or device does not do this fallocate mode.
+func unsupported(err error) bool { return err == unix.EOPNOTSUPP || err == unix.EINVAL }
 
 // close unmaps and closes; no IO may be running (the device's lock sees to it).
 func (b *backing) close() error {

@@ -803,15 +803,30 @@ func (d *Device) Flush(ctx context.Context) error {
 
 // Discard deallocates whole blocks; they read back as zeroes from a file export.
 func (d *Device) Discard(ctx context.Context, off, n int64) error {
-	return d.rangeOp(ctx, OpDiscard, off, n, d.Geometry().MaxDiscardSectors)
+	return d.rangeOp(ctx, OpDiscard, 0, off, n, d.Geometry().MaxDiscardSectors)
 }
 
-// WriteZeroes makes whole blocks read back as zeroes without sending them.
-func (d *Device) WriteZeroes(ctx context.Context, off, n int64) error {
-	return d.rangeOp(ctx, OpWriteZeroes, off, n, d.Geometry().MaxWriteZeroesSectors)
+// WriteZeroes makes whole blocks read back as zeroes without sending them; noUnmap asks the
+// server to keep them allocated (RNBD_F_NOUNMAP: a 2.2 server does, a 2.0 one ignores it and
+// may deallocate them). A server that announces no write-zeroes limit (Linux 6.1's) gets none:
+// EOPNOTSUPP, as its op 5 was WRITE_SAME, which it cannot serve.
+func (d *Device) WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) error {
+	flags := uint32(0)
+	if noUnmap {
+		flags = FlagNoUnmap
+	}
+	return d.rangeOp(ctx, OpWriteZeroes, flags, off, n, d.Geometry().MaxWriteZeroesSectors)
 }
 
-func (d *Device) rangeOp(ctx context.Context, op Op, off, n int64, maxSect uint32) error {
+// CanDiscard says whether the server takes DISCARD on this device (its open response
+// announced a discard limit; not on an ro mapping).
+func (d *Device) CanDiscard() bool { return d.Geometry().MaxDiscardSectors != 0 }
+
+// CanWriteZeroes says whether the server takes WRITE_ZEROES on this device: a server of
+// Linux 6.12 or later, or ours, on a writable mapping.
+func (d *Device) CanWriteZeroes() bool { return d.Geometry().MaxWriteZeroesSectors != 0 }
+
+func (d *Device) rangeOp(ctx context.Context, op Op, flags uint32, off, n int64, maxSect uint32) error {
 	if maxSect == 0 {
 		return fmt.Errorf("rnbd: %v not supported on %q: %w", op, d.path, syscall.EOPNOTSUPP)
 	}
@@ -822,7 +837,7 @@ func (d *Device) rangeOp(ctx context.Context, op Op, off, n int64, maxSect uint3
 	max := int(min(int64(maxSect)*SectorSize, 1<<30))
 	max -= max % lbs
 	return split(off, n, max, func(o int64, k int) error {
-		return d.submit(ctx, op, 0, o, k, nil)
+		return d.submit(ctx, op, flags, o, k, nil)
 	})
 }
 

@@ -9,10 +9,12 @@ import (
 	"syscall"
 )
 
-// Protocol version (RNBD_PROTO_VER_MAJOR/MINOR); only the major number is exchanged.
+// Protocol version (RNBD_PROTO_VER_MAJOR/MINOR): 2.2, the flags PREFLUSH and NOUNMAP of
+// Linux 7.2. Only the major number is exchanged (SESS_INFO), so a peer's minor is never
+// known: what a peer takes is learnt from the open response's limits instead.
 const (
 	ProtoVerMajor = 2
-	ProtoVerMinor = 0
+	ProtoVerMinor = 2
 )
 
 // MsgType is rnbd_msg_hdr.type.
@@ -97,12 +99,17 @@ func (o Op) String() string {
 	return fmt.Sprintf("op(%d)", uint8(o))
 }
 
-// Flags of rnbd_msg_io.rw above the operation.
+// Flags of rnbd_msg_io.rw above the operation (RNBD_F_*). PREFLUSH and NOUNMAP are protocol
+// 2.2's: a server of 2.0 (Linux 6.1, 6.12) ignores them.
 const (
 	FlagSync uint32 = 1 << 8
 	FlagFUA  uint32 = 1 << 9
-	opMask   uint32 = 0xff
-	flagsAll        = FlagSync | FlagFUA
+	// FlagPreflush: flush the volatile cache before the operation.
+	FlagPreflush uint32 = 1 << 10
+	// FlagNoUnmap: WRITE_ZEROES only; the zeroed range stays allocated.
+	FlagNoUnmap uint32 = 1 << 11
+	opMask      uint32 = 0xff
+	flagsAll           = FlagSync | FlagFUA | FlagPreflush | FlagNoUnmap
 )
 
 // Cache policy bits of MsgTypeOpenRsp.CachePolicy (enum rnbd_cache_policy).
@@ -280,8 +287,8 @@ func (m MsgIO) Put(b []byte) {
 	clear(b[26:IOSize])
 }
 
-// Unmarshal reads an IO header; unknown operations or flags are refused (the kernel's
-// rnbd_flags_supported).
+// Unmarshal reads an IO header. Unknown operations or flags are refused (EOPNOTSUPP), as is
+// NOUNMAP on anything but WRITE_ZEROES, where no kernel client puts it.
 func (m *MsgIO) Unmarshal(b []byte) error {
 	if err := checkHdr(b, MsgTypeIO, IOSize); err != nil {
 		return err
@@ -289,7 +296,8 @@ func (m *MsgIO) Unmarshal(b []byte) error {
 	le := binary.LittleEndian
 	*m = MsgIO{DeviceID: le.Uint32(b[4:]), Sector: le.Uint64(b[8:]), RW: le.Uint32(b[16:]),
 		BiSize: le.Uint32(b[20:]), Prio: le.Uint16(b[24:])}
-	if Op(m.RW&opMask) >= opLast || m.RW&^(opMask|flagsAll) != 0 {
+	if Op(m.RW&opMask) >= opLast || m.RW&^(opMask|flagsAll) != 0 ||
+		(m.RW&FlagNoUnmap != 0 && m.Op() != OpWriteZeroes) {
 		return fmt.Errorf("rnbd: io flags %#x: %w", m.RW, syscall.EOPNOTSUPP)
 	}
 	return nil

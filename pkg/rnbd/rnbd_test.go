@@ -609,7 +609,7 @@ func TestFlushFUADiscard(t *testing.T) {
 	if after := blocks(); after > before-(1<<20)/512 {
 		t.Fatalf("discard of 1 MiB: %d → %d blocks allocated", before, after)
 	}
-	if err := d.WriteZeroes(ctx, 3<<20, 64<<10); err != nil {
+	if err := d.WriteZeroes(ctx, 3<<20, 64<<10, false); err != nil {
 		t.Fatal(err)
 	}
 	f, _ = os.ReadFile(path)

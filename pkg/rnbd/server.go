@@ -48,9 +48,11 @@ const DefaultZeroCopyReadMin = 64 << 10
 // ServerStats count what the server did to its exports, across sessions. They are counted
 // per CPU (stats.Sharded, the chunk as the hint where the CPU number is dear), so the
 // connections of a path do not pass cache lines between CPUs per IO. ZeroCopyReads are the
-// Reads sent straight from the page cache.
+// Reads sent straight from the page cache. Preflushes count the requests with RNBD_F_PREFLUSH
+// (a flush before the operation), NoUnmapZeroes the WRITE_ZEROES with RNBD_F_NOUNMAP.
 type ServerStats struct {
 	Reads, ZeroCopyReads, Writes, FUAWrites, Flushes, Discards, WriteZeroes, Errors stats.Sharded
+	Preflushes, NoUnmapZeroes                                                       stats.Sharded
 }
 
 // Server serves RNBD requests from RTRS: it is the transport server's Handler.
@@ -486,13 +488,18 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 		MaxSegments:       128,
 		CachePolicy:       CacheFUA | CacheWriteback,
 	}
+	// A client of 6.12 or later sends WRITE_ZEROES only when max_write_zeroes_sectors is not 0,
+	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0.
 	if d.mode != AccessRO {
-		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = 1<<22, 1<<22
+		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = maxRangeSectors, maxRangeSectors
 		rsp.DiscardGranularity = uint32(b.pbs)
 	}
 	rsp.Put(buf)
 	return nil
 }
+
+// maxRangeSectors is the largest DISCARD and WRITE_ZEROES the server announces and takes.
+const maxRangeSectors = 1 << 22
 
 func (s *Server) processClose(r *transport.SrvRequest) error {
 	var m MsgClose
@@ -601,13 +608,20 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 		if nowait {
 			return errWouldBlock
 		}
+		// A 7.2 client's flush carries PREFLUSH too (0x702): one fdatasync is both.
+		if m.RW&FlagPreflush != 0 {
+			s.Stats.Preflushes.Inc(r.ID())
+		}
 		s.Stats.Flushes.Inc(r.ID())
 		return backingErr(b.flush())
 	case OpSecureErase:
 		return fmt.Errorf("rnbd: SECURE_ERASE: %w", syscall.EOPNOTSUPP)
-	default: // DISCARD, WRITE_ZEROES: a range, no data
+	default: // DISCARD, WRITE_ZEROES: a range in bi_size, no data
 		if len(r.Data) != 0 {
 			return fmt.Errorf("rnbd: %v with data: %w", op, syscall.EINVAL)
+		}
+		if m.BiSize > maxRangeSectors*SectorSize {
+			return fmt.Errorf("rnbd: %v of %d bytes, above the announced %d sectors: %w", op, m.BiSize, maxRangeSectors, syscall.EINVAL)
 		}
 	}
 	if r.Dir != want {
@@ -619,9 +633,16 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 		return fmt.Errorf("rnbd: %v of %d bytes at sector %d on a %d-byte device with %d-byte blocks: %w",
 			op, n, m.Sector, b.size, lbs, syscall.EINVAL)
 	}
-	fua := m.RW&FlagFUA != 0
-	if nowait && (fua || (op != OpRead && op != OpWrite)) {
+	fua, preflush := m.RW&FlagFUA != 0, m.RW&FlagPreflush != 0
+	if nowait && (fua || preflush || (op != OpRead && op != OpWrite)) {
 		return errWouldBlock
+	}
+	if preflush {
+		// What came before must be durable before this runs (REQ_PREFLUSH).
+		s.Stats.Preflushes.Inc(r.ID())
+		if err := b.flush(); err != nil {
+			return backingErr(err)
+		}
 	}
 	var err error
 	switch op {
@@ -651,7 +672,11 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 		err = b.discard(int64(off), int64(n))
 	case OpWriteZeroes:
 		s.Stats.WriteZeroes.Inc(r.ID())
-		err = b.writeZeroes(int64(off), int64(n))
+		noUnmap := m.RW&FlagNoUnmap != 0
+		if noUnmap {
+			s.Stats.NoUnmapZeroes.Inc(r.ID())
+		}
+		err = b.writeZeroes(int64(off), int64(n), noUnmap)
 	}
 	if err == nil && fua && op != OpWrite && op != OpRead {
 		err = b.flush()
