@@ -91,6 +91,8 @@ go test -race -count=1 -timeout 20m ./...
 echo "== load: 64 clients × 2 paths × QD128 at once, the server restarted under them (no race detector)"
 go test -count=1 -timeout 10m -run '^TestLoadStorm$' -v ./pkg/transport | grep -E '^(=== RUN|--- |ok|FAIL|PASS)|load_test'
 
+echo "== VM bed helpers (host side, made-up inputs)"
+scripts/vm/selftest.sh
 echo "== VM suites (rxe verbs in a qemu VM: scripts/vmtest.sh)"
 # Real RDMA: Debian's kernel with Soft-RoCE in a VM, the verbs provider's conformance and
 # engine tests, both daemons over verbs, rdma-perf beside perftest, interoperation with the

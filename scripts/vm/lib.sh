@@ -159,6 +159,35 @@ vm_load_kernel_rtrs() {
 	done
 }
 
+# vm_require_tests LOG NAME...: LOG (a Go test binary's -test.v output) shows every NAME as
+# "--- PASS: NAME", no test skipped and no "no tests to run": a -test.run selection whose name
+# no longer matches (a renamed or removed test), or a test that skips, fails the caller
+# instead of passing with nothing run. Says what is missing.
+vm_require_tests() {
+	local log=$1 n bad=0
+	shift
+	[ $# -gt 0 ] || vm_die "vm_require_tests: no test names"
+	if [ ! -s "$log" ]; then
+		vm_log "$log: empty or missing"
+		return 1
+	fi
+	if grep -q 'no tests to run' "$log"; then
+		vm_log "$log: no tests to run (a selection that matches nothing)"
+		bad=1
+	fi
+	if grep -q -- '--- SKIP' "$log"; then
+		vm_log "$log: skipped: $(grep -- '--- SKIP' "$log" | tr -s ' \n' ' ')"
+		bad=1
+	fi
+	for n in "$@"; do
+		if ! awk -v n="$n" '$1 == "---" && $2 == "PASS:" && $3 == n { found = 1 } END { exit !found }' "$log"; then
+			vm_log "$log: no \"--- PASS: $n\""
+			bad=1
+		fi
+	done
+	return "$bad"
+}
+
 # Run on exit of every suite shell: stop what the suite left running in the background.
 vm_cleanup() {
 	local pids

@@ -81,11 +81,7 @@ suite_body() {
 
 	echo "== pkg/nbd's Attach against the kernel (TestKernelAttach)"
 	RTRS_TEST_NBD=1 nbd.test -test.run '^TestKernelAttach$' -test.v -test.count 1 2>&1 | tee $T/kernel-test.out
-	if grep -q -- '--- SKIP' $T/kernel-test.out; then
-		echo "TestKernelAttach skipped"
-		return 1
-	fi
-	grep -q -- '--- PASS: TestKernelAttach' $T/kernel-test.out
+	vm_require_tests $T/kernel-test.out TestKernelAttach
 
 	rtrs-serverd -provider verbs -config /dev/null -listen "$A1:$PORT" -dev-search-path $T/exports \
 		-mount $T/srv -rnbd-mount $T/rnbd -names-file $T/names.json >$T/serverd.log 2>&1 &

@@ -40,9 +40,7 @@ guest() {
 	}
 	part "conformance over verbs ($D)" conformance "$A1" "$A2" "$D"
 	part "provider choice" pick.test -test.v -test.count 1
-	part "transport engine tests over verbs" env RTRS_TEST_PROVIDER=verbs RTRS_TEST_ADDR1="$A1" \
-		RTRS_TEST_ADDR2="$A2" transport.test -test.v -test.timeout 600s -test.count 1 \
-		-test.run '^(TestOpenAndRandomIO|TestFailoverMidIO|TestStaleRkeyRefused)$'
+	part "transport engine tests over verbs" transport_tests "$A1" "$A2"
 	part "daemons with -provider verbs" daemons "$A1" "$A2" "$D"
 	part "rdma-perf beside perftest on $D" perf "$A1" "$D"
 	if [ ${#failed[@]} -gt 0 ]; then
@@ -56,6 +54,17 @@ conformance() {
 		verbs.test -test.v -test.timeout 900s -test.count 1 2>&1 | tee /tmp/verbs.out
 	# Every test here has its device: a skip means a piece is missing.
 	! grep -- '--- SKIP' /tmp/verbs.out
+}
+
+# transport_tests A1 A2: the transport's engine tests that need a real provider, selected by
+# name; each must have run and passed (a renamed test would otherwise leave the selection empty
+# and the part green).
+transport_tests() {
+	local tests=(TestOpenAndRandomIO TestFailoverMidIO TestStaleRkeyRefused) sel
+	sel=$(IFS='|' && printf '^(%s)$' "${tests[*]}")
+	RTRS_TEST_PROVIDER=verbs RTRS_TEST_ADDR1=$1 RTRS_TEST_ADDR2=$2 transport.test -test.v \
+		-test.timeout 600s -test.count 1 -test.run "$sel" 2>&1 | tee /tmp/transport.out
+	vm_require_tests /tmp/transport.out "${tests[@]}"
 }
 
 perf() {
@@ -114,7 +123,11 @@ daemons() {
 }
 
 # perf_compare A1 DEV: markdown table of rdma-perf over verbs beside perftest, five rounds on
-# the same device, which of the two goes first alternating, and the medians. Like with like:
+# the same device, which of the two goes first alternating, and the medians over the rounds
+# that measured all four figures (an even count of them: the mean of the two middle values).
+# One unit for bandwidth: MB/s of 10^6 bytes, rdma-perf's; perftest's "BW average[MB/sec]" is
+# 2^20 bytes per second (its MB format factor is 0x100000), so it is multiplied by 1.048576
+# before it is shown or compared. Like with like:
 # RDMA_WRITE 1 MiB with 16 in flight on both (ib_write_bw -t 16), and 8-byte SEND latency with
 # busy polling on both sides (perftest's default; rdma-perf -mode poll, whose server then polls
 # too), as one-way latency: perftest reports half the round trip (t_typical), so rdma-perf's
@@ -125,7 +138,7 @@ perf_compare() {
 	rdma-perf -provider verbs -listen "$A1:18600" >/tmp/rdma-perf-server.log 2>&1 &
 	local rp=$!
 	vm_wait 20 vm_tcp_listening 18601
-	echo "| round | rdma-perf write_bw 1 MiB (MB/s) | ib_write_bw 1 MiB (MB/s) | ratio | rdma-perf send_lat 8 B p50/2 (us) | ib_send_lat 8 B t_typical (us) | ratio |"
+	echo "| round | rdma-perf write_bw 1 MiB (MB/s, 10^6 B/s) | ib_write_bw 1 MiB (MB/s, 10^6 B/s: its MB/sec × 1.048576) | ratio | rdma-perf send_lat 8 B p50/2 (us) | ib_send_lat 8 B t_typical (us) | ratio |"
 	echo "|---|---|---|---|---|---|---|"
 	for i in 1 2 3 4 5; do
 		ours_bw() {
@@ -133,7 +146,9 @@ perf_compare() {
 				sed -n 's/.*"mb_per_s": *\([0-9.]*\).*/\1/p')
 		}
 		theirs_bw() {
-			pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 | awk '$1 == 1048576 {print $4; exit}')
+			# perftest's MB/sec is 2^20 B/s: in 10^6 B/s, like rdma-perf's.
+			pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 |
+				awk '$1 == 1048576 { printf "%.2f", $4 * 1048576 / 1e6; exit }')
 		}
 		ours_lat() {
 			ol=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -iters 2000 -json |
@@ -151,7 +166,7 @@ perf_compare() {
 				printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", i, ow, pw, ow / pw, ol / 2, pl, ol / 2 / pl
 			else
 				printf "| %d | %s | %s | - | %s | %s | - |\n", i, ow, pw, ol, pl }'
-		ow= pw= ol= pl=
+		ow='' pw='' ol='' pl=''
 	done | tee /tmp/perf-rounds
 	grep -v -- '| - |' /tmp/perf-rounds >/tmp/perf-complete || true
 	local n
@@ -161,16 +176,26 @@ perf_compare() {
 		kill $rp
 		return 1
 	fi
-	# Medians of each column over the complete rounds.
+	# Medians of each column over the complete rounds: the middle value, or the mean of the two
+	# middle ones for an even count (ratios to two places, the rest to one).
 	local c line="| median |"
 	for c in 3 4 5 6 7 8; do
-		line="$line $(cut -d'|' -f$c /tmp/perf-complete | sort -g | sed -n "$(((n + 1) / 2))p" | tr -d ' ') |"
+		line="$line $(cut -d'|' -f$c /tmp/perf-complete | median "$([ "$c" = 5 ] || [ "$c" = 8 ] && echo 2 || echo 1)") |"
 	done
 	echo "$line"
 	echo
 	echo "rdma-perf server CPU (user+sys ticks): $(awk '{print $14 + $15}' /proc/$rp/stat)"
 	kill $rp
 	wait $rp || true
+}
+
+# median PLACES: the median of the numbers on stdin (one a line), with PLACES decimals; the
+# mean of the two middle values when the count is even.
+median() {
+	sort -g | awk -v p="$1" '{ v[NR] = $1 } END {
+		if (NR == 0) exit 1
+		m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+		printf "%.*f\n", p, m }'
 }
 
 # perftest_pair TOOL ARGS...: a perftest server and client on the first address; the client's

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Host-side checks of lib.sh's helpers that need no VM, on made-up inputs (scripts/test.sh runs
+# it): vm_require_tests against Go test logs that pass, and against each way a selection by
+# name can come out empty or short.
+set -euo pipefail
+# shellcheck source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+t=$(mktemp -d)
+trap 'rm -rf "$t"' EXIT
+fails=0
+
+# expect WANT LOG NAME...: vm_require_tests' verdict on LOG is WANT (pass or fail).
+expect() {
+	local want=$1 got=pass
+	shift
+	vm_require_tests "$@" 2>"$t/err" || got=fail
+	if [ "$got" != "$want" ]; then
+		echo "FAIL: vm_require_tests $*: $got, want $want ($(tr '\n' ' ' <"$t/err"))"
+		fails=$((fails + 1))
+	fi
+}
+
+cat >"$t/ok" <<'LOG'
+=== RUN   TestA
+--- PASS: TestA (0.01s)
+=== RUN   TestB
+=== RUN   TestB/sub
+    --- PASS: TestB/sub (0.00s)
+--- PASS: TestB (1.20s)
+PASS
+LOG
+expect pass "$t/ok" TestA TestB
+expect pass "$t/ok" TestB/sub
+# A name the selection was meant to run but did not (renamed): no PASS line for it.
+expect fail "$t/ok" TestA TestC
+# A prefix is not the name.
+expect fail "$t/ok" TestB/su
+
+printf 'testing: warning: no tests to run\nPASS\n' >"$t/none"
+expect fail "$t/none" TestA
+
+cat >"$t/skip" <<'LOG'
+=== RUN   TestA
+--- PASS: TestA (0.01s)
+=== RUN   TestB
+    b_test.go:9: no device
+--- SKIP: TestB (0.00s)
+PASS
+LOG
+expect fail "$t/skip" TestA
+expect fail "$t/skip" TestA TestB
+
+cat >"$t/failed" <<'LOG'
+=== RUN   TestA
+--- FAIL: TestA (0.01s)
+FAIL
+LOG
+expect fail "$t/failed" TestA
+
+: >"$t/empty"
+expect fail "$t/empty" TestA
+expect fail "$t/missing-file" TestA
+
+# A PASS of the name in the middle of a line (a log message) does not count.
+printf 'x.go:1: saw --- PASS: TestA (0.00s)\nPASS\n' >"$t/quoted"
+expect fail "$t/quoted" TestA
+
+if [ "$fails" -gt 0 ]; then
+	echo "selftest: $fails failed"
+	exit 1
+fi
+echo "selftest: vm_require_tests ok"
