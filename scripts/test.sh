@@ -89,7 +89,10 @@ sc_bin="$(go env GOPATH)/bin/staticcheck"
 echo "== go test -race"
 go test -race -count=1 -timeout 20m ./...
 echo "== load: 64 clients × 2 paths × QD128 at once, the server restarted under them (no race detector)"
-go test -count=1 -timeout 10m -run '^TestLoadStorm$' -v ./pkg/transport | grep -E '^(=== RUN|--- |ok|FAIL|PASS)|load_test'
+go test -count=1 -timeout 10m -run '^TestLoadStorm$' -v ./pkg/transport | tee /tmp/rtrs-loadstorm.log |
+	grep -E '^(=== RUN|--- |ok|FAIL|PASS)|load_test'
+# Selected by name: a renamed test must not pass as "no tests to run".
+grep -q '^--- PASS: TestLoadStorm ' /tmp/rtrs-loadstorm.log || { echo "TestLoadStorm did not run and pass"; exit 1; }
 
 echo "== VM bed helpers (host side, made-up inputs)"
 scripts/vm/selftest.sh

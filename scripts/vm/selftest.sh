@@ -65,8 +65,35 @@ expect fail "$t/missing-file" TestA
 printf 'x.go:1: saw --- PASS: TestA (0.00s)\nPASS\n' >"$t/quoted"
 expect fail "$t/quoted" TestA
 
+# vm_check_layout: the work folder's copy as vmtest.sh makes it passes; without apt-install.sh
+# (the copy of 4799879, which failed on a fresh machine only) or without a suite's file it fails.
+here=$(dirname "${BASH_SOURCE[0]}")
+layout() { # layout DIR: the scripts copied as vmtest.sh copies them
+	mkdir -p "$1/vm/suites"
+	cp "$here/lib.sh" "$here/guest.sh" "$1/vm/"
+	cp "$here/../apt-install.sh" "$1/"
+	cp "$here"/suites/*.sh "$1/vm/suites/"
+}
+check_layout() { # check_layout WANT DIR GENERATED...
+	local want=$1 got=pass
+	shift
+	vm_check_layout "$@" 2>"$t/err" || got=fail
+	if [ "$got" != "$want" ]; then
+		echo "FAIL: vm_check_layout $*: $got, want $want ($(tr '\n' ' ' <"$t/err"))"
+		fails=$((fails + 1))
+	fi
+}
+layout "$t/w1"
+check_layout pass "$t/w1" env.sh
+check_layout fail "$t/w1" # env.sh is named by guest.sh and not there
+rm "$t/w1/apt-install.sh"
+check_layout fail "$t/w1" env.sh
+layout "$t/w2"
+rm "$t/w2/vm/lib.sh"
+check_layout fail "$t/w2" env.sh
+
 if [ "$fails" -gt 0 ]; then
 	echo "selftest: $fails failed"
 	exit 1
 fi
-echo "selftest: vm_require_tests ok"
+echo "selftest: vm_require_tests and vm_check_layout ok"
