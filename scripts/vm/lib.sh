@@ -93,6 +93,23 @@ vm_kapt_unpack() {
 	for p in "$dir.debs"/*.deb; do dpkg-deb -x "$p" "$dir"; done
 }
 
+# vm_kernel_module PATH...: copy the VM kernel's module kernel/PATH.ko (e.g. fs/ext4/ext4) to
+# $RTRS_VM_WORK/kmod/NAME.ko, decompressed (6.12's are .ko.xz; busybox insmod takes plain .ko).
+vm_kernel_module() {
+	local p f
+	for p in "$@"; do
+		f=$(ls "${RTRS_VM_KDIR:?}/lib/modules/${RTRS_VM_KVER:?}/kernel/$p".ko*) ||
+			vm_die "no module $p in $RTRS_VM_KDIR"
+		mkdir -p "$RTRS_VM_WORK/kmod"
+		case $f in
+		*.ko.xz) xz -dc "$f" ;;
+		*.ko.zst) zstd -qdc "$f" ;;
+		*.ko.gz) gzip -dc "$f" ;;
+		*) cat "$f" ;;
+		esac >"$RTRS_VM_WORK/kmod/${p##*/}.ko"
+	done
+}
+
 # vm_build_kernel_rtrs: build the kernel's own RTRS (rtrs-core/client/server) and RNBD
 # (rnbd-client/server) as external modules for the VM's kernel, from Debian's linux-source
 # against the matching linux-headers, cached in $RTRS_VM_CACHE/kmod/<kernel+package versions>,
