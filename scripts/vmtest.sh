@@ -3,8 +3,9 @@
 # RTRS/RNBD, in a qemu VM booting Debian's kernel with the host's root shared read-only over 9p.
 # See scripts/vm/README.md for how a suite is written.
 #
-# Usage (root, Debian 12): scripts/vmtest.sh [SUITE...]   (no argument: every suite)
+# Usage (root, Debian 12): scripts/vmtest.sh [-k SERIES] [SUITE...]   (no suite: every suite)
 #   SUITE is a name from scripts/vm/suites/NAME.sh, or a path to a suite file.
+#   -k SERIES  the kernel the VM boots: 6.1 (bookworm, the default) or 6.12 (bookworm-backports)
 # Environment:
 #   RTRS_VM_CACHE          cache of the kernel, initramfs, built modules (/var/cache/rtrs-vmtest)
 #   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (2400: the interop suite waits out the kernel's 30 s reconnect delay several times)
@@ -24,6 +25,31 @@ export RTRS_VM_CACHE=${RTRS_VM_CACHE:-/var/cache/rtrs-vmtest}
 export RTRS_VM_REPO=$repo
 timeout_s=${RTRS_VM_TIMEOUT:-2400}
 t_start=$(vm_now)
+
+# ---- kernel series ------------------------------------------------------------------------------
+# 6.1: the kernel linux-image-amd64 depends on in the machine's own apt lists (bookworm).
+# Others: the test bed's own apt lists under $RTRS_VM_CACHE/apt/NAME (the machine's sources are
+# never changed): NAME's sources.list, the release whose linux-image-amd64 is the series' kernel.
+kseries=6.1
+while getopts k: opt; do
+	case $opt in
+	k) kseries=$OPTARG ;;
+	*) vm_die "usage: $0 [-k 6.1|6.12] [SUITE...]" ;;
+	esac
+done
+shift $((OPTIND - 1))
+export RTRS_VM_KSERIES=$kseries RTRS_VM_APT="" RTRS_VM_APT_RELEASE=""
+apt_suites=()
+case $kseries in
+6.1) ;;
+6.12)
+	# Built in bookworm-backports with bookworm's toolchain: the host's gcc-12 builds modules.
+	RTRS_VM_APT=$RTRS_VM_CACHE/apt/bookworm RTRS_VM_APT_RELEASE=bookworm-backports
+	apt_suites=(bookworm bookworm-backports)
+	;;
+7.2) vm_die "-k 7.2: not yet (needs an unstable chroot with its toolchain to build modules)" ;;
+*) vm_die "-k $kseries: unknown kernel series (6.1, 6.12)" ;;
+esac
 
 # Go for the suites' host parts, as go.mod asks for it (scripts/go-toolchain.sh).
 # shellcheck source-path=SCRIPTDIR source=go-toolchain.sh
@@ -76,14 +102,29 @@ for f in "${files[@]}"; do
 done
 vm_apt_update # always: the package lists decide which kernel the VM boots
 vm_apt_install "${pkgs[@]}"
+if [ -n "$RTRS_VM_APT" ]; then
+	# The test bed's own lists, refreshed every run like the machine's.
+	mkdir -p "$RTRS_VM_APT/lists/partial" "$RTRS_VM_APT/cache/archives/partial"
+	for s in "${apt_suites[@]}"; do
+		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $s main"
+	done >"$RTRS_VM_APT/sources.list.new"
+	mv "$RTRS_VM_APT/sources.list.new" "$RTRS_VM_APT/sources.list"
+	vm_log "apt-get update ($RTRS_VM_APT: ${apt_suites[*]})"
+	(
+		flock 9
+		vm_kapt apt-get -q -o Acquire::Languages=none update
+	) 9>"$RTRS_VM_APT/.lock"
+fi
 
 # ---- kernel: the image linux-image-amd64 depends on, unpacked (never installed) -------------
 mkdir -p "$RTRS_VM_CACHE/kernel" "$RTRS_VM_CACHE/initrd"
 exec 9>"$RTRS_VM_CACHE/.lock"
 flock 9 # concurrent runs share the cache: one fills it, the others wait
-kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+kpkg=$(vm_kapt apt-cache depends linux-image-amd64 |
+	awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
 [ -n "$kpkg" ] || vm_die "cannot tell which kernel linux-image-amd64 depends on"
-kpver=$(apt-cache show --no-all-versions "$kpkg" | awk '/^Version:/ {print $2; exit}')
+[[ $kpkg == linux-image-$kseries.* ]] || vm_die "-k $kseries: linux-image-amd64 depends on $kpkg"
+kpver=$(vm_kapt_version "$kpkg")
 export RTRS_VM_KVER=${kpkg#linux-image-}
 export RTRS_VM_KDIR=$RTRS_VM_CACHE/kernel/${kpkg}_$kpver
 if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
@@ -91,10 +132,11 @@ if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
 	tmp=$(mktemp -d "$RTRS_VM_CACHE/kernel/dl.XXXXXX")
 	vm_log "downloading $kpkg=$kpver"
 	# APT::Sandbox::User=root: the _apt user may not write into the cache folder.
-	(cd "$tmp" && apt-get -q -o APT::Sandbox::User=root download "$kpkg=$kpver")
+	(cd "$tmp" && vm_kapt apt-get -q -o APT::Sandbox::User=root download "$kpkg=$kpver")
 	dpkg-deb -x "$tmp"/*.deb "$tmp/x"
-	# Older kernels' trees are 400 MB each and never booted again.
-	rm -rf "$RTRS_VM_CACHE/kernel/"linux-image-*
+	# Older kernels' trees of this series are 400 MB each and never booted again; one tree
+	# per series stays (6.1.0-56 replaces 6.1.0-55, not 6.12.*).
+	rm -rf "$RTRS_VM_CACHE/kernel/linux-image-$kseries".[0-9]*
 	mv "$tmp/x" "$RTRS_VM_KDIR"
 	rm -rf "$tmp"
 	touch "$RTRS_VM_KDIR/.ok"
@@ -114,14 +156,6 @@ while IFS= read -r f; do
 	n=${n%%.ko*}
 	modfile[${n//-/_}]=$f
 done < <(find "$mdir/kernel" -name '*.ko*')
-mod_cat() { # the module's bytes, decompressed (busybox insmod takes plain .ko only)
-	case $1 in
-	*.ko.xz) xz -dc "$1" ;;
-	*.ko.zst) zstd -qdc "$1" ;;
-	*.ko.gz) gzip -dc "$1" ;;
-	*) cat "$1" ;;
-	esac
-}
 order=()
 add_mod() {
 	local n=${1//-/_} f d
@@ -133,7 +167,7 @@ add_mod() {
 		tr '-' '_' <"$mdir/modules.builtin" | grep -q "/$n\.ko$" && return 0
 		vm_die "module $n is in neither $mdir/kernel nor modules.builtin"
 	fi
-	for d in $(mod_cat "$f" | tr '\0' '\n' | sed -n 's/^depends=//p' | tr ',' ' '); do
+	for d in $(vm_mod_cat "$f" | tr '\0' '\n' | sed -n 's/^depends=//p' | tr ',' ' '); do
 		add_mod "$d"
 	done
 	order+=("$n")
@@ -156,7 +190,7 @@ if [ ! -f "$initrd" ]; then
 	cp /bin/busybox "$tmp/root/bin/busybox"
 	install -m 755 "$here/vm/init.sh" "$tmp/root/init"
 	for n in "${order[@]}"; do
-		mod_cat "${modfile[$n]}" >"$tmp/root/modules/$n.ko"
+		vm_mod_cat "${modfile[$n]}" >"$tmp/root/modules/$n.ko"
 		echo "$n.ko" >>"$tmp/root/modules/list"
 	done
 	(cd "$tmp/root" && find . | cpio -o -H newc --quiet | gzip -1) >"$tmp/initrd.gz"

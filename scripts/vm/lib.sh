@@ -58,17 +58,114 @@ vm_apt_install() {
 	"$(dirname "${BASH_SOURCE[0]}")/../apt-install.sh" --no-update "${missing[@]}"
 }
 
+# vm_kapt CMD ARG...: run apt-get or apt-cache (CMD) with the chosen kernel's package lists:
+# the machine's when RTRS_VM_APT is empty (-k 6.1), else the test bed's own under $RTRS_VM_APT
+# (sources.list, lists/, cache/; the machine's apt sources are never changed). With
+# RTRS_VM_APT_RELEASE, that release's versions are the candidates (backports are pinned low).
+vm_kapt() {
+	local cmd=$1
+	shift
+	if [ -z "${RTRS_VM_APT:-}" ]; then
+		"$cmd" "$@"
+		return
+	fi
+	"$cmd" -o Dir::Etc::SourceList="$RTRS_VM_APT/sources.list" \
+		-o Dir::Etc::SourceParts=/nonexistent -o Dir::State::Lists="$RTRS_VM_APT/lists" \
+		-o Dir::Cache="$RTRS_VM_APT/cache" -o APT::Sandbox::User=root \
+		${RTRS_VM_APT_RELEASE:+-o APT::Default-Release="$RTRS_VM_APT_RELEASE"} "$@"
+}
+
+# vm_kapt_version PKG: the candidate version of PKG in the chosen kernel's package lists.
+vm_kapt_version() {
+	vm_kapt apt-cache show --no-all-versions "$1" | awk '/^Version:/ {print $2; exit}'
+}
+
+# vm_kapt_unpack DIR PKG...: download PKG... (candidate versions) with vm_kapt and unpack them
+# into DIR (dpkg-deb -x, never installed); the .debs are kept in DIR.debs/.
+vm_kapt_unpack() {
+	local dir=$1 p
+	shift
+	mkdir -p "$dir.debs" "$dir"
+	for p in "$@"; do
+		(cd "$dir.debs" && vm_kapt apt-get -q -o APT::Sandbox::User=root download \
+			"$p=$(vm_kapt_version "$p")")
+	done
+	for p in "$dir.debs"/*.deb; do dpkg-deb -x "$p" "$dir"; done
+}
+
+# vm_kernel_module PATH...: copy the VM kernel's module kernel/PATH.ko (e.g. fs/ext4/ext4) to
+# $RTRS_VM_WORK/kmod/NAME.ko, decompressed (6.12's are .ko.xz; busybox insmod takes plain .ko).
+vm_kernel_module() {
+	local p f
+	for p in "$@"; do
+		f=$(ls "${RTRS_VM_KDIR:?}/lib/modules/${RTRS_VM_KVER:?}/kernel/$p".ko*) ||
+			vm_die "no module $p in $RTRS_VM_KDIR"
+		mkdir -p "$RTRS_VM_WORK/kmod"
+		vm_mod_cat "$f" >"$RTRS_VM_WORK/kmod/${p##*/}.ko"
+	done
+}
+
+# vm_mod_cat FILE: a module's bytes, decompressed (busybox insmod takes plain .ko only).
+vm_mod_cat() {
+	case $1 in
+	*.ko.xz) xz -dc "$1" ;;
+	*.ko.zst) zstd -qdc "$1" ;;
+	*.ko.gz) gzip -dc "$1" ;;
+	*) cat "$1" ;;
+	esac
+}
+
 # vm_build_kernel_rtrs: build the kernel's own RTRS (rtrs-core/client/server) and RNBD
 # (rnbd-client/server) as external modules for the VM's kernel, from Debian's linux-source
 # against the matching linux-headers, cached in $RTRS_VM_CACHE/kmod/<kernel+package versions>,
 # and copy the .ko files to $RTRS_VM_WORK/kmod where the guest's vm_load_kernel_rtrs finds
 # them (the cache itself may not be visible in the guest). Debian does not enable RTRS/RNBD.
+# -k 6.1: linux-source and linux-headers are installed on the machine (its own apt lists).
+# Other series: linux-source, linux-headers (with its -common and linux-kbuild) are downloaded
+# with the test bed's own lists and unpacked into one root, $RTRS_VM_CACHE/ksrc/<kernel_version>,
+# whose headers Makefile is pointed at the unpacked -common tree; nothing is installed.
 vm_build_kernel_rtrs() {
-	local kver=${RTRS_VM_KVER:?} series src hdr key out tmp r n m
+	local kver=${RTRS_VM_KVER:?} series src hdr key out tmp r n m root hdir tarball v
 	series=$(printf '%s' "$kver" | cut -d. -f1,2) # 6.1.0-56-amd64 -> 6.1
 	src=linux-source-$series hdr=linux-headers-$kver
-	vm_apt_install "$src" "$hdr" make gcc xz-utils
-	key=$kver-$(dpkg-query -W -f='${Version}' "$hdr")-$(dpkg-query -W -f='${Version}' "$src")
+	if [ -z "${RTRS_VM_APT:-}" ]; then
+		vm_apt_install "$src" "$hdr" make gcc xz-utils
+		key=$kver-$(dpkg-query -W -f='${Version}' "$hdr")-$(dpkg-query -W -f='${Version}' "$src")
+		hdir=/usr/src/$hdr tarball=/usr/src/$src.tar.xz
+	else
+		vm_apt_install make gcc xz-utils
+		v=$(vm_kapt_version "$hdr")
+		[ -n "$v" ] || vm_die "no $hdr in $RTRS_VM_APT's lists"
+		key=$kver-$v-$(vm_kapt_version "$src")
+		root=$RTRS_VM_CACHE/ksrc/$key
+		hdir=$root/usr/src/$hdr tarball=$root/usr/src/$src.tar.xz
+		mkdir -p "$RTRS_VM_CACHE/ksrc"
+		(
+			flock 8
+			[ -f "$root/.ok" ] && exit 0
+			local common kbuild t0
+			t0=$(vm_now)
+			vm_log "downloading and unpacking $hdr, its -common, linux-kbuild and $src ($key)"
+			# The headers' Depends name the -common and linux-kbuild packages of this build.
+			# shellcheck disable=SC2207 # package names
+			common=($(vm_kapt apt-cache depends "$hdr=$v" |
+				awk '/Depends: linux-(headers|kbuild)-/ {print $2}' | sort -u))
+			[ ${#common[@]} -ge 2 ] || vm_die "$hdr=$v: cannot tell its -common and kbuild packages"
+			# One tree per series: an older build's (about 1 GB) is never used again.
+			rm -rf "$root" "$root.debs" "$RTRS_VM_CACHE/ksrc/$series".[0-9]*
+			vm_kapt_unpack "$root" "$hdr" "${common[@]}" "$src"
+			# The headers' Makefile includes /usr/src/linux-headers-*-common/Makefile (absolute);
+			# its scripts and tools links are relative and stay inside the root.
+			sed -i "s|^include /usr/src/|include $root/usr/src/|" "$hdir/Makefile"
+			grep -q "^include $root/" "$hdir/Makefile" || vm_die "unexpected $hdir/Makefile"
+			for kbuild in "$hdir/scripts" "$hdir/tools"; do
+				[ -e "$kbuild" ] || vm_die "$kbuild: dangling ($(readlink "$kbuild"))"
+			done
+			rm -rf "$root.debs"
+			touch "$root/.ok"
+			vm_log "$hdr and $src unpacked in $(vm_since "$t0") s: $root"
+		) 8>"$RTRS_VM_CACHE/ksrc/.lock"
+	fi
 	out=$RTRS_VM_CACHE/kmod/$key
 	mkdir -p "$RTRS_VM_CACHE/kmod"
 	(
@@ -81,12 +178,13 @@ vm_build_kernel_rtrs() {
 		tmp=$(mktemp -d "$RTRS_VM_CACHE/kmod/build.XXXXXX")
 		trap 'rm -rf "$tmp"' EXIT
 		# Only the two driver folders: the whole tree takes minutes to unpack.
-		tar -C "$tmp" -xJf "/usr/src/$src.tar.xz" --wildcards \
+		tar -C "$tmp" -xJf "$tarball" --wildcards \
 			"$src/drivers/infiniband/ulp/rtrs/*" "$src/drivers/block/rnbd/*"
 		r=$tmp/$src/drivers/infiniband/ulp/rtrs n=$tmp/$src/drivers/block/rnbd
-		make -s -C "/usr/src/$hdr" M="$r" CONFIG_INFINIBAND_RTRS=m \
+		# No BTF in the modules: 6.12's headers ship vmlinux, so kbuild would run pahole.
+		make -s -C "$hdir" M="$r" CONFIG_DEBUG_INFO_BTF_MODULES= CONFIG_INFINIBAND_RTRS=m \
 			CONFIG_INFINIBAND_RTRS_CLIENT=m CONFIG_INFINIBAND_RTRS_SERVER=m -j"$(nproc)" modules
-		make -s -C "/usr/src/$hdr" M="$n" CONFIG_BLK_DEV_RNBD_CLIENT=m \
+		make -s -C "$hdir" M="$n" CONFIG_DEBUG_INFO_BTF_MODULES= CONFIG_BLK_DEV_RNBD_CLIENT=m \
 			CONFIG_BLK_DEV_RNBD_SERVER=m KCFLAGS="-I$r" KBUILD_EXTRA_SYMBOLS="$r/Module.symvers" \
 			-j"$(nproc)" modules
 		rm -rf "$out.new" && mkdir -p "$out.new"

@@ -24,12 +24,8 @@ host() {
 	vm_build_kernel_rtrs
 	# ext4 and what it needs, and netem that slows one path (policies), from the VM's kernel
 	# (modules there, not built in).
-	local kdir m
-	kdir=$(ls -d "$RTRS_VM_CACHE"/kernel/*/lib/modules/"$RTRS_VM_KVER")
-	for m in fs/mbcache fs/jbd2/jbd2 lib/crc16 crypto/crc32c_generic fs/ext4/ext4 \
-		net/sched/sch_netem; do
-		cp "$kdir/kernel/$m.ko" "$RTRS_VM_WORK/kmod/"
-	done
+	vm_kernel_module fs/mbcache fs/jbd2/jbd2 lib/crc16 crypto/crc32c_generic fs/ext4/ext4 \
+		net/sched/sch_netem
 	mkdir -p "$RTRS_VM_WORK/bin"
 	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd)
 }
