@@ -166,6 +166,34 @@ func TestHeartbeatLoss(t *testing.T) {
 	}
 }
 
+// TestAnyReceiveResetsMissedHeartbeats: on both sides any message received on a path, not
+// only a heartbeat's answer, clears the count of heartbeats missed (rtrs_clt_rdma_done and
+// rtrs_srv_rdma_done zero hb_missed_cnt on every receive). Heartbeats are made too rare to
+// run here, so only the IO request and its response can clear the counts.
+func TestAnyReceiveResetsMissedHeartbeats(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	e.srv.opts.Timings.HeartbeatInterval = time.Hour
+	s := e.open(t, "hbreset", paths(t, path1()), func(o *ClientOptions) { o.Timings.HeartbeatInterval = time.Hour })
+	p := s.Paths()[0]
+	sp := e.srvPath(t, "ip:"+testAddr(1))
+	for i := range 3 {
+		p.hb.missed.Store(3)
+		sp.hb.missed.Store(3)
+		if err := s.Do(context.Background(), Write, offHdr(i*4096), make([]byte, 4096)); err != nil {
+			t.Fatal(err)
+		}
+		// The request reached the server before its response reached the client, and Do
+		// returned after that.
+		if n := sp.hb.missed.Load(); n != 0 {
+			t.Fatalf("server: %d heartbeats missed after a request arrived, want 0", n)
+		}
+		if n := p.hb.missed.Load(); n != 0 {
+			t.Fatalf("client: %d heartbeats missed after a response arrived, want 0", n)
+		}
+	}
+}
+
 // TestStaleRkeyRefused: with always_invalidate, the key a client used for a chunk is dead
 // once the request is answered; a write with it is a remote access error, the chunk is not
 // touched, and the path recovers.
