@@ -555,7 +555,8 @@ func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool)
 	data, err := id.Connect(ctx, rdma.ConnParam{PrivateData: req.Marshal(), RNRRetryCount: 7, RetryCount: 7})
 	if err != nil {
 		if r, ok := rdma.IsReject(err); ok {
-			// The newest kernels return the server's errno from its conn_rsp.
+			// The errno the server put in its conn_rsp is what the caller gets, as the kernel client
+			// returns it from rtrs_rdma_conn_rejected (6.1 through 7.2).
 			var m MsgConnRsp
 			if len(r.PrivateData) >= connMsgSize && m.Unmarshal(r.PrivateData) == nil && m.Errno < 0 {
 				return fail(fmt.Errorf("rtrs: server rejected connection %d: %w", cid, syscall.Errno(-m.Errno)))

@@ -330,6 +330,59 @@ func TestZombiePath(t *testing.T) {
 	})
 }
 
+// TestZombieClockPerConnection (kernel 7.2, rtrs_srv_check_close_path): a path still
+// connecting is a zombie only once the zombie timeout has passed since its latest connection
+// request, not since its first. Before that a new path from the same addresses is refused
+// with EEXIST and the connecting path is kept; after it the connecting path is closed.
+func TestZombieClockPerConnection(t *testing.T) {
+	leakcheck.Check(t)
+	const z = time.Second
+	e := newEnv(t, false, 16)
+	e.srv.opts.Timings.ZombieTimeout = z
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	m := MsgConnReq{Cid: 0, CidNum: 2, SessUUID: uuid.New(), PathsUUID: uuid.New(), FirstConn: true}
+	id0 := rawID(t, e)
+	if _, err := id0.Connect(ctx, rdma.ConnParam{PrivateData: m.Marshal()}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	time.Sleep(z * 6 / 10)
+	m.Cid, m.FirstConn = 1, false
+	if _, err := rawID(t, e).Connect(ctx, rdma.ConnParam{PrivateData: m.Marshal()}); err != nil {
+		t.Fatal(err)
+	}
+	second := time.Now()
+	time.Sleep(time.Until(start.Add(z * 13 / 10)))
+	// Past the timeout since the first connection, within it since the second.
+	other := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: m.PathsUUID, FirstConn: true}
+	if got := rawConnect(t, e, other.Marshal()); got != -int16(syscall.EEXIST) {
+		t.Fatalf("a path from the same addresses %v after the first connection, %v after the latest: errno %d, want EEXIST",
+			time.Since(start), time.Since(second), got)
+	}
+	select {
+	case ev := <-id0.Events():
+		t.Fatalf("the connecting path was closed %v after its latest connection (%v)", time.Since(second), ev.Type)
+	default:
+	}
+	select {
+	case ev := <-id0.Events():
+		if ev.Type != rdma.EventDisconnected {
+			t.Fatalf("event %v", ev.Type)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the zombie path was not closed")
+	}
+	if el := time.Since(second); el < z*9/10 {
+		t.Fatalf("closed %v after the latest connection, before the timeout", el)
+	}
+	testutil.WaitFor(t, 5*time.Second, "the zombie's session to go", func() bool {
+		e.srv.mu.Lock()
+		defer e.srv.mu.Unlock()
+		return len(e.srv.sessions) == 0
+	})
+}
+
 // TestCloseWithIOInFlight: Close waits for the requests in flight (each completes once), and
 // requests after it fail with ErrClosed.
 func TestCloseWithIOInFlight(t *testing.T) {

@@ -420,13 +420,16 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		if p.state != srvConnecting || len(p.cons) != int(m.CidNum) || p.cons[m.Cid] != nil {
-			if p.state == srvConnecting && time.Since(p.created) > s.opts.Timings.ZombieTimeout {
+			if p.zombieLocked(s.opts.Timings.ZombieTimeout) {
 				go p.Close()
 			}
 			s.refuse(peer, "connection out of place", fmt.Sprintf("connection %d of %d of path %s, which is past connecting or has %d connections, or that one", m.Cid, m.CidNum, p.name, len(p.cons)))
 			return nil, syscall.ECONNRESET
 		}
 		p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
+		// Each connection that starts restarts the path's zombie clock (kernel 7.2).
+		p.connStart = time.Now()
+		p.zombie.Reset(s.opts.Timings.ZombieTimeout)
 		s.pendLocked(p, 1)
 		p.nCons++
 		s.conns++
@@ -441,7 +444,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		if o.src.IP == src.IP && o.dst.IP == dst.IP {
 			o.mu.Lock()
 			st := o.state
-			zombie := st == srvConnecting && time.Since(o.created) > s.opts.Timings.ZombieTimeout
+			zombie := o.zombieLocked(s.opts.Timings.ZombieTimeout)
 			o.mu.Unlock()
 			if st >= srvClosing {
 				// Its client removed it and adds it again (`rnbd client path readd`): the
@@ -455,7 +458,8 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 			return nil, syscall.EEXIST
 		}
 	}
-	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: from, created: time.Now(), nCons: 1,
+	now := time.Now()
+	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: from, created: now, connStart: now, nCons: 1,
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
 	p.name = PathName(src, dst)
 	p.logp.Store(s.log.WithField("path", p.name))
@@ -464,7 +468,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 	// A path that has not finished connecting (INFO_REQ) when the timer fires is a zombie.
 	p.zombie = time.AfterFunc(s.opts.Timings.ZombieTimeout, func() {
 		p.mu.Lock()
-		stuck := p.state == srvConnecting
+		stuck := p.zombieLocked(s.opts.Timings.ZombieTimeout)
 		p.mu.Unlock()
 		if stuck {
 			p.refuse("path not established in time", "path did not finish connecting, closing it")
@@ -767,12 +771,15 @@ type SrvPath struct {
 	dst     Addr       // server
 	peer    netip.Addr // the client address as the per-address bounds count it (rdma.AddrGroup)
 	created time.Time
-	pending int // connections reserved while the path is being established; Server.mu
-	nCons   int // connections reserved, established or not; Server.mu
-	hcaName string
-	hcaPort int
-	name    string
-	logp    atomic.Pointer[log.Entry]
+	// connStart is when the path's latest connection request came (p.mu): a path still
+	// connecting longer than Timings.ZombieTimeout after it is a zombie.
+	connStart time.Time
+	pending   int // connections reserved while the path is being established; Server.mu
+	nCons     int // connections reserved, established or not; Server.mu
+	hcaName   string
+	hcaPort   int
+	name      string
+	logp      atomic.Pointer[log.Entry]
 
 	mu      sync.Mutex
 	state   srvPathState
@@ -1016,6 +1023,12 @@ func (p *SrvPath) watch(c *con) {
 		p.Close()
 	case <-p.closed:
 	}
+}
+
+// zombieLocked tells whether the path is still connecting more than z after its latest
+// connection request (rtrs_srv_check_close_path); p.mu held.
+func (p *SrvPath) zombieLocked(z time.Duration) bool {
+	return p.state == srvConnecting && time.Since(p.connStart) > z
 }
 
 // onCompletions is connection c's completion handler.
