@@ -296,10 +296,13 @@ type Path struct {
 	dst  Addr
 	logp atomic.Pointer[log.Entry]
 
-	// postMu is held shared by every post for as long as it uses the path's resources and the
-	// request's work requests, and taken once exclusively by teardown before the failover: a
-	// request must not be rebuilt for another path while its PostSend here still reads it.
-	postMu sync.RWMutex
+	// posting counts the posts that found the path connected and still use its resources and
+	// their requests' work requests; teardown waits for them before the failover, so that a
+	// request is never rebuilt for another path while its PostSend here still reads it. (Not
+	// a lock a post holds: a completion handler that the provider runs inside PostSend may post
+	// again, and would deadlock behind a waiting teardown.) Added to under mu only while res is
+	// set, which teardown clears before it waits.
+	posting sync.WaitGroup
 
 	mu        sync.Mutex
 	stateCond *sync.Cond
@@ -884,9 +887,7 @@ func (p *Path) teardown() {
 	p.hb.wait()
 	// Posts that found the path connected end before their requests fail over; later ones
 	// find p.res nil.
-	p.postMu.Lock()
-	//lint:ignore SA2001 a barrier: the lock is taken only to wait for the posts holding it shared
-	p.postMu.Unlock()
+	p.posting.Wait()
 	p.failover(cons)
 	for _, c := range cons {
 		if c != nil {

@@ -164,13 +164,13 @@ func (s *Session) pick(paths []*Path, tried *[MaxPathsNum/64 + 1]uint64, policy 
 // post puts r on this path (rtrs_clt_write_req / rtrs_clt_read_req).
 func (p *Path) post(r *cltReq, countMI bool) error {
 	s := p.sess
-	p.postMu.RLock()
-	defer p.postMu.RUnlock()
 	p.mu.Lock()
 	if p.state != StateConnected || p.res == nil {
 		p.mu.Unlock()
 		return ErrNotConn
 	}
+	p.posting.Add(1)
+	defer p.posting.Done()
 	res, cons := p.res, p.cons
 	rb := &p.rbufs[r.permit]
 	p.mu.Unlock()
