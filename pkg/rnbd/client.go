@@ -539,6 +539,11 @@ type Device struct {
 	geo       MsgOpenRsp
 	downSince time.Time
 	changed   chan struct{} // closed and replaced on every state change
+
+	// noUnmapRefused: the server answered a WRITE_ZEROES with RNBD_F_NOUNMAP EOPNOTSUPP (ours
+	// before protocol 2.2 announced WRITE_ZEROES but refused flags it did not know). Zeroes
+	// that must stay allocated are then written as data, until the next open.
+	noUnmapRefused atomic.Bool
 }
 
 // open sends OPEN and takes the answer: id and geometry. A remapped device must keep its size.
@@ -565,6 +570,7 @@ func (d *Device) open(ctx context.Context) error {
 		return fmt.Errorf("rnbd: %q changed geometry on remap (%d → %d sectors): %w", d.path, d.geo.NSectors, rsp.NSectors, syscall.EIO)
 	}
 	d.id, d.geo = rsp.DeviceID, rsp
+	d.noUnmapRefused.Store(false) // the server may have been upgraded under a remap
 	d.setStateLocked(StateMapped)
 	return nil
 }
@@ -807,16 +813,45 @@ func (d *Device) Discard(ctx context.Context, off, n int64) error {
 }
 
 // WriteZeroes makes whole blocks read back as zeroes without sending them; noUnmap asks the
-// server to keep them allocated (RNBD_F_NOUNMAP: a 2.2 server does, a 2.0 one ignores it and
-// may deallocate them). A server that announces no write-zeroes limit (Linux 6.1's) gets none:
-// EOPNOTSUPP, as its op 5 was WRITE_SAME, which it cannot serve.
+// server to keep them allocated (RNBD_F_NOUNMAP: a 2.2 server does, a kernel one of 2.0 ignores
+// it and may deallocate them). A server that announces no write-zeroes limit (Linux 6.1's) gets
+// none: EOPNOTSUPP, as its op 5 was WRITE_SAME, which it cannot serve. A server that refuses
+// NOUNMAP, or cannot zero the range at all, gets the zeroes as data: allocated either way.
 func (d *Device) WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) error {
-	flags := uint32(0)
-	if noUnmap {
-		flags = FlagNoUnmap
+	max := d.Geometry().MaxWriteZeroesSectors
+	if !noUnmap || max == 0 {
+		return d.rangeOp(ctx, OpWriteZeroes, 0, off, n, max)
 	}
-	return d.rangeOp(ctx, OpWriteZeroes, flags, off, n, d.Geometry().MaxWriteZeroesSectors)
+	if !d.noUnmapRefused.Load() {
+		err := d.rangeOp(ctx, OpWriteZeroes, FlagNoUnmap, off, n, max)
+		if !errors.Is(err, syscall.EOPNOTSUPP) {
+			return err
+		}
+		if !d.noUnmapRefused.Swap(true) {
+			d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).
+				Warn("server refused WRITE_ZEROES with NOUNMAP; zeroes that must stay allocated are written as data")
+		}
+	}
+	// Idempotent: a range partly zeroed before the refusal is written whole.
+	if err := d.check(off, n); err != nil {
+		return err
+	}
+	zero := make([]byte, min(n, int64(d.maxIO())))
+	// At most zeroWindow requests at once, however long the range (NBD's may be 4 GiB).
+	for n > 0 {
+		w := min(n, int64(len(zero))*zeroWindow)
+		if err := split(off, w, len(zero), func(o int64, k int) error {
+			return d.submit(ctx, OpWrite, 0, o, k, zero[:k])
+		}); err != nil {
+			return err
+		}
+		off, n = off+w, n-w
+	}
+	return nil
 }
+
+// zeroWindow is how many writes of zeroes WriteZeroes's fallback has in flight at most.
+const zeroWindow = 32
 
 // CanDiscard says whether the server takes DISCARD on this device (its open response
 // announced a discard limit; not on an ro mapping).

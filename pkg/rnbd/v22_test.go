@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -264,5 +265,63 @@ func TestWriteZeroesDiskFile(t *testing.T) {
 	want := append(append(bytes.Repeat([]byte{0x5a}, 1<<20), make([]byte, 2<<20)...), bytes.Repeat([]byte{0x5a}, 1<<20)...)
 	if !bytes.Equal(got, want) {
 		t.Error("zeroed ranges wrong or spilled over")
+	}
+}
+
+// TestNoUnmapRefusedFallback maps a device on a server that announces WRITE_ZEROES but refuses
+// RNBD_F_NOUNMAP, as ours did before protocol 2.2: the client writes the zeroes as data instead,
+// asks once per open, and never sends NOUNMAP again until the next open.
+func TestNoUnmapRefusedFallback(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	data := e.file(t, "disk", 4<<20)
+	rs := e.server()
+	var refused atomic.Int32
+	pre22 := func(r *transport.SrvRequest) bool {
+		var m MsgIO
+		if typ, _ := PeekType(r.Usr); typ != MsgTypeIO || m.Unmarshal(r.Usr) != nil || m.RW&FlagNoUnmap == 0 {
+			return false
+		}
+		refused.Add(1)
+		r.Respond(-int(syscall.EOPNOTSUPP))
+		return true
+	}
+	e.intercept.Store(&pre22)
+	defer e.intercept.Store(nil)
+	c := e.client(t, time.Second)
+	ctx := context.Background()
+	st := &rs.Stats
+
+	d := mustMap(t, e, c, "old22", "disk", AccessRW)
+	writes := st.Writes.Value()
+	// 1.5 MiB: more than one data write, and more than one window of them for a small maxIO.
+	if err := d.WriteZeroes(ctx, 1<<20, 3<<19, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.WriteZeroes(ctx, 3<<20, 4096, true); err != nil {
+		t.Fatal(err)
+	}
+	if n := refused.Load(); n != 1 {
+		t.Errorf("NOUNMAP sent %d times, want once", n)
+	}
+	if st.WriteZeroes.Value() != 0 || st.Writes.Value()-writes < 2 {
+		t.Errorf("server saw %d WRITE_ZEROES and %d writes; want 0 and the zeroes as writes", st.WriteZeroes.Value(), st.Writes.Value()-writes)
+	}
+	got := make([]byte, 4<<20)
+	if err := d.ReadAtContext(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte(nil), data...)
+	clear(want[1<<20 : 1<<20+3<<19])
+	clear(want[3<<20 : 3<<20+4096])
+	if !bytes.Equal(got, want) {
+		t.Error("zeroed ranges wrong or spilled over")
+	}
+	// Without NOUNMAP the server is asked as before.
+	if err := d.WriteZeroes(ctx, 0, 4096, false); err != nil {
+		t.Fatal(err)
+	}
+	if st.WriteZeroes.Value() != 1 {
+		t.Errorf("WRITE_ZEROES without NOUNMAP: server saw %d, want 1", st.WriteZeroes.Value())
 	}
 }
