@@ -317,7 +317,10 @@ func (b *backing) discard(off, n int64) error {
 // BLKZEROOUT on a block device, for a file ZERO_RANGE, or where that is not supported (tmpfs) a
 // punched hole allocated again, or written zeroes as the last resort. Without it the range may
 // be deallocated: a punched hole (on a block device, fallocate's PUNCH_HOLE, which zeroes by
-// unmapping where the device can), falling back to the allocating ways.
+// unmapping where the device can), falling back to the allocating ways. A block device that
+// does not zero by itself fails the punch with EOPNOTSUPP, and BLKZEROOUT, which the kernel
+// then serves by writing zeroes, follows (bdev_test.go: a loop device over a FUSE file without
+// fallocate, and one over tmpfs, which stops zeroing by itself after a NOUNMAP).
 func (b *backing) writeZeroes(off, n int64, noUnmap bool) error {
 	if !noUnmap {
 		err := unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
