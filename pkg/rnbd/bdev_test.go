@@ -278,8 +278,8 @@ func (n *noFallocate) Allocate(ctx context.Context, fh fs.FileHandle, off, size 
 // loop device over a FUSE file that refuses fallocate. The loop device announces write zeroes
 // (FUSE has a fallocate), passes the punch on, and fails it with EOPNOTSUPP when the FUSE server
 // refuses it: writeZeroes without NOUNMAP falls back to BLKZEROOUT, which the kernel serves by
-// writing zeroes, and so does NOUNMAP. (DISCARD is not tested here: the refused punch made the
-// loop device stop announcing discard too, and BLKDISCARD fails with EOPNOTSUPP.)
+// writing zeroes, and so does NOUNMAP. The refused punch made the loop device stop announcing
+// discard too: the server then announces no discard for it.
 func TestWriteZeroesPunchUnsupported(t *testing.T) {
 	leakcheck.Check(t)
 	requireRoot(t)
@@ -313,4 +313,48 @@ func TestWriteZeroesPunchUnsupported(t *testing.T) {
 		t.Fatalf("write zeroes with NOUNMAP: %v", err)
 	}
 	checkZeroed(t, b, file, 1*mib, 3*mib)
+
+	// An export opened on it from now on announces no discard (the kernel's server reads the
+	// same queue limit) and still announces write zeroes.
+	if b.discardMax <= 0 {
+		t.Errorf("discard limit read at open: %d, want the loop device's first one", b.discardMax)
+	}
+	again := openBeneathDev(t, b)
+	if again.discardMax != 0 {
+		t.Errorf("discard limit after the refused punch: %d, want 0", again.discardMax)
+	}
+	s := &Server{opts: ServerOptions{MaxIOSize: 128 << 10}}
+	for _, tc := range []struct {
+		b            *backing
+		wantDiscards bool
+	}{{b, true}, {again, false}} {
+		var buf [OpenRspSize]byte
+		if err := s.openRsp(buf[:], &sessDev{b: tc.b, mode: AccessRW}); err != nil {
+			t.Fatal(err)
+		}
+		var rsp MsgOpenRsp
+		if err := rsp.Unmarshal(buf[:]); err != nil {
+			t.Fatal(err)
+		}
+		if (rsp.MaxDiscardSectors != 0) != tc.wantDiscards || rsp.MaxWriteZeroesSectors == 0 {
+			t.Errorf("open response: max_discard_sectors %d (want discards %v), max_write_zeroes_sectors %d",
+				rsp.MaxDiscardSectors, tc.wantDiscards, rsp.MaxWriteZeroesSectors)
+		}
+	}
+}
+
+// openBeneathDev opens b's block device again, as the server opens an export.
+func openBeneathDev(t *testing.T, b *backing) *backing {
+	t.Helper()
+	root, err := os.Open("/dev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	again, err := openBeneath(root, filepath.Base(b.f.Name()), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { again.close() })
+	return again
 }

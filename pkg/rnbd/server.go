@@ -489,10 +489,19 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 		CachePolicy:       CacheFUA | CacheWriteback,
 	}
 	// A client of 6.12 or later sends WRITE_ZEROES only when max_write_zeroes_sectors is not 0,
-	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0.
+	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0. Zeroes
+	// can always be written (the kernel writes zero pages for a device that cannot do
+	// better); a block device discards only as far as its queue says, as the kernel's server
+	// announces it.
 	if d.mode != AccessRO {
 		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = maxRangeSectors, maxRangeSectors
 		rsp.DiscardGranularity = uint32(b.pbs)
+		if b.bdev && b.discardMax >= 0 {
+			rsp.MaxDiscardSectors = uint32(min(b.discardMax/SectorSize, maxRangeSectors))
+			if b.discardGran > 0 {
+				rsp.DiscardGranularity = uint32(b.discardGran)
+			}
+		}
 	}
 	rsp.Put(buf)
 	return nil
