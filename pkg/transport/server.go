@@ -167,20 +167,6 @@ type Handler interface {
 	LinkEvent(s *SrvSess, ev LinkEvent)
 }
 
-// LinkEvent is a session-level connectivity change.
-type LinkEvent int
-
-// Link events (enum rtrs_srv_link_ev / rtrs_clt_link_ev).
-const (
-	LinkConnected LinkEvent = iota
-	LinkDisconnected
-	LinkReconnected
-)
-
-func (e LinkEvent) String() string {
-	return [...]string{"CONNECTED", "DISCONNECTED", "RECONNECTED"}[e]
-}
-
 // Server is an RTRS server: it accepts client paths and hands their requests to the handler.
 type Server struct {
 	opts ServerOptions
@@ -246,7 +232,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
-		log: logger(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
+		log: log.L.WithFields(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.acceptLoop()
@@ -913,7 +899,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	if o.AlwaysInvalidate {
 		rsp.Flags = MsgNewRkeyF
 	}
-	ctx, cancel := ctxTimeout(srv.ctx, o.Timings.ConnectTimeout)
+	ctx, cancel := context.WithTimeout(srv.ctx, o.Timings.ConnectTimeout)
 	defer cancel()
 	p.mu.Lock()
 	p.cons[cid] = c
