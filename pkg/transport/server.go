@@ -6,17 +6,12 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"sort"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/google/uuid"
-	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -54,8 +49,8 @@ type ServerLimits struct {
 	// MaxSessions bounds the sessions, established or not (default 256).
 	MaxSessions int
 	// MaxChunkMemory bounds the chunk memory of all sessions in bytes (queue depth × chunk
-	// size each, allocated when a session's first path sends INFO_REQ; default half the
-	// machine's memory). A session past it is refused.
+	// size each, allocated when a session's first path sends INFO_REQ; default
+	// DefaultServerChunkMemory). A session past it is refused.
 	MaxChunkMemory int64
 	// MaxConnsPerPath bounds a path's connections, its cid_num (default 257: the kernel
 	// client opens one per CPU and one more).
@@ -72,13 +67,18 @@ type ServerLimits struct {
 	MaxConns int
 }
 
+// DefaultServerChunkMemory is ServerLimits.MaxChunkMemory's default: the chunks of sixteen
+// sessions at the kernel server's defaults (512 of 128 KiB). rtrs-serverd and rtrs-bench set
+// half the memory the process may use instead (daemon.DefaultChunkMemory).
+const DefaultServerChunkMemory = 16 * DefaultQueueDepth * DefaultChunkSize
+
 // withDefaults fills in the zero fields.
 func (l ServerLimits) withDefaults() ServerLimits {
 	if l.MaxSessions <= 0 {
 		l.MaxSessions = 256
 	}
 	if l.MaxChunkMemory <= 0 {
-		l.MaxChunkMemory = physMemory() / 2
+		l.MaxChunkMemory = DefaultServerChunkMemory
 	}
 	if l.MaxConnsPerPath <= 0 {
 		l.MaxConnsPerPath = 257
@@ -97,49 +97,6 @@ func (l ServerLimits) withDefaults() ServerLimits {
 		l.MaxConns = 8192
 	}
 	return l
-}
-
-// physMemory is the memory the process may use in bytes: the machine's, or its cgroup's
-// memory.max where that is lower (a unit with MemoryMax=, a container); 1 GiB if neither can
-// be read.
-func physMemory() int64 {
-	var si unix.Sysinfo_t
-	total := int64(1 << 30)
-	if err := unix.Sysinfo(&si); err == nil && si.Totalram != 0 {
-		total = int64(si.Totalram) * int64(si.Unit)
-	}
-	if lim, ok := cgroupMemoryMax(); ok && lim < total {
-		total = lim
-	}
-	return total
-}
-
-// cgroupMemoryMax reads the memory limit of the process's cgroup: memory.max (v2) or
-// memory.limit_in_bytes (v1).
-func cgroupMemoryMax() (int64, bool) {
-	b, err := os.ReadFile("/proc/self/cgroup")
-	if err != nil {
-		return 0, false
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		var file string
-		if rest, ok := strings.CutPrefix(line, "0::"); ok {
-			file = filepath.Join("/sys/fs/cgroup", rest, "memory.max")
-		} else if _, rest, ok := strings.Cut(line, ":memory:"); ok {
-			file = filepath.Join("/sys/fs/cgroup/memory", rest, "memory.limit_in_bytes")
-		} else {
-			continue
-		}
-		v, err := os.ReadFile(file)
-		if err != nil {
-			continue
-		}
-		// "max" (v2) does not parse, and v1's "no limit" is a huge number: no limit either way.
-		if n, err := strconv.ParseInt(strings.TrimSpace(string(v)), 10, 64); err == nil && n > 0 {
-			return n, true
-		}
-	}
-	return 0, false
 }
 
 // DefaultServerOptions are the kernel module's defaults.
