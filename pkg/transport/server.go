@@ -307,24 +307,57 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	peer := id.RemoteAddr()
+	from := rdma.AddrGroup(peer.Addr())
+	if errno := s.roomLocked(peer, from); errno != 0 {
+		return nil, errno
+	}
+	ss, errno := s.sessionLocked(m, peer, from, ident)
+	if errno != 0 {
+		return nil, errno
+	}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if p := ss.paths[m.SessUUID]; p != nil {
+		if errno := s.reserveConLocked(p, m, peer); errno != 0 {
+			return nil, errno
+		}
+		return p, 0
+	}
+	src, dst := addrOf(id.RemoteAddr()), addrOf(id.LocalAddr())
+	if errno := s.pathRoomLocked(ss, src, dst, peer); errno != 0 {
+		return nil, errno
+	}
+	return s.newPathLocked(ss, m, id, src, dst, from), 0
+}
+
+// roomLocked refuses a connection request from peer (of address group from) when the server
+// is closing or at one of its bounds on connections; s.mu is held.
+func (s *Server) roomLocked(peer netip.AddrPort, from netip.Addr) syscall.Errno {
 	if s.closed {
 		s.refuse(peer, "server closing", "the server is shutting down")
-		return nil, syscall.ECONNRESET
+		return syscall.ECONNRESET
 	}
-	from := rdma.AddrGroup(peer.Addr())
 	lim := s.opts.Limits
 	if s.conns >= lim.MaxConns {
 		s.refuse(peer, "connections", fmt.Sprintf("%d connections (the server's bound)", lim.MaxConns))
-		return nil, syscall.ECONNRESET
+		return syscall.ECONNRESET
 	}
 	if s.connecting >= lim.MaxConnecting {
 		s.refuse(peer, "unfinished connections", fmt.Sprintf("%d connections of paths not yet established (the server's bound)", lim.MaxConnecting))
-		return nil, syscall.ECONNRESET
+		return syscall.ECONNRESET
 	}
 	if s.connectingFrom[from] >= lim.MaxConnectingPerAddr {
 		s.refuse(peer, "unfinished connections per address", fmt.Sprintf("%d connections of paths not yet established from this address (the bound per address)", lim.MaxConnectingPerAddr))
-		return nil, syscall.ECONNRESET
+		return syscall.ECONNRESET
 	}
+	return 0
+}
+
+// sessionLocked finds the session the request names, or creates it for the request's first
+// connection of a new session, within the bounds on sessions; a session of another identity
+// is refused. s.mu is held.
+func (s *Server) sessionLocked(m *MsgConnReq, peer netip.AddrPort, from netip.Addr, ident Identity) (*SrvSess, syscall.Errno) {
+	lim := s.opts.Limits
 	ss := s.sessions[m.PathsUUID]
 	if ss == nil {
 		if !m.FirstConn {
@@ -348,32 +381,40 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 		s.refuse(peer, "session of another identity", fmt.Sprintf("%v asked to join a session of %v", ident, ss.owner))
 		return nil, syscall.EPERM
 	}
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	if p := ss.paths[m.SessUUID]; p != nil {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		if p.state != srvConnecting || len(p.cons) != int(m.CidNum) || p.cons[m.Cid] != nil {
-			if p.zombieLocked(s.opts.Timings.ZombieTimeout) {
-				go p.Close()
-			}
-			s.refuse(peer, "connection out of place", fmt.Sprintf("connection %d of %d of path %s, which is past connecting or has %d connections, or that one", m.Cid, m.CidNum, p.name, len(p.cons)))
-			return nil, syscall.ECONNRESET
+	return ss, 0
+}
+
+// reserveConLocked reserves the request's connection slot in p, a path still connecting
+// whose connection count the request agrees with; a request out of place is refused, and
+// closes p if p is a zombie. s.mu and p's session's mu are held.
+func (s *Server) reserveConLocked(p *SrvPath, m *MsgConnReq, peer netip.AddrPort) syscall.Errno {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.state != srvConnecting || len(p.cons) != int(m.CidNum) || p.cons[m.Cid] != nil {
+		if p.zombieLocked(s.opts.Timings.ZombieTimeout) {
+			go p.Close()
 		}
-		p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
-		// Each connection that starts restarts the path's zombie clock (kernel 7.2).
-		p.connStart = time.Now()
-		p.zombie.Reset(s.opts.Timings.ZombieTimeout)
-		s.pendLocked(p, 1)
-		p.nCons++
-		s.conns++
-		return p, 0
+		s.refuse(peer, "connection out of place", fmt.Sprintf("connection %d of %d of path %s, which is past connecting or has %d connections, or that one", m.Cid, m.CidNum, p.name, len(p.cons)))
+		return syscall.ECONNRESET
 	}
+	p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
+	// Each connection that starts restarts the path's zombie clock (kernel 7.2).
+	p.connStart = time.Now()
+	p.zombie.Reset(s.opts.Timings.ZombieTimeout)
+	s.pendLocked(p, 1)
+	p.nCons++
+	s.conns++
+	return 0
+}
+
+// pathRoomLocked refuses a new path from src to dst in ss when ss has its most paths or
+// already has one between the same addresses (a zombie of those is closed). s.mu and ss.mu
+// are held.
+func (s *Server) pathRoomLocked(ss *SrvSess, src, dst Addr, peer netip.AddrPort) syscall.Errno {
 	if len(ss.paths) >= MaxPathsNum {
 		s.refuse(peer, "paths per session", fmt.Sprintf("the session has %d paths (at most %d)", len(ss.paths), MaxPathsNum))
-		return nil, syscall.ECONNRESET
+		return syscall.ECONNRESET
 	}
-	src, dst := addrOf(id.RemoteAddr()), addrOf(id.LocalAddr())
 	for _, o := range ss.paths {
 		if o.src.IP == src.IP && o.dst.IP == dst.IP {
 			o.mu.Lock()
@@ -389,9 +430,15 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 				go o.Close()
 			}
 			s.refuse(peer, "path exists", fmt.Sprintf("the session already has path %s", o.name))
-			return nil, syscall.EEXIST
+			return syscall.EEXIST
 		}
 	}
+	return 0
+}
+
+// newPathLocked creates the path of the request's connection in ss, with that connection's
+// slot reserved and its zombie clock started. s.mu and ss.mu are held.
+func (s *Server) newPathLocked(ss *SrvSess, m *MsgConnReq, id rdma.ConnID, src, dst Addr, from netip.Addr) *SrvPath {
 	now := time.Now()
 	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: from, created: now, connStart: now, nCons: 1,
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
@@ -413,7 +460,7 @@ func (s *Server) findPath(m *MsgConnReq, id rdma.ConnID, ident Identity) (*SrvPa
 	ss.live++
 	s.pendLocked(p, 1)
 	s.conns++
-	return p, 0
+	return p
 }
 
 // nameFree says whether no other live session holds name (the kernel's rule).

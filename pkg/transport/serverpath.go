@@ -304,64 +304,98 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		go p.Close()
 		return
 	}
-	srv, ss := p.sess.srv, p.sess
-	peer := c.id.RemoteAddr()
-	if !srv.nameFree(ss, m.PathName) {
-		srv.refuse(peer, "session name in use", fmt.Sprintf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM))
+	if !p.nameSession(c.id.RemoteAddr(), m.PathName) {
 		go p.Close()
 		return
 	}
-	// Memory first: a session refused for want of it does not take a name.
-	if err := p.regChunks(); err != nil {
-		srv.refuse(peer, "chunk memory", err.Error())
-		go p.Close()
-		return
-	}
-	ss.mu.Lock()
-	named := ss.name != ""
-	ss.mu.Unlock()
-	if !named {
-		// Outside the server's lock: a new name is written to the names file.
-		errno, err := srv.names.claim(m.PathName, ss.owner.Key())
-		if err != nil {
-			p.lg().WithError(err).Warn("session name not saved")
-		}
-		switch errno {
-		case syscall.EPERM:
-			srv.refuse(peer, "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, m.PathName, errno))
-		case syscall.ENOSPC:
-			srv.refuse(peer, "session names full", fmt.Sprintf("%v asked for a new session name %q with %d names kept: %v", ss.owner, m.PathName, maxNames, errno))
-		}
-		if errno != 0 {
-			go p.Close()
-			return
-		}
-	}
-	srv.mu.Lock()
-	if !srv.nameFreeLocked(ss, m.PathName) {
-		srv.mu.Unlock()
-		srv.refuse(peer, "session name in use", fmt.Sprintf("session name %q is used by another client session: %v", m.PathName, syscall.EPERM))
-		go p.Close()
-		return
-	}
-	ss.mu.Lock()
-	if ss.name == "" {
-		ss.name = m.PathName
-	}
-	ss.mu.Unlock()
-	srv.sessNamedLocked(ss)
-	srv.mu.Unlock()
-	p.logp.Store(p.lg().WithField("session", m.PathName))
-
 	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
 		p.lg().WithError(err).Warn("receives not posted, closing the path")
 		go p.Close()
 		return
 	}
+	if !p.establish() {
+		return
+	}
+	if err := p.sendInfoRsp(c); err != nil {
+		p.lg().WithError(err).Warn("INFO_RSP not sent")
+		go p.Close()
+		return
+	}
+	p.startHeartbeat(c)
+	p.lg().Info("path connected")
+}
+
+// nameSession gives the path's session the name of its INFO_REQ, with the session's chunks
+// registered for the path first. It refuses the path (false) when the name is held by
+// another live session or, in the names file, by another identity, or when the chunks cannot
+// be had.
+func (p *SrvPath) nameSession(peer netip.AddrPort, name string) bool {
+	srv, ss := p.sess.srv, p.sess
+	inUse := func() {
+		srv.refuse(peer, "session name in use", fmt.Sprintf("session name %q is used by another client session: %v", name, syscall.EPERM))
+	}
+	if !srv.nameFree(ss, name) {
+		inUse()
+		return false
+	}
+	// Memory first: a session refused for want of it does not take a name.
+	if err := p.regChunks(); err != nil {
+		srv.refuse(peer, "chunk memory", err.Error())
+		return false
+	}
+	if !p.claimName(peer, name) {
+		return false
+	}
+	srv.mu.Lock()
+	if !srv.nameFreeLocked(ss, name) {
+		srv.mu.Unlock()
+		inUse()
+		return false
+	}
+	ss.mu.Lock()
+	if ss.name == "" {
+		ss.name = name
+	}
+	ss.mu.Unlock()
+	srv.sessNamedLocked(ss)
+	srv.mu.Unlock()
+	p.logp.Store(p.lg().WithField("session", name))
+	return true
+}
+
+// claimName claims name in the names file for the owner of a session that has no name yet;
+// false when it belongs to another identity or the file has no room. The server's lock is
+// not held: a new name is written to the file.
+func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
+	srv, ss := p.sess.srv, p.sess
+	ss.mu.Lock()
+	named := ss.name != ""
+	ss.mu.Unlock()
+	if named {
+		return true
+	}
+	errno, err := srv.names.claim(name, ss.owner.Key())
+	if err != nil {
+		p.lg().WithError(err).Warn("session name not saved")
+	}
+	switch errno {
+	case syscall.EPERM:
+		srv.refuse(peer, "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, name, errno))
+	case syscall.ENOSPC:
+		srv.refuse(peer, "session names full", fmt.Sprintf("%v asked for a new session name %q with %d names kept: %v", ss.owner, name, maxNames, errno))
+	}
+	return errno == 0
+}
+
+// establish marks the path connected, unless it is closing (false): its zombie clock stops,
+// its connections stop counting as unfinished, and the session's first connected path is
+// reported to the handler.
+func (p *SrvPath) establish() bool {
+	srv, ss := p.sess.srv, p.sess
 	p.mu.Lock()
 	if p.state != srvConnecting {
 		p.mu.Unlock()
-		return
+		return false
 	}
 	p.state = srvConnected
 	p.live.Store(true)
@@ -376,12 +410,19 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	if first {
 		srv.opts.Handler.LinkEvent(ss, LinkConnected)
 	}
+	return true
+}
+
+// sendInfoRsp sends INFO_RSP on connection 0: the chunks' addresses and keys, behind the
+// registrations of their first keys with always_invalidate.
+func (p *SrvPath) sendInfoRsp(c *con) error {
+	o := p.sess.srv.opts
 	rsp := MsgInfoRsp{}
-	cs := srv.opts.ChunkSize
+	cs := o.ChunkSize
 	var wrs []rdma.SendWR
 	for _, mr := range p.chunkMR {
 		key := mr.RKey()
-		if srv.opts.AlwaysInvalidate {
+		if o.AlwaysInvalidate {
 			// Registered in front of the response on the same queue, so no key is named
 			// before it works.
 			key = rdma.IncKey(mr.RKey())
@@ -392,12 +433,13 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 	b := rsp.Marshal()
 	copy(p.ctlMR.Bytes()[p.ctlInfoRsp():], b)
 	wrs = append(wrs, rdma.SendWR{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}})
-	if _, err := c.qp.PostSend(wrs); err != nil {
-		p.lg().WithError(err).Warn("INFO_RSP not sent")
-		go p.Close()
-		return
-	}
-	t := srv.opts.Timings
+	_, err := c.qp.PostSend(wrs)
+	return err
+}
+
+// startHeartbeat starts the path's heartbeat on connection 0; a lost one closes the path.
+func (p *SrvPath) startHeartbeat(c *con) {
+	t := p.sess.srv.opts.Timings
 	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
 		_, err := c.qp.PostSend(hbWR(ImmHBMsgValue))
 		return err
@@ -405,7 +447,6 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		p.lg().Warn("heartbeat lost, closing the path")
 		go p.Close()
 	})
-	p.lg().Info("path connected")
 }
 
 // Disconnect closes the path asynchronously (the server's sysfs disconnect).
