@@ -1,7 +1,6 @@
 package transport
 
 import (
-	"encoding/binary"
 	"fmt"
 	"sync/atomic"
 	"syscall"
@@ -166,15 +165,14 @@ func (p *SrvPath) dispatch(c *con, id int) {
 		p.badRequest(id, "header beyond the chunk")
 		return
 	}
-	typ := binary.LittleEndian.Uint16(hdr)
-	usrLen := int(binary.LittleEndian.Uint16(hdr[2:]))
+	typ, usrLen := reqHdr(hdr)
 	if usrLen > r.off || usrLen > MaxHdrSize {
 		p.badRequest(id, fmt.Sprintf("user header of %d bytes at offset %d", usrLen, r.off))
 		return
 	}
 	dataLen := r.off - usrLen
 	r.needInv, r.hasData = false, false
-	switch uint16(typ) {
+	switch typ {
 	case MsgTypeWrite:
 		r.r.Dir = Write
 	case MsgTypeRead:
