@@ -83,6 +83,20 @@ func (h *heartbeat) acked() {
 	}
 }
 
+// onImm handles a heartbeat immediate of type typ received on c: an HB_MSG is answered, an
+// HB_ACK recorded. It says whether typ was one of them.
+func (h *heartbeat) onImm(c *con, typ uint32) bool {
+	switch typ {
+	case ImmHBMsg:
+		_ = c.hbAck()
+	case ImmHBAck:
+		h.acked()
+	default:
+		return false
+	}
+	return true
+}
+
 // hbWR is the zero-length RDMA_WRITE_WITH_IMM a heartbeat travels in.
 func hbWR(imm uint32) []rdma.SendWR {
 	return []rdma.SendWR{{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: imm}}

@@ -38,15 +38,10 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	}
 	typ, payload := ImmFields(imm)
-	switch typ {
-	case ImmHBMsg:
-		_ = c.hbAck()
+	if p.hb.onImm(c, typ) {
 		return
-	case ImmHBAck:
-		p.hb.acked()
-		return
-	case ImmIOReq:
-	default:
+	}
+	if typ != ImmIOReq {
 		p.refuse("malformed request", fmt.Sprintf("unknown immediate %#x", imm))
 		go p.Close()
 		return
