@@ -171,16 +171,19 @@ kpkg=$(vm_kapt apt-cache depends linux-image-amd64 |
 kpver=$(vm_kapt_version "$kpkg")
 export RTRS_VM_KVER=${kpkg#linux-image-}
 export RTRS_VM_KDIR=$RTRS_VM_CACHE/kernel/${kpkg}_$kpver
-if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
+# 7.2's linux-image-KVER holds no files: it depends on linux-binary-KVER (the kernel, as
+# usr/lib/modules/KVER/vmlinuz), linux-modules-KVER and linux-base-KVER (config,
+# modules.builtin). Every dependency named for this kernel is unpacked with it.
+# shellcheck disable=SC2207 # package names
+kpkgs=("$kpkg=$kpver" $(vm_kapt apt-cache depends "$kpkg=$kpver" | awk -v k="-$RTRS_VM_KVER" \
+	'$1 ~ /Depends:$/ && substr($2, 1, 6) == "linux-" && substr($2, length($2) - length(k) + 1) == k {
+		print $2 "=" v }' v="$kpver" | sort -u))
+# .ok names the packages unpacked into the tree: a tree unpacked from another set (an older
+# layout of this script, an interrupted run) is unpacked again, never booted half-filled.
+if [ "$(cat "$RTRS_VM_KDIR/.ok" 2>/dev/null)" != "${kpkgs[*]}" ]; then
+	[ ! -e "$RTRS_VM_KDIR" ] || vm_log "kernel tree $RTRS_VM_KDIR was not unpacked from ${kpkgs[*]}: unpacking again"
 	t0=$(vm_now)
 	tmp=$(mktemp -d "$RTRS_VM_CACHE/kernel/dl.XXXXXX")
-	# 7.2's linux-image-KVER holds no files: it depends on linux-binary-KVER (the kernel, as
-	# usr/lib/modules/KVER/vmlinuz), linux-modules-KVER and linux-base-KVER (config,
-	# modules.builtin). Every dependency named for this kernel is unpacked with it.
-	# shellcheck disable=SC2207 # package names
-	kpkgs=("$kpkg=$kpver" $(vm_kapt apt-cache depends "$kpkg=$kpver" | awk -v k="-$RTRS_VM_KVER" \
-		'$1 ~ /Depends:$/ && substr($2, 1, 6) == "linux-" && substr($2, length($2) - length(k) + 1) == k {
-			print $2 "=" v }' v="$kpver" | sort -u))
 	vm_log "downloading ${kpkgs[*]}"
 	# APT::Sandbox::User=root: the _apt user may not write into the cache folder.
 	(cd "$tmp" && vm_kapt apt-get -q -o APT::Sandbox::User=root download "${kpkgs[@]}")
@@ -191,7 +194,7 @@ if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
 	rm -rf "$RTRS_VM_CACHE/kernel/linux-image-$kseries".[0-9]*
 	mv "$tmp/x" "$RTRS_VM_KDIR"
 	rm -rf "$tmp"
-	touch "$RTRS_VM_KDIR/.ok"
+	echo "${kpkgs[*]}" >"$RTRS_VM_KDIR/.ok"
 	vm_log "kernel $RTRS_VM_KVER unpacked in $(vm_since "$t0") s"
 fi
 # 6.1, 6.12: boot/vmlinuz-KVER; 7.2: usr/lib/modules/KVER/vmlinuz.
@@ -222,7 +225,7 @@ add_mod() {
 	f=${modfile[$n]:-}
 	if [ -z "$f" ]; then
 		# Built into the kernel: nothing to load.
-		tr '-' '_' <"$mdir/modules.builtin" | grep -q "/$n\.ko$" && return 0
+		vm_kmod_builtin "$mdir" "$n" && return 0
 		[ -z "${2:-}" ] || { vm_log "no module $n in $RTRS_VM_KVER: left out"; return 0; }
 		vm_die "module $n is in neither $mdir/kernel nor modules.builtin"
 	fi

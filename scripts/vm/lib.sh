@@ -49,7 +49,7 @@ vm_apt_update() {
 vm_apt_install() {
 	local p missing=()
 	for p in "$@"; do
-		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep 'install ok installed' >/dev/null ||
 			missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
@@ -117,7 +117,7 @@ vm_kernel_module() {
 	for p in "$@"; do
 		n=${p##*/}
 		f=$(_vm_kmod_find "$mdir" "$p") || {
-			vm_log "module $n: no module file in this kernel ($(_vm_kmod_builtin "$mdir" "$n" &&
+			vm_log "module $n: no module file in this kernel ($(vm_kmod_builtin "$mdir" "$n" &&
 				echo built in || echo gone)); vm_insmod will skip it"
 			echo "$p: not a module of $RTRS_VM_KVER" >"$RTRS_VM_WORK/kmod/$n.none"
 			continue
@@ -135,13 +135,15 @@ _vm_kmod_find() {
 	done
 	n=${p##*/}
 	f=$(find "$mdir/kernel" \( -name "$n.ko*" -o -name "${n//-/_}.ko*" -o -name "${n//_/-}.ko*" \) \
-		-type f | head -1)
+		-type f -print -quit)
 	[ -n "$f" ] && printf '%s\n' "$f"
 }
 
-# _vm_kmod_builtin MDIR NAME: NAME is built into the kernel (modules.builtin).
-_vm_kmod_builtin() {
-	tr '-' '_' <"$1/modules.builtin" 2>/dev/null | grep -q "/${2//-/_}\.ko\$"
+# vm_kmod_builtin MDIR NAME: NAME is built into the kernel (modules.builtin). grep reads to the
+# end, never -q: under pipefail, -q's early exit can kill tr with SIGPIPE and turn a match into
+# a failure (7.2's virtio_pci, 3.9 KB into the file, failed a CI run that way).
+vm_kmod_builtin() {
+	tr '-' '_' <"$1/modules.builtin" 2>/dev/null | grep "/${2//-/_}\.ko\$" >/dev/null
 }
 
 # _vm_kmod_copy MDIR FILE: FILE decompressed into $RTRS_VM_WORK/kmod, then its dependencies.
@@ -369,7 +371,7 @@ _vm_chroot_kernel_pkgs() {
 		# is there and is that version.
 		want=$(sed -n 's/^CONFIG_CC_VERSION_TEXT="\(.*\)"$/\1/p' "$root/usr/src/$hdr/.config")
 		[ -n "$want" ] || vm_die "$root/usr/src/$hdr/.config: no CONFIG_CC_VERSION_TEXT"
-		have=$(vm_chroot "$root" "${want%% *}" --version | head -1) ||
+		have=$(vm_chroot "$root" "${want%% *}" --version | sed -n 1p) ||
 			vm_die "$root: no ${want%% *}, which $hdr was built with"
 		if [ "$have" = "$want" ]; then
 			vm_log "compiler: $have, as $hdr names"
@@ -399,7 +401,7 @@ vm_guest_setup() {
 	ip -brief addr show
 }
 
-vm_port_active() { ibv_devinfo -d "$1" 2>/dev/null | grep -q PORT_ACTIVE; }
+vm_port_active() { ibv_devinfo -d "$1" 2>/dev/null | grep PORT_ACTIVE >/dev/null; }
 
 # vm_wait SECONDS CMD...: retry CMD every 0.2 s until it succeeds; fail after SECONDS.
 vm_wait() {
@@ -415,7 +417,7 @@ vm_wait() {
 }
 
 # vm_tcp_listening PORT: something listens on TCP PORT (for servers started in background).
-vm_tcp_listening() { ss -Hltn "sport = :$1" | grep -q .; }
+vm_tcp_listening() { ss -Hltn "sport = :$1" | grep . >/dev/null; }
 
 # vm_insmod FILE [PARAM=VALUE...]: load a module unless a module of that name is loaded; the
 # modules it depends on that lie beside it (vm_kernel_module copies them) are loaded first. A

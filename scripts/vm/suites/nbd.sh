@@ -39,7 +39,7 @@ guest() {
 	# The bed loads nbd; without it this suite proves nothing: fail, never skip.
 	[ -d /sys/module/nbd ] || { echo "no nbd module in the guest"; return 1; }
 	test -b /dev/nbd0
-	nbd-client -V 2>&1 | head -1 || true
+	nbd-client -V 2>&1 | sed -n 1p || true
 	mkdir -p $T/exports $T/srv $T/cli $T/dev $T/mnt
 	for m in disk1 disk2; do truncate -s 256M $T/exports/$m; done
 	truncate -s 64M $T/exports/disk3

@@ -32,7 +32,7 @@ perf() {
 	echo "== client rc=$rc, server rc=$src, $(vm_since "$t0") s"
 	[ "$rc" = 0 ] && [ "$src" = 0 ]
 }
-vm_listening() { vm_tcp_listening 18515 || rdma res show cm_id | grep -q LISTEN; }
+vm_listening() { vm_tcp_listening 18515 || rdma res show cm_id | grep LISTEN >/dev/null; }
 
 guest() {
 	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 D=$RTRS_VM_DEV

@@ -221,5 +221,5 @@ perftest_pair() {
 	return 1
 }
 # perftest with -R listens through rdma_cm on its port 18515.
-perftest_listening() { rdma res show cm_id | grep LISTEN | grep -q 18515; }
-perftest_gone() { ! rdma res show cm_id | grep -q 18515; }
+perftest_listening() { rdma res show cm_id | grep LISTEN | grep 18515 >/dev/null; }
+perftest_gone() { ! rdma res show cm_id | grep 18515 >/dev/null; }
