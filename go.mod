@@ -2,17 +2,14 @@ module github.com/rtrs-go/rtrs
 
 go 1.26.0
 
-require github.com/sirupsen/logrus v1.10.2
-
-require golang.org/x/sys v0.49.0
-
-require github.com/google/uuid v1.6.0
-
 require (
+	github.com/google/uuid v1.6.0
 	github.com/hanwen/go-fuse/v2 v2.12.1
 	github.com/prometheus/client_golang v1.25.0
 	github.com/prometheus/client_model v0.6.3
 	github.com/prometheus/common v0.73.1
+	github.com/sirupsen/logrus v1.10.2
+	golang.org/x/sys v0.49.0
 )
 
 require (

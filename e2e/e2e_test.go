@@ -641,8 +641,24 @@ func TestDemoPipedInterrupted(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	// A failure before the interrupt below must not leave the demo running: it holds the demo's
+	// port and paths, which the next run checks for.
+	t.Cleanup(func() {
+		select {
+		case <-done:
+			return
+		default:
+		}
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGINT)
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-done
+		}
+	})
 	testutil.WaitFor(t, 3*time.Minute, "the demo's device", func() bool { return exists("/run/rtrs-demo/dev/demo/disk") })
 	// Ctrl-C: SIGINT to the process group, pipe reader included.
 	if err := syscall.Kill(-cmd.Process.Pid, syscall.SIGINT); err != nil {

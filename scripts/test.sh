@@ -96,11 +96,12 @@ grep -q '^--- PASS: TestLoadStorm ' /tmp/rtrs-loadstorm.log || { echo "TestLoadS
 
 echo "== VM bed helpers (host side, made-up inputs)"
 scripts/vm/selftest.sh
-echo "== VM suites (rxe verbs in a qemu VM: scripts/vmtest.sh)"
-# Real RDMA: Debian's kernel with Soft-RoCE in a VM, the verbs provider's conformance and
+echo "== VM suites on each kernel (rxe verbs in a qemu VM: scripts/vmtest.sh)"
+# Real RDMA: Debian's kernels with Soft-RoCE in a VM, the verbs provider's conformance and
 # engine tests, both daemons over verbs, rdma-perf beside perftest, interoperation with the
-# kernel's RTRS/RNBD, NBD block devices. Any failure fails the run. The interop suite waits out
-# the kernel's 30 s reconnect delay several times (RTRS_VM_TIMEOUT: 40 minutes by default).
+# kernel's RTRS/RNBD, NBD block devices. Every suite runs on every kernel series of the matrix
+# (6.1, 6.12 and 7.2 unless RTRS_VM_KERNELS names others), one VM after another; any failure
+# fails the run.
 scripts/vmtest.sh
 
 if [ "$fuzz" = 1 ]; then

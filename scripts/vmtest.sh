@@ -3,16 +3,23 @@
 # RTRS/RNBD, in a qemu VM booting Debian's kernel with the host's root shared read-only over 9p.
 # See scripts/vm/README.md for how a suite is written.
 #
-# Usage (root, Debian 12): scripts/vmtest.sh [-k SERIES] [SUITE...]   (no suite: every suite)
+# Usage (root, Debian 12): scripts/vmtest.sh [-k SERIES[,SERIES...]] [SUITE...]   (no suite: every suite)
 #   SUITE is a name from scripts/vm/suites/NAME.sh, or a path to a suite file.
-#   -k SERIES  the kernel the VM boots: 6.1 (bookworm, the default) or 6.12 (bookworm-backports)
+#   -k SERIES  the kernel the VM boots: 6.1 (bookworm), 6.12 (bookworm-backports) or 7.2
+#              (unstable); several, comma-separated: each in turn with the same suites (the
+#              matrix), then a summary line per kernel and suite. Default: RTRS_VM_KERNELS,
+#              else every series (6.1,6.12,7.2).
 # Environment:
+#   RTRS_VM_KERNELS        the series list when there is no -k (comma- or space-separated)
 #   RTRS_VM_CACHE          cache of the kernel, initramfs, built modules (/var/cache/rtrs-vmtest)
 #   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (2400: the interop suite waits out the kernel's 30 s reconnect delay several times)
 #   RTRS_VM_SUITE_TIMEOUT  seconds for one suite's guest part (default: the whole run's)
 #   RTRS_VM_KEEP=1         keep the work folder even when everything passed
 #   RTRS_VM_RESULTS        copy the guest's results/ (logs, suites' files) and console log here
+#                          (with several series: into a subfolder per series, e.g. DIR/7.2)
 #   RTRS_VM_APPEND         extra kernel command line arguments
+#   RTRS_VM_BOOT_TIMEOUT   seconds for a boot to reach the guest's runner before qemu is stopped
+#                          and the VM booted once more (300)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -30,15 +37,48 @@ t_start=$(vm_now)
 # 6.1: the kernel linux-image-amd64 depends on in the machine's own apt lists (bookworm).
 # Others: the test bed's own apt lists under $RTRS_VM_CACHE/apt/NAME (the machine's sources are
 # never changed): NAME's sources.list, the release whose linux-image-amd64 is the series' kernel.
-kseries=6.1
+all_series=(6.1 6.12 7.2)
+kernels=${RTRS_VM_KERNELS:-${all_series[*]}}
 while getopts k: opt; do
 	case $opt in
-	k) kseries=$OPTARG ;;
-	*) vm_die "usage: $0 [-k 6.1|6.12] [SUITE...]" ;;
+	k) kernels=$OPTARG ;;
+	*) vm_die "usage: $0 [-k SERIES[,SERIES...]] [SUITE...] (series: ${all_series[*]})" ;;
 	esac
 done
 shift $((OPTIND - 1))
-export RTRS_VM_KSERIES=$kseries RTRS_VM_APT="" RTRS_VM_APT_RELEASE=""
+read -ra klist <<<"${kernels//,/ }"
+[ ${#klist[@]} -gt 0 ] || vm_die "no kernel series given"
+for k in "${klist[@]}"; do
+	case " ${all_series[*]} " in *" $k "*) ;; *) vm_die "-k $k: unknown kernel series (${all_series[*]})" ;; esac
+done
+
+# ---- the matrix: several series, one run of this script each ------------------------------
+if [ ${#klist[@]} -gt 1 ]; then
+	msum=$(mktemp /tmp/rtrs-vmtest-matrix.XXXXXX)
+	trap 'rm -f "$msum"' EXIT
+	mfail=0
+	for k in "${klist[@]}"; do
+		echo "==== kernel $k: $0 -k $k $*"
+		t0=$(vm_now)
+		rc=0
+		RTRS_VM_SUMMARY=$msum.$k RTRS_VM_RESULTS=${RTRS_VM_RESULTS:+$RTRS_VM_RESULTS/$k} \
+			"$here/vmtest.sh" -k "$k" "$@" || rc=$?
+		if [ ! -s "$msum.$k" ]; then
+			echo "vmtest: $k FAIL: the run ended (rc $rc) before its suites' verdicts" >"$msum.$k"
+		fi
+		echo "vmtest: $k rc $rc, $(vm_since "$t0") s in all" >>"$msum.$k"
+		cat "$msum.$k" >>"$msum"
+		rm -f "$msum.$k"
+		[ "$rc" = 0 ] || mfail=1
+	done
+	echo "==== matrix summary (${klist[*]})"
+	cat "$msum"
+	echo "vmtest: matrix $(grep -c '^vmtest: [^ ]* PASS' "$msum") passed, $(grep -c '^vmtest: [^ ]* FAIL' "$msum") failed, whole run $(vm_since "$t_start") s"
+	exit "$mfail"
+fi
+kseries=${klist[0]}
+export RTRS_VM_KSERIES=$kseries RTRS_VM_APT="" RTRS_VM_APT_RELEASE="" RTRS_VM_CHROOT="" \
+	RTRS_VM_CHROOT_SUITE="" RTRS_VM_MIRROR=http://deb.debian.org/debian
 apt_suites=()
 case $kseries in
 6.1) ;;
@@ -47,10 +87,14 @@ case $kseries in
 	RTRS_VM_APT=$RTRS_VM_CACHE/apt/bookworm RTRS_VM_APT_RELEASE=bookworm-backports
 	apt_suites=(bookworm bookworm-backports)
 	;;
-7.2) vm_die "-k 7.2: not yet (needs an unstable chroot with its toolchain to build modules)" ;;
-*) vm_die "-k $kseries: unknown kernel series (6.1, 6.12)" ;;
+7.2)
+	# Unstable's kernel (the series checked below): its headers name unstable's gcc and kbuild,
+	# so its modules are built in a chroot of unstable kept in the cache.
+	RTRS_VM_APT=$RTRS_VM_CACHE/apt/sid
+	RTRS_VM_CHROOT=$RTRS_VM_CACHE/chroot/sid RTRS_VM_CHROOT_SUITE=sid
+	apt_suites=(sid)
+	;;
 esac
-
 # Go for the suites' host parts, as go.mod asks for it (scripts/go-toolchain.sh).
 # shellcheck source-path=SCRIPTDIR source=go-toolchain.sh
 . "$here/go-toolchain.sh"
@@ -106,7 +150,7 @@ if [ -n "$RTRS_VM_APT" ]; then
 	# The test bed's own lists, refreshed every run like the machine's.
 	mkdir -p "$RTRS_VM_APT/lists/partial" "$RTRS_VM_APT/cache/archives/partial"
 	for s in "${apt_suites[@]}"; do
-		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $s main"
+		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $RTRS_VM_MIRROR $s main"
 	done >"$RTRS_VM_APT/sources.list.new"
 	mv "$RTRS_VM_APT/sources.list.new" "$RTRS_VM_APT/sources.list"
 	vm_log "apt-get update ($RTRS_VM_APT: ${apt_suites[*]})"
@@ -130,10 +174,18 @@ export RTRS_VM_KDIR=$RTRS_VM_CACHE/kernel/${kpkg}_$kpver
 if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
 	t0=$(vm_now)
 	tmp=$(mktemp -d "$RTRS_VM_CACHE/kernel/dl.XXXXXX")
-	vm_log "downloading $kpkg=$kpver"
+	# 7.2's linux-image-KVER holds no files: it depends on linux-binary-KVER (the kernel, as
+	# usr/lib/modules/KVER/vmlinuz), linux-modules-KVER and linux-base-KVER (config,
+	# modules.builtin). Every dependency named for this kernel is unpacked with it.
+	# shellcheck disable=SC2207 # package names
+	kpkgs=("$kpkg=$kpver" $(vm_kapt apt-cache depends "$kpkg=$kpver" | awk -v k="-$RTRS_VM_KVER" \
+		'$1 ~ /Depends:$/ && substr($2, 1, 6) == "linux-" && substr($2, length($2) - length(k) + 1) == k {
+			print $2 "=" v }' v="$kpver" | sort -u))
+	vm_log "downloading ${kpkgs[*]}"
 	# APT::Sandbox::User=root: the _apt user may not write into the cache folder.
-	(cd "$tmp" && vm_kapt apt-get -q -o APT::Sandbox::User=root download "$kpkg=$kpver")
-	dpkg-deb -x "$tmp"/*.deb "$tmp/x"
+	(cd "$tmp" && vm_kapt apt-get -q -o APT::Sandbox::User=root download "${kpkgs[@]}")
+	vm_log "downloaded $(du -ch "$tmp"/*.deb | tail -1 | cut -f1) in $(vm_since "$t0") s"
+	for f in "$tmp"/*.deb; do dpkg-deb -x "$f" "$tmp/x"; done
 	# Older kernels' trees of this series are 400 MB each and never booted again; one tree
 	# per series stays (6.1.0-56 replaces 6.1.0-55, not 6.12.*).
 	rm -rf "$RTRS_VM_CACHE/kernel/linux-image-$kseries".[0-9]*
@@ -142,14 +194,20 @@ if [ ! -f "$RTRS_VM_KDIR/.ok" ]; then
 	touch "$RTRS_VM_KDIR/.ok"
 	vm_log "kernel $RTRS_VM_KVER unpacked in $(vm_since "$t0") s"
 fi
-vmlinuz=$RTRS_VM_KDIR/boot/vmlinuz-$RTRS_VM_KVER
-[ -f "$vmlinuz" ] || vm_die "no $vmlinuz"
+# 6.1, 6.12: boot/vmlinuz-KVER; 7.2: usr/lib/modules/KVER/vmlinuz.
+vmlinuz=
+for f in "$RTRS_VM_KDIR/boot/vmlinuz-$RTRS_VM_KVER" "$RTRS_VM_KDIR/usr/lib/modules/$RTRS_VM_KVER/vmlinuz"; do
+	[ -f "$f" ] && vmlinuz=$f && break
+done
+[ -n "$vmlinuz" ] || vm_die "no vmlinuz of $RTRS_VM_KVER in $RTRS_VM_KDIR"
 
 # ---- initramfs: busybox, /init and the modules, in dependency order -------------------------
 # What the guest needs; each module's dependencies (its depends= field) are added before it.
-want=(virtio_pci 9pnet_virtio 9p crc32_generic ib_core ib_uverbs udp_tunnel ip6_udp_tunnel
+# A name ending in "?" is left out where the kernel has no such module (7.2: rxe computes its
+# CRC with the kernel's built-in crc32 library, and crc32_generic is gone).
+want=(virtio_pci 9pnet_virtio 9p crc32_generic? ib_core ib_uverbs udp_tunnel ip6_udp_tunnel
 	rdma_rxe ib_cm iw_cm configfs rdma_cm rdma_ucm veth nbd fuse loop)
-mdir=$RTRS_VM_KDIR/lib/modules/$RTRS_VM_KVER
+mdir=$(vm_kernel_moddir)
 declare -A modfile=() seen=()
 while IFS= read -r f; do
 	n=${f##*/} # no subshell per file: there are about 4000
@@ -165,6 +223,7 @@ add_mod() {
 	if [ -z "$f" ]; then
 		# Built into the kernel: nothing to load.
 		tr '-' '_' <"$mdir/modules.builtin" | grep -q "/$n\.ko$" && return 0
+		[ -z "${2:-}" ] || { vm_log "no module $n in $RTRS_VM_KVER: left out"; return 0; }
 		vm_die "module $n is in neither $mdir/kernel nor modules.builtin"
 	fi
 	for d in $(vm_mod_cat "$f" | tr '\0' '\n' | sed -n 's/^depends=//p' | tr ',' ' '); do
@@ -172,7 +231,9 @@ add_mod() {
 	done
 	order+=("$n")
 }
-for m in "${want[@]}"; do add_mod "$m"; done
+for m in "${want[@]}"; do
+	if [[ $m == *'?' ]]; then add_mod "${m%'?'}" optional; else add_mod "$m"; fi
+done
 case " ${modfile[*]} " in *.ko.xz\ *) vm_apt_install xz-utils ;; esac
 case " ${modfile[*]} " in *.ko.zst\ *) vm_apt_install zstd ;; esac
 
@@ -261,20 +322,46 @@ if [ ${#guest_suites[@]} -gt 0 ]; then
 		-append "$append"
 		-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap
 		-virtfs "local,path=$work,mount_tag=work,security_model=none" "${share_repo[@]}")
-	while IFS= read -r line || [ -n "$line" ]; do
-		line=${line%$'\r'}
-		printf '%s\n' "$line" >>"$work/console.log"
-		printf '[vm] %s\n' "$line"
-		if [ "$boot_s" = - ] && [[ $line == *"rtrs-vmtest: guest up"* ]]; then
-			boot_s=$(vm_since "$t_boot")
+	# A boot that never reaches the guest's runner is retried once: under TCG on a loaded host a
+	# VM once stayed silent after the firmware for 19 minutes, where the same kernel and
+	# initramfs had booted in 25 s just before.
+	boot_timeout=${RTRS_VM_BOOT_TIMEOUT:-300}
+	for attempt in 1 2; do
+		t_boot=$(vm_now) boot_s=-
+		rm -f "$work/booted" "$work/boot-timeout" "$work/qemu.rc" "$work/qemu.pid"
+		(
+			for ((i = 0; i < boot_timeout; i++)); do
+				[ -f "$work/booted" ] || [ -f "$work/qemu.rc" ] && exit 0
+				sleep 1
+			done
+			touch "$work/boot-timeout"
+			kill "$(cat "$work/qemu.pid")" 2>/dev/null || true
+		) &
+		watchdog=$!
+		while IFS= read -r line || [ -n "$line" ]; do
+			line=${line%$'\r'}
+			printf '%s\n' "$line" >>"$work/console.log"
+			printf '[vm] %s\n' "$line"
+			if [ "$boot_s" = - ] && [[ $line == *"rtrs-vmtest: guest up"* ]]; then
+				boot_s=$(vm_since "$t_boot")
+				touch "$work/booted"
+			fi
+		done < <(
+			{
+				rc=0
+				timeout -k 10 "$timeout_s" "${qemu[@]}" </dev/null 2>&1 &
+				echo $! >"$work/qemu.pid"
+				wait $! || rc=$?
+				echo "$rc" >"$work/qemu.rc"
+			} | sed -u 's/\x1b\[[0-9;?]*[A-Za-z]//g; s/\x1bc//g' # the firmware's screen escapes
+		)
+		wait "$watchdog" || true
+		if [ -f "$work/boot-timeout" ] && [ "$attempt" = 1 ]; then
+			vm_log "the guest did not reach its runner in ${boot_timeout} s (RTRS_VM_BOOT_TIMEOUT): qemu stopped, booting again"
+			continue
 		fi
-	done < <(
-		{
-			rc=0
-			timeout -k 10 "$timeout_s" "${qemu[@]}" </dev/null 2>&1 || rc=$?
-			echo "$rc" >"$work/qemu.rc"
-		} | sed -u 's/\x1b\[[0-9;?]*[A-Za-z]//g; s/\x1bc//g' # the firmware's screen escapes
-	)
+		break
+	done
 	vm_s=$(vm_since "$t_boot")
 fi
 
@@ -290,7 +377,10 @@ if [ ${#guest_suites[@]} -gt 0 ]; then
 		vm_log "FAIL: qemu exited with status $qrc"
 		fail=1
 	fi
-	if [ ! -f "$R/boot-uptime" ]; then
+	if [ -f "$work/boot-timeout" ]; then
+		vm_log "FAIL: twice the guest did not reach its runner in ${boot_timeout} s"
+		fail=1
+	elif [ ! -f "$R/boot-uptime" ]; then
 		vm_log "FAIL: the guest never reached its runner (see the console output above)"
 		fail=1
 	fi
@@ -320,9 +410,10 @@ for n in "${names[@]}"; do
 		fail=1
 	fi
 done
-echo "==== summary"
-printf 'vmtest: %s\n' "${summary[@]}"
-echo "vmtest: boot to guest runner ${boot_s} s, VM run ${vm_s} s, whole run $(vm_since "$t_start") s"
+echo "==== summary (kernel $kseries: $RTRS_VM_KVER)"
+for l in "${summary[@]}"; do echo "vmtest: $kseries $l"; done | tee -a "${RTRS_VM_SUMMARY:-/dev/null}"
+echo "vmtest: $kseries boot to guest runner ${boot_s} s, VM run ${vm_s} s, whole run $(vm_since "$t_start") s" |
+	tee -a "${RTRS_VM_SUMMARY:-/dev/null}"
 if [ -n "${RTRS_VM_RESULTS:-}" ]; then
 	# For CI artefacts: the logs and whatever the suites wrote into results/.
 	mkdir -p "$RTRS_VM_RESULTS"

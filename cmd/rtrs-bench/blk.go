@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/daemon"
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
@@ -56,6 +57,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	}
 	fmt.Fprintf(os.Stderr, "rtrs-bench blkserver: provider %s\n", why)
 	o.Provider, o.Handler, o.AlwaysInvalidate, o.ChunkSize = prov, rs, *inv, int(cs)
+	o.Limits.MaxChunkMemory = daemon.DefaultChunkMemory()
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		return err

@@ -31,6 +31,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/daemon"
 	"github.com/rtrs-go/rtrs/internal/size"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -146,6 +147,7 @@ func serverCmd(ctx context.Context, args []string) error {
 	}
 	o := transport.DefaultServerOptions()
 	o.Provider, o.Addr, o.QueueDepth, o.ChunkSize, o.AlwaysInvalidate = prov, ap, *qd, cs, *inv
+	o.Limits.MaxChunkMemory = daemon.DefaultChunkMemory()
 	// The store is mapped outside the Go heap: in the heap it would count towards the
 	// collector's goal (twice the live heap), and the runtime would keep that much again of
 	// the sessions' garbage resident after they have gone.

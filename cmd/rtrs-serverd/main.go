@@ -123,7 +123,7 @@ Flags:`)
 	}
 	lim := transport.ServerLimits{MaxSessions: *maxSess, MaxConnsPerPath: *maxCons,
 		MaxConnecting: *maxConnecting, MaxConnectingPerAddr: *maxConnectingAddr,
-		MaxNewSessionsPerAddr: *maxNewSess, MaxConns: *maxConns}
+		MaxNewSessionsPerAddr: *maxNewSess, MaxConns: *maxConns, MaxChunkMemory: daemon.DefaultChunkMemory()}
 	if *maxMem != "" {
 		n, err := size.Parse(*maxMem)
 		if err != nil {

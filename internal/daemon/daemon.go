@@ -1,5 +1,6 @@
 // Package daemon is what rtrs-clientd and rtrs-serverd share: the config file, logging
-// under systemd, sd_notify, and the signals.
+// under systemd, sd_notify, and the signals; and the default bound on a server's chunk
+// memory, which rtrs-bench's servers take too.
 package daemon
 
 import (

@@ -18,7 +18,7 @@ var deviceStates = []rnbd.DeviceState{rnbd.StateMapped, rnbd.StateDisconnected, 
 // Client collects rtrs-clientd's metrics from its RNBD client at scrape time. Its sessions
 // and paths are the ones the operator declared, so their labels are bounded by the config.
 type Client struct {
-	C *rnbd.Client
+	RNBD *rnbd.Client
 
 	g                                                   guard
 	ds                                                  descs
@@ -30,7 +30,7 @@ type Client struct {
 
 // NewClient returns the collector of c.
 func NewClient(c *rnbd.Client) *Client {
-	m := &Client{C: c}
+	m := &Client{RNBD: c}
 	sp := []string{"session", "path"}
 	spd := []string{"session", "path", "direction"}
 	m.sessions = m.ds.add("rtrs_client_sessions", "RTRS sessions open.")
@@ -59,8 +59,8 @@ func (m *Client) Collect(ch chan<- prometheus.Metric) {
 	defer m.g.mu.Unlock()
 	e := newEmitter(ch)
 	n := 0
-	for _, name := range m.C.SessionNames() {
-		s := m.C.Session(name)
+	for _, name := range m.RNBD.SessionNames() {
+		s := m.RNBD.Session(name)
 		if s == nil {
 			continue
 		}
@@ -69,7 +69,7 @@ func (m *Client) Collect(ch chan<- prometheus.Metric) {
 	}
 	e.gauge(m.sessions, float64(n))
 	byState := map[rnbd.DeviceState]int{}
-	for _, d := range m.C.Devices() {
+	for _, d := range m.RNBD.Devices() {
 		st := d.State()
 		byState[st]++
 		e.gauge(m.devInfo, 1, d.Session(), d.Path(), d.AccessMode().String(), deviceStateName(st))

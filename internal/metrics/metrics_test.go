@@ -30,11 +30,6 @@ import (
 
 func TestMain(m *testing.M) { testutil.Main(m) }
 
-func fastTimings() transport.Timings {
-	return transport.Timings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMissed: 3, ConnectTimeout: 5 * time.Second,
-		ReconnectDelay: 100 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond, ZombieTimeout: 5 * time.Second}
-}
-
 type pair struct {
 	srv  *transport.Server
 	rs   *rnbd.Server
@@ -58,14 +53,14 @@ func newPair(t *testing.T) *pair {
 		t.Fatal(err)
 	}
 	o := transport.DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings, o.QueueDepth = prov, rs, fastTimings(), 64
+	o.Provider, o.Handler, o.Timings, o.QueueDepth = prov, rs, transport.Timings(testutil.FastTimings()), 64
 	o.Addr = netip.MustParseAddrPort("127.0.0.1:0")
 	srv, err := transport.NewServer(o)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: prov, ConPerPath: 2,
-		MaxReconnectAttempts: -1, Policy: transport.MinInflight, Timings: fastTimings()}, ReconnectTimeout: 5 * time.Second})
+		MaxReconnectAttempts: -1, Policy: transport.MinInflight, Timings: transport.Timings(testutil.FastTimings())}, ReconnectTimeout: 5 * time.Second})
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -339,7 +334,7 @@ func TestRefusals(t *testing.T) {
 	p := newPair(t)
 	prov := soft.New(soft.Options{})
 	_, err := transport.Open(context.Background(), transport.ClientOptions{Provider: prov, SessName: "x", Port: p.srv.Addr().Port(),
-		Paths: []transport.PathAddrs{{Dst: transport.Addr{IP: netip.MustParseAddr("127.0.0.1")}}}, ConPerPath: 300, Timings: fastTimings()})
+		Paths: []transport.PathAddrs{{Dst: transport.Addr{IP: netip.MustParseAddr("127.0.0.1")}}}, ConPerPath: 300, Timings: transport.Timings(testutil.FastTimings())})
 	if err == nil {
 		t.Fatal("300 connections per path accepted")
 	}
@@ -417,7 +412,7 @@ func TestCardinalityBounded(t *testing.T) {
 	}
 	defer rs.Close()
 	o := transport.DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings, o.QueueDepth = prov, rs, fastTimings(), 16
+	o.Provider, o.Handler, o.Timings, o.QueueDepth = prov, rs, transport.Timings(testutil.FastTimings()), 16
 	o.Addr = netip.MustParseAddrPort("127.0.0.1:0")
 	o.Limits.MaxSessions = 2
 	srv, err := transport.NewServer(o)
@@ -430,7 +425,7 @@ func TestCardinalityBounded(t *testing.T) {
 	for i := range 6 {
 		s, err := transport.Open(context.Background(), transport.ClientOptions{Provider: prov, SessName: fmt.Sprintf("h%d", i),
 			Port: srv.Addr().Port(), Paths: []transport.PathAddrs{{Dst: transport.Addr{IP: netip.MustParseAddr("127.0.0.1")}}},
-			ConPerPath: 1, Timings: fastTimings()})
+			ConPerPath: 1, Timings: transport.Timings(testutil.FastTimings())})
 		if err == nil {
 			opened++
 			defer s.Close()

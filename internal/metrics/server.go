@@ -17,8 +17,8 @@ import (
 // (only named ones, past INFO_REQ, are shown) and paths that each hold at least one of
 // -max-conns connections; the cause and errno labels come from fixed sets in the code.
 type Server struct {
-	S *transport.Server
-	R *rnbd.Server // may be nil
+	Transport *transport.Server
+	RNBD      *rnbd.Server // may be nil
 
 	g                                                         guard
 	ds                                                        descs
@@ -30,7 +30,7 @@ type Server struct {
 
 // NewServer returns the collector of s and its RNBD server r.
 func NewServer(s *transport.Server, r *rnbd.Server) *Server {
-	m := &Server{S: s, R: r}
+	m := &Server{Transport: s, RNBD: r}
 	sp := []string{"session", "path"}
 	spd := []string{"session", "path", "direction"}
 	m.sessions = m.ds.add("rtrs_server_sessions", "RTRS sessions with a name (a path has sent INFO_REQ).")
@@ -70,17 +70,17 @@ func (m *Server) Collect(ch chan<- prometheus.Metric) {
 	m.g.mu.Lock()
 	defer m.g.mu.Unlock()
 	e := newEmitter(ch)
-	sessions := m.S.Sessions()
+	sessions := m.Transport.Sessions()
 	e.gauge(m.sessions, float64(len(sessions)))
-	e.gauge(m.chunkMem, float64(m.S.ChunkMemory()))
-	for errno, n := range m.S.Rejected() {
+	e.gauge(m.chunkMem, float64(m.Transport.ChunkMemory()))
+	for errno, n := range m.Transport.Rejected() {
 		e.counter(m.rejected, n, errnoLabel(errno))
 	}
-	for cause, n := range m.S.Refused() {
+	for cause, n := range m.Transport.Refused() {
 		e.counter(m.refused, n, label(cause))
 	}
-	if m.R != nil {
-		for errno, n := range m.R.OpenRefused() {
+	if m.RNBD != nil {
+		for errno, n := range m.RNBD.OpenRefused() {
 			e.counter(m.openRefused, n, errnoLabel(errno))
 		}
 	}
@@ -111,10 +111,10 @@ func (m *Server) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
-	if m.R == nil {
+	if m.RNBD == nil {
 		return
 	}
-	st := &m.R.Stats
+	st := &m.RNBD.Stats
 	for op, c := range map[string]uint64{"read": st.Reads.Total(), "write": st.Writes.Total(), "flush": st.Flushes.Total(),
 		"discard": st.Discards.Total(), "write_zeroes": st.WriteZeroes.Total()} {
 		e.counter(m.rnbdReqs, c, op)
@@ -128,7 +128,7 @@ func (m *Server) Collect(ch chan<- prometheus.Metric) {
 	for _, ss := range sessions {
 		perSess[ss.Name()] = 0
 	}
-	for _, d := range m.R.Devices() {
+	for _, d := range m.RNBD.Devices() {
 		perSess[d.Session]++
 		e.gauge(m.devOpen, 1, d.Session, d.Path, d.AccessMode.String())
 	}

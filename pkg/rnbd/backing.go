@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -24,7 +25,10 @@ type backing struct {
 	lbs, pbs int
 	dev, ino uint64 // identity, so two names of one file are one device
 	rdev     uint64 // a block device's number
-	writable bool
+	// discardMax and discardGran: a block device's discard limits from its queue, in
+	// bytes (discardMax 0: it cannot discard). A file's are maxRangeSectors and pbs.
+	discardMax, discardGran int64
+	writable                bool
 	// memfs: a tmpfs or ramfs file, whose IO never waits for a device, so a nowait
 	// attempt just runs it. Otherwise noNowaitR/W record that the file system refused
 	// RWF_NOWAIT once, so that later attempts go straight to blocking.
@@ -149,6 +153,7 @@ func (b *backing) probe() error {
 			pbs = lbs
 		}
 		b.size, b.lbs, b.pbs = int64(sz), int(lbs), int(pbs)
+		b.discardMax, b.discardGran = queueLimit(st.Rdev, "discard_max_bytes"), queueLimit(st.Rdev, "discard_granularity")
 	default:
 		return fmt.Errorf("not a regular file or block device: %w", syscall.ENODEV)
 	}
@@ -158,6 +163,20 @@ func (b *backing) probe() error {
 	// A file whose size is not a whole number of blocks exports the whole blocks.
 	b.size -= b.size % int64(b.lbs)
 	return nil
+}
+
+// queueLimit reads a block device's queue attribute (a partition's is its disk's), -1 when it
+// cannot be read.
+func queueLimit(rdev uint64, name string) int64 {
+	dir := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(rdev), unix.Minor(rdev))
+	for _, p := range []string{dir + "/queue/" + name, dir + "/../queue/" + name} {
+		if b, err := os.ReadFile(p); err == nil {
+			if v, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && v >= 0 {
+				return v
+			}
+		}
+	}
+	return -1
 }
 
 func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
@@ -317,7 +336,10 @@ func (b *backing) discard(off, n int64) error {
 // BLKZEROOUT on a block device, for a file ZERO_RANGE, or where that is not supported (tmpfs) a
 // punched hole allocated again, or written zeroes as the last resort. Without it the range may
 // be deallocated: a punched hole (on a block device, fallocate's PUNCH_HOLE, which zeroes by
-// unmapping where the device can), falling back to the allocating ways.
+// unmapping where the device can), falling back to the allocating ways. A block device that
+// does not zero by itself fails the punch with EOPNOTSUPP, and BLKZEROOUT, which the kernel
+// then serves by writing zeroes, follows (bdev_test.go: a loop device over a FUSE file without
+// fallocate, and one over tmpfs, which stops zeroing by itself after a NOUNMAP).
 func (b *backing) writeZeroes(off, n int64, noUnmap bool) error {
 	if !noUnmap {
 		err := unix.Fallocate(b.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)

@@ -2,6 +2,7 @@ package rnbd
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"strings"
 	"syscall"
@@ -168,4 +169,41 @@ func FuzzDecoders(f *testing.F) {
 		var s MsgSessInfo
 		_ = s.Unmarshal(b, MsgTypeSessInfo)
 	})
+}
+
+// TestIOFlagsPerVersion decodes rnbd_msg_io.rw as each kernel's client sends it: 6.1's (2.0:
+// SYNC, FUA), 6.12's (2.0 with WRITE_ZEROES as op 5) and 7.2's (2.2: PREFLUSH, NOUNMAP).
+func TestIOFlagsPerVersion(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		rw   uint32
+		ok   bool
+	}{
+		{"6.1 flush", 0x302, true},                // FLUSH | SYNC | FUA
+		{"6.1 fua write", 0x301, true},            // WRITE | SYNC | FUA
+		{"6.12 write zeroes", 0x005, true},        // WRITE_ZEROES, no flags
+		{"7.2 flush", 0x702, true},                // FLUSH | SYNC | FUA | PREFLUSH
+		{"7.2 preflush write", 0x501, true},       // WRITE | SYNC | PREFLUSH
+		{"7.2 write zeroes nounmap", 0x805, true}, // WRITE_ZEROES | NOUNMAP
+		{"7.2 discard", 0x003, true},
+		{"nounmap on a write", 0x801, false},
+		{"nounmap on a discard", 0x803, false},
+		{"bit 12", 0x1001, false},
+		{"bit 31", 0x80000001, false},
+		{"op 6", 0x006, false},
+	} {
+		b := make([]byte, IOSize)
+		MsgIO{DeviceID: 1, Sector: 8, RW: tc.rw}.Put(b)
+		if binary.LittleEndian.Uint32(b[16:]) != tc.rw {
+			t.Fatalf("%s: rw not at offset 16", tc.name)
+		}
+		var m MsgIO
+		err := m.Unmarshal(b)
+		if tc.ok && (err != nil || m.RW != tc.rw) {
+			t.Errorf("%s (%#x): %v", tc.name, tc.rw, err)
+		}
+		if !tc.ok && !errors.Is(err, syscall.EOPNOTSUPP) {
+			t.Errorf("%s (%#x): %v, want EOPNOTSUPP", tc.name, tc.rw, err)
+		}
+	}
 }

@@ -27,11 +27,6 @@ import (
 
 func TestMain(m *testing.M) { testutil.Main(m) }
 
-func fastTimings() transport.Timings {
-	return transport.Timings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMissed: 3, ConnectTimeout: 5 * time.Second,
-		ReconnectDelay: 100 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond, ZombieTimeout: 5 * time.Second}
-}
-
 // tmpfsDir is a fresh directory on tmpfs (/dev/shm) when there is one, else a temp dir.
 func tmpfsDir(t testing.TB) string {
 	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
@@ -73,7 +68,7 @@ func (e *testEnv) start(t testing.TB, port uint16) {
 		t.Fatal(err)
 	}
 	o := transport.DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings = e.prov, envHandler{e: e, rs: rs}, fastTimings()
+	o.Provider, o.Handler, o.Timings = e.prov, envHandler{e: e, rs: rs}, transport.Timings(testutil.FastTimings())
 	o.Addr = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port)
 	o.QueueDepth = 64
 	var srv *transport.Server
@@ -140,7 +135,7 @@ func fill(rng *rand.Rand, b []byte) {
 func (e *testEnv) client(t testing.TB, timeout time.Duration) *Client {
 	c := NewClient(ClientOptions{
 		Session: transport.ClientOptions{Provider: e.prov, ConPerPath: 3, MaxReconnectAttempts: -1,
-			Policy: transport.MinInflight, Timings: fastTimings()},
+			Policy: transport.MinInflight, Timings: transport.Timings(testutil.FastTimings())},
 		ReconnectTimeout: timeout,
 	})
 	t.Cleanup(func() {

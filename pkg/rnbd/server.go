@@ -489,10 +489,19 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 		CachePolicy:       CacheFUA | CacheWriteback,
 	}
 	// A client of 6.12 or later sends WRITE_ZEROES only when max_write_zeroes_sectors is not 0,
-	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0.
+	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0. Zeroes
+	// can always be written (the kernel writes zero pages for a device that cannot do
+	// better); a block device discards only as far as its queue says, as the kernel's server
+	// announces it.
 	if d.mode != AccessRO {
 		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = maxRangeSectors, maxRangeSectors
 		rsp.DiscardGranularity = uint32(b.pbs)
+		if b.bdev && b.discardMax >= 0 {
+			rsp.MaxDiscardSectors = uint32(min(b.discardMax/SectorSize, maxRangeSectors))
+			if b.discardGran > 0 {
+				rsp.DiscardGranularity = uint32(b.discardGran)
+			}
+		}
 	}
 	rsp.Put(buf)
 	return nil
@@ -589,43 +598,11 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	if op != OpRead && d.mode == AccessRO {
 		return fmt.Errorf("rnbd: %v on %q mapped ro: %w", op, d.name, syscall.EPERM)
 	}
-	// Where the data must be, for each operation.
-	want := transport.Write
-	switch op {
-	case OpRead:
-		want = transport.Read
-		if len(r.Data) != int(m.BiSize) {
-			return fmt.Errorf("rnbd: READ of %d bytes into %d: %w", m.BiSize, len(r.Data), syscall.EINVAL)
-		}
-	case OpWrite:
-		if len(r.Data) != int(m.BiSize) {
-			return fmt.Errorf("rnbd: WRITE of %d bytes with %d: %w", m.BiSize, len(r.Data), syscall.EINVAL)
-		}
-	case OpFlush:
-		if m.BiSize != 0 || len(r.Data) != 0 {
-			return fmt.Errorf("rnbd: FLUSH with %d bytes: %w", m.BiSize, syscall.EINVAL)
-		}
-		if nowait {
-			return errWouldBlock
-		}
-		// A 7.2 client's flush carries PREFLUSH too (0x702): one fdatasync is both.
-		if m.RW&FlagPreflush != 0 {
-			s.Stats.Preflushes.Inc(r.ID())
-		}
-		s.Stats.Flushes.Inc(r.ID())
-		return backingErr(b.flush())
-	case OpSecureErase:
-		return fmt.Errorf("rnbd: SECURE_ERASE: %w", syscall.EOPNOTSUPP)
-	default: // DISCARD, WRITE_ZEROES: a range in bi_size, no data
-		if len(r.Data) != 0 {
-			return fmt.Errorf("rnbd: %v with data: %w", op, syscall.EINVAL)
-		}
-		if m.BiSize > maxRangeSectors*SectorSize {
-			return fmt.Errorf("rnbd: %v of %d bytes, above the announced %d sectors: %w", op, m.BiSize, maxRangeSectors, syscall.EINVAL)
-		}
+	if op == OpFlush {
+		return s.flushIO(r, &m, b, nowait)
 	}
-	if r.Dir != want {
-		return fmt.Errorf("rnbd: %v as an RTRS %v: %w", op, r.Dir, syscall.EINVAL)
+	if err := checkData(r, &m, op); err != nil {
+		return err
 	}
 	lbs := uint64(b.lbs)
 	off, n := m.Sector*SectorSize, uint64(m.BiSize)
@@ -644,11 +621,65 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 			return backingErr(err)
 		}
 	}
+	return s.runIO(r, &m, op, b, int64(off), int64(n), nowait)
+}
+
+// flushIO serves a FLUSH: no data, and one fdatasync, which is a 7.2 client's PREFLUSH on it
+// (0x702) too.
+func (s *Server) flushIO(r *transport.SrvRequest, m *MsgIO, b *backing, nowait bool) error {
+	if m.BiSize != 0 || len(r.Data) != 0 {
+		return fmt.Errorf("rnbd: FLUSH with %d bytes: %w", m.BiSize, syscall.EINVAL)
+	}
+	if nowait {
+		return errWouldBlock
+	}
+	if m.RW&FlagPreflush != 0 {
+		s.Stats.Preflushes.Inc(r.ID())
+	}
+	s.Stats.Flushes.Inc(r.ID())
+	return backingErr(b.flush())
+}
+
+// checkData checks where an IO other than FLUSH has its data: READ and WRITE bi_size bytes
+// of it, in the RTRS direction the data goes; DISCARD and WRITE_ZEROES none, a range in
+// bi_size.
+func checkData(r *transport.SrvRequest, m *MsgIO, op Op) error {
+	want := transport.Write
+	switch op {
+	case OpRead:
+		want = transport.Read
+		if len(r.Data) != int(m.BiSize) {
+			return fmt.Errorf("rnbd: READ of %d bytes into %d: %w", m.BiSize, len(r.Data), syscall.EINVAL)
+		}
+	case OpWrite:
+		if len(r.Data) != int(m.BiSize) {
+			return fmt.Errorf("rnbd: WRITE of %d bytes with %d: %w", m.BiSize, len(r.Data), syscall.EINVAL)
+		}
+	case OpSecureErase:
+		return fmt.Errorf("rnbd: SECURE_ERASE: %w", syscall.EOPNOTSUPP)
+	default: // DISCARD, WRITE_ZEROES: a range in bi_size, no data
+		if len(r.Data) != 0 {
+			return fmt.Errorf("rnbd: %v with data: %w", op, syscall.EINVAL)
+		}
+		if m.BiSize > maxRangeSectors*SectorSize {
+			return fmt.Errorf("rnbd: %v of %d bytes, above the announced %d sectors: %w", op, m.BiSize, maxRangeSectors, syscall.EINVAL)
+		}
+	}
+	if r.Dir != want {
+		return fmt.Errorf("rnbd: %v as an RTRS %v: %w", op, r.Dir, syscall.EINVAL)
+	}
+	return nil
+}
+
+// runIO runs a checked READ, WRITE, DISCARD or WRITE_ZEROES of n bytes at off on b, and
+// makes it durable when it asked for FUA.
+func (s *Server) runIO(r *transport.SrvRequest, m *MsgIO, op Op, b *backing, off, n int64, nowait bool) error {
+	fua := m.RW&FlagFUA != 0
 	var err error
 	switch op {
 	case OpRead:
-		if b.src != nil && s.opts.ZeroCopyReadMin > 0 && n >= uint64(s.opts.ZeroCopyReadMin) {
-			if err = b.respondFile(r, int64(off)); err == errResponded {
+		if b.src != nil && s.opts.ZeroCopyReadMin > 0 && n >= int64(s.opts.ZeroCopyReadMin) {
+			if err = b.respondFile(r, off); err == errResponded {
 				s.Stats.Reads.Inc(r.ID())
 				s.Stats.ZeroCopyReads.Inc(r.ID())
 				return err
@@ -657,11 +688,11 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 				return backingErr(err)
 			}
 		}
-		if err = b.readAt(r.Data, int64(off), nowait); err != errWouldBlock {
+		if err = b.readAt(r.Data, off, nowait); err != errWouldBlock {
 			s.Stats.Reads.Inc(r.ID())
 		}
 	case OpWrite:
-		if err = b.writeAt(r.Data, int64(off), fua, nowait); err != errWouldBlock {
+		if err = b.writeAt(r.Data, off, fua, nowait); err != errWouldBlock {
 			s.Stats.Writes.Inc(r.ID())
 			if fua {
 				s.Stats.FUAWrites.Inc(r.ID())
@@ -669,14 +700,14 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 		}
 	case OpDiscard:
 		s.Stats.Discards.Inc(r.ID())
-		err = b.discard(int64(off), int64(n))
+		err = b.discard(off, n)
 	case OpWriteZeroes:
 		s.Stats.WriteZeroes.Inc(r.ID())
 		noUnmap := m.RW&FlagNoUnmap != 0
 		if noUnmap {
 			s.Stats.NoUnmapZeroes.Inc(r.ID())
 		}
-		err = b.writeZeroes(int64(off), int64(n), noUnmap)
+		err = b.writeZeroes(off, n, noUnmap)
 	}
 	if err == nil && fua && op != OpWrite && op != OpRead {
 		err = b.flush()

@@ -120,7 +120,7 @@ func (p *holdingProxy) close() {
 // decides when a held open ends; its heartbeats are slow enough that a loaded machine does
 // not make a path reconnect (the test counts connections).
 func slowClient(t *testing.T, e *testEnv) *Client {
-	tm := fastTimings()
+	tm := transport.Timings(testutil.FastTimings())
 	tm.ConnectTimeout = 60 * time.Second
 	tm.HeartbeatInterval = time.Second
 	c := NewClient(ClientOptions{

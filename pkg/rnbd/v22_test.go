@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -15,43 +16,6 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/transport"
 	"golang.org/x/sys/unix"
 )
-
-// TestIOFlagsPerVersion decodes rnbd_msg_io.rw as each kernel's client sends it: 6.1's (2.0:
-// SYNC, FUA), 6.12's (2.0 with WRITE_ZEROES as op 5) and 7.2's (2.2: PREFLUSH, NOUNMAP).
-func TestIOFlagsPerVersion(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		rw   uint32
-		ok   bool
-	}{
-		{"6.1 flush", 0x302, true},                // FLUSH | SYNC | FUA
-		{"6.1 fua write", 0x301, true},            // WRITE | SYNC | FUA
-		{"6.12 write zeroes", 0x005, true},        // WRITE_ZEROES, no flags
-		{"7.2 flush", 0x702, true},                // FLUSH | SYNC | FUA | PREFLUSH
-		{"7.2 preflush write", 0x501, true},       // WRITE | SYNC | PREFLUSH
-		{"7.2 write zeroes nounmap", 0x805, true}, // WRITE_ZEROES | NOUNMAP
-		{"7.2 discard", 0x003, true},
-		{"nounmap on a write", 0x801, false},
-		{"nounmap on a discard", 0x803, false},
-		{"bit 12", 0x1001, false},
-		{"bit 31", 0x80000001, false},
-		{"op 6", 0x006, false},
-	} {
-		b := make([]byte, IOSize)
-		MsgIO{DeviceID: 1, Sector: 8, RW: tc.rw}.Put(b)
-		if binary.LittleEndian.Uint32(b[16:]) != tc.rw {
-			t.Fatalf("%s: rw not at offset 16", tc.name)
-		}
-		var m MsgIO
-		err := m.Unmarshal(b)
-		if tc.ok && (err != nil || m.RW != tc.rw) {
-			t.Errorf("%s (%#x): %v", tc.name, tc.rw, err)
-		}
-		if !tc.ok && !errors.Is(err, syscall.EOPNOTSUPP) {
-			t.Errorf("%s (%#x): %v, want EOPNOTSUPP", tc.name, tc.rw, err)
-		}
-	}
-}
 
 // TestProtocol22Server sends what a 7.2 client sends, raw through the session: PREFLUSH
 // flushes before the write lands, a flush with PREFLUSH is one flush, WRITE_ZEROES with
@@ -264,5 +228,63 @@ func TestWriteZeroesDiskFile(t *testing.T) {
 	want := append(append(bytes.Repeat([]byte{0x5a}, 1<<20), make([]byte, 2<<20)...), bytes.Repeat([]byte{0x5a}, 1<<20)...)
 	if !bytes.Equal(got, want) {
 		t.Error("zeroed ranges wrong or spilled over")
+	}
+}
+
+// TestNoUnmapRefusedFallback maps a device on a server that announces WRITE_ZEROES but refuses
+// RNBD_F_NOUNMAP, as ours did before protocol 2.2: the client writes the zeroes as data instead,
+// asks once per open, and never sends NOUNMAP again until the next open.
+func TestNoUnmapRefusedFallback(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	data := e.file(t, "disk", 4<<20)
+	rs := e.server()
+	var refused atomic.Int32
+	pre22 := func(r *transport.SrvRequest) bool {
+		var m MsgIO
+		if typ, _ := PeekType(r.Usr); typ != MsgTypeIO || m.Unmarshal(r.Usr) != nil || m.RW&FlagNoUnmap == 0 {
+			return false
+		}
+		refused.Add(1)
+		r.Respond(-int(syscall.EOPNOTSUPP))
+		return true
+	}
+	e.intercept.Store(&pre22)
+	defer e.intercept.Store(nil)
+	c := e.client(t, time.Second)
+	ctx := context.Background()
+	st := &rs.Stats
+
+	d := mustMap(t, e, c, "old22", "disk", AccessRW)
+	writes := st.Writes.Value()
+	// 1.5 MiB: more than one data write, and more than one window of them for a small maxIO.
+	if err := d.WriteZeroes(ctx, 1<<20, 3<<19, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.WriteZeroes(ctx, 3<<20, 4096, true); err != nil {
+		t.Fatal(err)
+	}
+	if n := refused.Load(); n != 1 {
+		t.Errorf("NOUNMAP sent %d times, want once", n)
+	}
+	if st.WriteZeroes.Value() != 0 || st.Writes.Value()-writes < 2 {
+		t.Errorf("server saw %d WRITE_ZEROES and %d writes; want 0 and the zeroes as writes", st.WriteZeroes.Value(), st.Writes.Value()-writes)
+	}
+	got := make([]byte, 4<<20)
+	if err := d.ReadAtContext(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte(nil), data...)
+	clear(want[1<<20 : 1<<20+3<<19])
+	clear(want[3<<20 : 3<<20+4096])
+	if !bytes.Equal(got, want) {
+		t.Error("zeroed ranges wrong or spilled over")
+	}
+	// Without NOUNMAP the server is asked as before.
+	if err := d.WriteZeroes(ctx, 0, 4096, false); err != nil {
+		t.Fatal(err)
+	}
+	if st.WriteZeroes.Value() != 1 {
+		t.Errorf("WRITE_ZEROES without NOUNMAP: server saw %d, want 1", st.WriteZeroes.Value())
 	}
 }

@@ -86,3 +86,6 @@ func (a Addr) String() string {
 
 // PathName is the directory name of a path: "<src>@<dst>".
 func PathName(src, dst Addr) string { return src.String() + "@" + dst.String() }
+
+// addrOf turns a connection endpoint into an RTRS address.
+func addrOf(ap netip.AddrPort) Addr { return Addr{IP: ap.Addr().Unmap()} }

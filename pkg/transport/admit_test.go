@@ -31,7 +31,7 @@ func prefixes(t *testing.T, s ...string) []AllowEntry {
 // tryOpen opens session name over ps and reports the error (the session is closed at once).
 func tryOpen(e *env, name string, ps []PathAddrs) error {
 	o := ClientOptions{Provider: e.prov, SessName: name, Paths: ps, Port: e.port, ConPerPath: 2,
-		MaxReconnectAttempts: 0, Timings: fastTimings()}
+		MaxReconnectAttempts: 0, Timings: Timings(testutil.FastTimings())}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	s, err := Open(ctx, o)
@@ -129,7 +129,7 @@ func TestTLSIdentity(t *testing.T) {
 	}
 	e := &env{prov: soft.New(soft.Options{TLS: nodeCfg("server")}), disk: newMemDisk(8 << 20)}
 	o := DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings, o.QueueDepth = e.prov, e.disk, fastTimings(), 16
+	o.Provider, o.Handler, o.Timings, o.QueueDepth = e.prov, e.disk, Timings(testutil.FastTimings()), 16
 	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)
 	o.AllowSubjects = []string{"CN=client-a", "CN=client-b"}
 	srv, err := NewServer(o)

@@ -66,7 +66,7 @@ func BenchmarkTLS(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/tls=%v", w.name, withTLS), func(b *testing.B) {
 				e := &env{prov: soft.New(so), disk: newMemDisk(64 << 20)}
 				o := DefaultServerOptions()
-				o.Provider, o.Handler, o.Timings, o.QueueDepth = e.prov, e.disk, fastTimings(), 128
+				o.Provider, o.Handler, o.Timings, o.QueueDepth = e.prov, e.disk, Timings(testutil.FastTimings()), 128
 				o.Addr = netip.MustParseAddrPort("127.0.0.1:0")
 				o.ChunkSize = 2 << 20 // 1 MiB of data and its header
 				srv, err := NewServer(o)

@@ -164,7 +164,7 @@ func Open(ctx context.Context, opts ClientOptions) (*Session, error) {
 	if opts.MaxChunkMemory <= 0 {
 		opts.MaxChunkMemory = DefaultClientChunkMemory
 	}
-	s := &Session{opts: opts, pathsUUID: uuid.New(), log: logger(log.Fields{"session": opts.SessName})}
+	s := &Session{opts: opts, pathsUUID: uuid.New(), log: log.L.WithFields(log.Fields{"session": opts.SessName})}
 	s.policy.Store(int32(opts.Policy))
 	s.maxReconnect.Store(int32(opts.MaxReconnectAttempts))
 	s.opening.Store(true) // link events are masked while the paths first connect
@@ -455,7 +455,7 @@ func (p *Path) init(ctx context.Context) (err error) {
 	p.mu.Unlock()
 	var rsp MsgConnRsp
 	for cid := 0; cid < n; cid++ {
-		cctx, cancel := ctxTimeout(ctx, t.ConnectTimeout)
+		cctx, cancel := context.WithTimeout(ctx, t.ConnectTimeout)
 		c, r, err := p.connectCon(cctx, cid, n, src, first)
 		cancel()
 		if err != nil {
@@ -487,7 +487,7 @@ func (p *Path) init(ctx context.Context) (err error) {
 	if err := p.allocRes(); err != nil {
 		return err
 	}
-	ictx, cancel := ctxTimeout(ctx, t.ConnectTimeout)
+	ictx, cancel := context.WithTimeout(ctx, t.ConnectTimeout)
 	defer cancel()
 	if err := p.infoExchange(ictx); err != nil {
 		return err

@@ -310,15 +310,10 @@ func (p *Path) recv(c *con, w rdma.WC) {
 		return // SEND_WITH_INV: the server released our data key; the response follows
 	}
 	typ, payload := ImmFields(w.Imm)
-	switch typ {
-	case ImmHBMsg:
-		_ = c.hbAck()
+	if p.hb.onImm(c, typ) {
 		return
-	case ImmHBAck:
-		p.hb.acked()
-		return
-	case ImmIORsp, ImmIORspWInv:
-	default:
+	}
+	if typ != ImmIORsp && typ != ImmIORspWInv {
 		p.errRecovery(fmt.Errorf("unknown immediate %#x: %w", w.Imm, syscall.EPROTO))
 		return
 	}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
@@ -72,19 +73,6 @@ func (d *memDisk) Request(r *SrvRequest) {
 
 func (d *memDisk) LinkEvent(_ *SrvSess, ev LinkEvent) { d.events <- ev }
 
-func fastTimings() Timings {
-	t := Timings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMissed: 3, ConnectTimeout: 5 * time.Second,
-		ReconnectDelay: 50 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond, ZombieTimeout: 5 * time.Second}
-	if os.Getenv("RTRS_TEST_PROVIDER") != "" {
-		// The VM's emulated CPUs answer a heartbeat late often enough that 150 ms of silence
-		// is no sign of a dead path there. Over rxe, about one reconnect in ten made 50 ms
-		// after the teardown got a DISCONNECTED right after it was established (not yet
-		// understood; the kernel and our defaults wait 30 s), so the tests wait a second.
-		t.HeartbeatInterval, t.ConnectTimeout, t.ReconnectDelay = 500*time.Millisecond, 20*time.Second, time.Second
-	}
-	return t
-}
-
 // The provider and the two local addresses the engine tests run on: soft over loopback, or
 // what RTRS_TEST_PROVIDER, RTRS_TEST_ADDR1 and RTRS_TEST_ADDR2 name (the VM suite runs
 // them over verbs on rxe: scripts/vmtest.sh verbs).
@@ -139,7 +127,7 @@ func paths(t testing.TB, spec ...string) []PathAddrs {
 func (e *env) open(t testing.TB, name string, ps []PathAddrs, mod func(*ClientOptions)) *Session {
 	t.Helper()
 	o := ClientOptions{Provider: e.prov, SessName: name, Paths: ps, Port: e.port, ConPerPath: 3,
-		Policy: MinInflight, MaxReconnectAttempts: -1, Timings: fastTimings()}
+		Policy: MinInflight, MaxReconnectAttempts: -1, Timings: Timings(testutil.FastTimings())}
 	if mod != nil {
 		mod(&o)
 	}

@@ -271,7 +271,7 @@ func TestQueueDepthChange(t *testing.T) {
 	}
 	testutil.WaitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
 	o := DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings, o.Addr, o.QueueDepth = e.prov, e.disk, fastTimings(), addr, 32
+	o.Provider, o.Handler, o.Timings, o.Addr, o.QueueDepth = e.prov, e.disk, Timings(testutil.FastTimings()), addr, 32
 	srv2, err := NewServer(o)
 	if err != nil {
 		t.Fatal(err)

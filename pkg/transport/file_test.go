@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
 
@@ -65,7 +66,7 @@ func TestRespondFile(t *testing.T) {
 			d := &fileDisk{f: f, src: NewFileSource(f, size)}
 			e := &env{prov: soft.New(soft.Options{})}
 			o := DefaultServerOptions()
-			o.Provider, o.Handler, o.Timings = e.prov, d, fastTimings()
+			o.Provider, o.Handler, o.Timings = e.prov, d, Timings(testutil.FastTimings())
 			o.Addr = netip.MustParseAddrPort("127.0.0.1:0")
 			o.AlwaysInvalidate = inv
 			srv, err := NewServer(o)

@@ -24,7 +24,7 @@ func newLimitedEnv(t testing.TB, mod func(*ServerOptions)) *env {
 	t.Helper()
 	e := &env{prov: testProvider(t), disk: newMemDisk(8 << 20)}
 	o := DefaultServerOptions()
-	o.Provider, o.Handler, o.Timings = e.prov, e.disk, fastTimings()
+	o.Provider, o.Handler, o.Timings = e.prov, e.disk, Timings(testutil.FastTimings())
 	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)
 	o.QueueDepth = 16
 	mod(&o)
@@ -154,7 +154,7 @@ func TestSessionStormWithinChunkMemory(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			o := ClientOptions{Provider: e.prov, SessName: fmt.Sprintf("storm%d", i), Paths: paths(t, path2()), Port: e.port,
-				ConPerPath: 2, MaxReconnectAttempts: 0, Timings: fastTimings()}
+				ConPerPath: 2, MaxReconnectAttempts: 0, Timings: Timings(testutil.FastTimings())}
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			if ss, err := Open(ctx, o); err == nil {
@@ -208,7 +208,7 @@ func TestSessionStormWithinChunkMemory(t *testing.T) {
 func TestClientRefusesOversizedServer(t *testing.T) {
 	e := newLimitedEnv(t, func(o *ServerOptions) { o.QueueDepth, o.ChunkSize = 16, 512<<10 })
 	o := ClientOptions{Provider: e.prov, SessName: "small", Paths: paths(t, path1()), Port: e.port,
-		ConPerPath: 2, MaxReconnectAttempts: 0, Timings: fastTimings(), MaxChunkMemory: 4 << 20}
+		ConPerPath: 2, MaxReconnectAttempts: 0, Timings: Timings(testutil.FastTimings()), MaxChunkMemory: 4 << 20}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if s, err := Open(ctx, o); err == nil {

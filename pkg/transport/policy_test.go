@@ -239,7 +239,7 @@ func TestServerRejects(t *testing.T) {
 	}
 	// EPERM: another client session with the same name cannot open.
 	o := ClientOptions{Provider: e.prov, SessName: "rej", Paths: paths(t, "ip:127.0.0.2@ip:127.0.0.1"), Port: e.port,
-		ConPerPath: 2, MaxReconnectAttempts: -1, Timings: fastTimings()}
+		ConPerPath: 2, MaxReconnectAttempts: -1, Timings: Timings(testutil.FastTimings())}
 	if s2, err := Open(ctx, o); err == nil {
 		_ = s2.Close()
 		t.Fatal("second session with the same name opened")

@@ -309,6 +309,13 @@ func PutMsgRdmaWrite(b []byte, usrLen uint16) {
 	binary.LittleEndian.PutUint16(b[2:], usrLen)
 }
 
+// reqHdr decodes what every request header starts with (rtrs_msg_rdma_write, and the first
+// four bytes of rtrs_msg_rdma_read): the message type and the user header's length. b holds
+// at least writeHdrSize bytes.
+func reqHdr(b []byte) (typ uint16, usrLen int) {
+	return binary.LittleEndian.Uint16(b), int(binary.LittleEndian.Uint16(b[2:]))
+}
+
 // MsgRkeyRsp is rtrs_msg_rkey_rsp (8 bytes): the new rkey of a chunk.
 type MsgRkeyRsp struct {
 	BufID uint16

@@ -93,16 +93,74 @@ vm_kapt_unpack() {
 	for p in "$dir.debs"/*.deb; do dpkg-deb -x "$p" "$dir"; done
 }
 
-# vm_kernel_module PATH...: copy the VM kernel's module kernel/PATH.ko (e.g. fs/ext4/ext4) to
-# $RTRS_VM_WORK/kmod/NAME.ko, decompressed (6.12's are .ko.xz; busybox insmod takes plain .ko).
-vm_kernel_module() {
-	local p f
-	for p in "$@"; do
-		f=$(ls "${RTRS_VM_KDIR:?}/lib/modules/${RTRS_VM_KVER:?}/kernel/$p".ko*) ||
-			vm_die "no module $p in $RTRS_VM_KDIR"
-		mkdir -p "$RTRS_VM_WORK/kmod"
-		vm_mod_cat "$f" >"$RTRS_VM_WORK/kmod/${p##*/}.ko"
+# vm_kernel_moddir: the module folder of the VM's kernel in its unpacked image: lib/modules/KVER
+# (6.1, 6.12) or usr/lib/modules/KVER (7.2's packages install under /usr only).
+vm_kernel_moddir() {
+	local d
+	for d in "${RTRS_VM_KDIR:?}/lib/modules/${RTRS_VM_KVER:?}" "$RTRS_VM_KDIR/usr/lib/modules/$RTRS_VM_KVER"; do
+		[ -d "$d/kernel" ] && { printf '%s\n' "$d"; return 0; }
 	done
+	vm_die "no lib/modules/$RTRS_VM_KVER/kernel in $RTRS_VM_KDIR"
+}
+
+# vm_kernel_module PATH...: copy the VM kernel's module kernel/PATH.ko (e.g. fs/ext4/ext4) to
+# $RTRS_VM_WORK/kmod/NAME.ko, decompressed (6.12's and 7.2's are .ko.xz; busybox insmod takes
+# plain .ko), with the modules it depends on (their depends= field), so that vm_insmod loads
+# them first. Kernels move and rename modules: a PATH not there is looked up by its NAME
+# anywhere under kernel/ (7.2's lib/crc16 is lib/crc/crc16); a NAME that is no module file of
+# this kernel at all (built in, or gone: 7.2 has no crc32c_generic) gets NAME.none instead,
+# and vm_insmod of NAME.ko then does nothing.
+vm_kernel_module() {
+	local p f n mdir
+	mdir=$(vm_kernel_moddir)
+	mkdir -p "${RTRS_VM_WORK:?}/kmod"
+	for p in "$@"; do
+		n=${p##*/}
+		f=$(_vm_kmod_find "$mdir" "$p") || {
+			vm_log "module $n: no module file in this kernel ($(_vm_kmod_builtin "$mdir" "$n" &&
+				echo built in || echo gone)); vm_insmod will skip it"
+			echo "$p: not a module of $RTRS_VM_KVER" >"$RTRS_VM_WORK/kmod/$n.none"
+			continue
+		}
+		_vm_kmod_copy "$mdir" "$f"
+	done
+}
+
+# _vm_kmod_find MDIR PATH: the file of module PATH (kernel/PATH.ko*, else NAME.ko* anywhere
+# under kernel/, "-" and "_" alike).
+_vm_kmod_find() {
+	local mdir=$1 p=$2 n f
+	for f in "$mdir/kernel/$p".ko*; do
+		[ -f "$f" ] && { printf '%s\n' "$f"; return 0; }
+	done
+	n=${p##*/}
+	f=$(find "$mdir/kernel" \( -name "$n.ko*" -o -name "${n//-/_}.ko*" -o -name "${n//_/-}.ko*" \) \
+		-type f | head -1)
+	[ -n "$f" ] && printf '%s\n' "$f"
+}
+
+# _vm_kmod_builtin MDIR NAME: NAME is built into the kernel (modules.builtin).
+_vm_kmod_builtin() {
+	tr '-' '_' <"$1/modules.builtin" 2>/dev/null | grep -q "/${2//-/_}\.ko\$"
+}
+
+# _vm_kmod_copy MDIR FILE: FILE decompressed into $RTRS_VM_WORK/kmod, then its dependencies.
+_vm_kmod_copy() {
+	local mdir=$1 f=$2 n d df
+	n=${f##*/}
+	n=${n%%.ko*}
+	[ -f "$RTRS_VM_WORK/kmod/$n.ko" ] && return 0
+	vm_mod_cat "$f" >"$RTRS_VM_WORK/kmod/$n.ko"
+	for d in $(vm_mod_deps "$RTRS_VM_WORK/kmod/$n.ko"); do
+		if df=$(_vm_kmod_find "$mdir" "$d"); then
+			_vm_kmod_copy "$mdir" "$df"
+		fi # else built in (or loaded by the initramfs from its own copy)
+	done
+}
+
+# vm_mod_deps FILE: the names of the modules an uncompressed .ko depends on, one per line.
+vm_mod_deps() {
+	tr '\0' '\n' <"$1" | sed -n 's/^depends=//p' | tr ',' '\n' | sed '/^$/d'
 }
 
 # vm_mod_cat FILE: a module's bytes, decompressed (busybox insmod takes plain .ko only).
@@ -121,11 +179,15 @@ vm_mod_cat() {
 # and copy the .ko files to $RTRS_VM_WORK/kmod where the guest's vm_load_kernel_rtrs finds
 # them (the cache itself may not be visible in the guest). Debian does not enable RTRS/RNBD.
 # -k 6.1: linux-source and linux-headers are installed on the machine (its own apt lists).
-# Other series: linux-source, linux-headers (with its -common and linux-kbuild) are downloaded
+# -k 6.12: linux-source, linux-headers (with its -common and linux-kbuild) are downloaded
 # with the test bed's own lists and unpacked into one root, $RTRS_VM_CACHE/ksrc/<kernel_version>,
-# whose headers Makefile is pointed at the unpacked -common tree; nothing is installed.
+# whose headers Makefile is pointed at the unpacked -common tree; nothing is installed; the
+# host's gcc builds (backports are built with bookworm's).
+# -k 7.2 (RTRS_VM_CHROOT set): the headers name a compiler and a kbuild that only the kernel's
+# own release has, so headers and source are installed in a debootstrapped chroot of that
+# release (vm_chroot_ensure) and the build runs in it.
 vm_build_kernel_rtrs() {
-	local kver=${RTRS_VM_KVER:?} series src hdr key out tmp r n m root hdir tarball v
+	local kver=${RTRS_VM_KVER:?} series src hdr key out root hdir tarball v sv
 	series=$(printf '%s' "$kver" | cut -d. -f1,2) # 6.1.0-56-amd64 -> 6.1
 	src=linux-source-$series hdr=linux-headers-$kver
 	if [ -z "${RTRS_VM_APT:-}" ]; then
@@ -133,38 +195,12 @@ vm_build_kernel_rtrs() {
 		key=$kver-$(dpkg-query -W -f='${Version}' "$hdr")-$(dpkg-query -W -f='${Version}' "$src")
 		hdir=/usr/src/$hdr tarball=/usr/src/$src.tar.xz
 	else
-		vm_apt_install make gcc xz-utils
-		v=$(vm_kapt_version "$hdr")
+		vm_apt_install xz-utils
+		[ -n "${RTRS_VM_CHROOT:-}" ] || vm_apt_install make gcc
+		v=$(vm_kapt_version "$hdr") sv=$(vm_kapt_version "$src")
 		[ -n "$v" ] || vm_die "no $hdr in $RTRS_VM_APT's lists"
-		key=$kver-$v-$(vm_kapt_version "$src")
-		root=$RTRS_VM_CACHE/ksrc/$key
-		hdir=$root/usr/src/$hdr tarball=$root/usr/src/$src.tar.xz
-		mkdir -p "$RTRS_VM_CACHE/ksrc"
-		(
-			flock 8
-			[ -f "$root/.ok" ] && exit 0
-			local common kbuild t0
-			t0=$(vm_now)
-			vm_log "downloading and unpacking $hdr, its -common, linux-kbuild and $src ($key)"
-			# The headers' Depends name the -common and linux-kbuild packages of this build.
-			# shellcheck disable=SC2207 # package names
-			common=($(vm_kapt apt-cache depends "$hdr=$v" |
-				awk '/Depends: linux-(headers|kbuild)-/ {print $2}' | sort -u))
-			[ ${#common[@]} -ge 2 ] || vm_die "$hdr=$v: cannot tell its -common and kbuild packages"
-			# One tree per series: an older build's (about 1 GB) is never used again.
-			rm -rf "$root" "$root.debs" "$RTRS_VM_CACHE/ksrc/$series".[0-9]*
-			vm_kapt_unpack "$root" "$hdr" "${common[@]}" "$src"
-			# The headers' Makefile includes /usr/src/linux-headers-*-common/Makefile (absolute);
-			# its scripts and tools links are relative and stay inside the root.
-			sed -i "s|^include /usr/src/|include $root/usr/src/|" "$hdir/Makefile"
-			grep -q "^include $root/" "$hdir/Makefile" || vm_die "unexpected $hdir/Makefile"
-			for kbuild in "$hdir/scripts" "$hdir/tools"; do
-				[ -e "$kbuild" ] || vm_die "$kbuild: dangling ($(readlink "$kbuild"))"
-			done
-			rm -rf "$root.debs"
-			touch "$root/.ok"
-			vm_log "$hdr and $src unpacked in $(vm_since "$t0") s: $root"
-		) 8>"$RTRS_VM_CACHE/ksrc/.lock"
+		[ -n "$sv" ] || vm_die "no $src in $RTRS_VM_APT's lists"
+		key=$kver-$v-$sv
 	fi
 	out=$RTRS_VM_CACHE/kmod/$key
 	mkdir -p "$RTRS_VM_CACHE/kmod"
@@ -172,32 +208,176 @@ vm_build_kernel_rtrs() {
 		# One builder at a time; a second run waits and then finds the cache filled.
 		flock 8
 		[ -f "$out/.ok" ] && exit 0
-		vm_log "building the kernel's RTRS/RNBD modules for $kver"
-		local t0
-		t0=$(vm_now)
-		tmp=$(mktemp -d "$RTRS_VM_CACHE/kmod/build.XXXXXX")
-		trap 'rm -rf "$tmp"' EXIT
-		# Only the two driver folders: the whole tree takes minutes to unpack.
-		tar -C "$tmp" -xJf "$tarball" --wildcards \
-			"$src/drivers/infiniband/ulp/rtrs/*" "$src/drivers/block/rnbd/*"
-		r=$tmp/$src/drivers/infiniband/ulp/rtrs n=$tmp/$src/drivers/block/rnbd
-		# No BTF in the modules: 6.12's headers ship vmlinux, so kbuild would run pahole.
-		make -s -C "$hdir" M="$r" CONFIG_DEBUG_INFO_BTF_MODULES= CONFIG_INFINIBAND_RTRS=m \
-			CONFIG_INFINIBAND_RTRS_CLIENT=m CONFIG_INFINIBAND_RTRS_SERVER=m -j"$(nproc)" modules
-		make -s -C "$hdir" M="$n" CONFIG_DEBUG_INFO_BTF_MODULES= CONFIG_BLK_DEV_RNBD_CLIENT=m \
-			CONFIG_BLK_DEV_RNBD_SERVER=m KCFLAGS="-I$r" KBUILD_EXTRA_SYMBOLS="$r/Module.symvers" \
-			-j"$(nproc)" modules
-		rm -rf "$out.new" && mkdir -p "$out.new"
-		for m in "$r"/rtrs-core.ko "$r"/rtrs-client.ko "$r"/rtrs-server.ko \
-			"$n"/rnbd-client.ko "$n"/rnbd-server.ko; do
-			cp "$m" "$out.new/"
-		done
-		touch "$out.new/.ok"
-		rm -rf "$out" && mv "$out.new" "$out"
-		vm_log "kernel RTRS/RNBD modules built in $(vm_since "$t0") s: $out"
-	) 8>"$RTRS_VM_CACHE/kmod/.lock"
+		if [ -n "${RTRS_VM_CHROOT:-}" ]; then
+			root=$RTRS_VM_CHROOT
+			_vm_chroot_kernel_pkgs "$root" "$hdr=$v" "$src=$sv" ||
+				{
+					vm_log "$root: installing the kernel's packages failed; building the chroot anew"
+					rm -f "$root/.ok"
+					_vm_chroot_kernel_pkgs "$root" "$hdr=$v" "$src=$sv"
+				} || vm_die "cannot install $hdr=$v and $src=$sv in $root"
+			_vm_rtrs_make "$root" "/usr/src/$hdr" "/usr/src/$src.tar.xz" "$src" "$out"
+		elif [ -n "${RTRS_VM_APT:-}" ]; then
+			_vm_ksrc_unpack "$key" "$hdr" "$v" "$src" "$series"
+			root=$RTRS_VM_CACHE/ksrc/$key
+			_vm_rtrs_make "" "$root/usr/src/$hdr" "$root/usr/src/$src.tar.xz" "$src" "$out"
+		else
+			_vm_rtrs_make "" "$hdir" "$tarball" "$src" "$out"
+		fi
+	) 8>"$RTRS_VM_CACHE/kmod/.lock" || exit
 	mkdir -p "$RTRS_VM_WORK/kmod"
 	cp "$out"/*.ko "$RTRS_VM_WORK/kmod/"
+}
+
+# _vm_rtrs_make ROOT HDIR TARBALL SRC OUT: extract the RTRS and RNBD folders of TARBALL
+# (top folder SRC), build them against the headers in HDIR and put the five .ko into OUT.
+# ROOT empty: on the host, HDIR and TARBALL host paths; else they are paths inside the chroot
+# ROOT and make runs there (vm_chroot).
+_vm_rtrs_make() {
+	local root=$1 hdir=$2 tarball=$3 src=$4 out=$5 tmp in r n m t0 run=()
+	vm_log "building the kernel's RTRS/RNBD modules for $RTRS_VM_KVER${root:+ in $root}"
+	t0=$(vm_now)
+	[ -z "$root" ] || run=(vm_chroot "$root")
+	mkdir -p "${root:-$RTRS_VM_CACHE/kmod}/tmp"
+	tmp=$(mktemp -d "${root:-$RTRS_VM_CACHE/kmod}/tmp/kbuild.XXXXXX")
+	in=${tmp#"$root"} # the same folder as make sees it
+	# Only the two driver folders: the whole tree takes minutes to unpack.
+	tar -C "$tmp" -xJf "$root$tarball" --wildcards \
+		"$src/drivers/infiniband/ulp/rtrs/*" "$src/drivers/block/rnbd/*" || { rm -rf "$tmp"; return 1; }
+	r=$in/$src/drivers/infiniband/ulp/rtrs n=$in/$src/drivers/block/rnbd
+	# No BTF in the modules: 6.12's and 7.2's headers ship vmlinux, so kbuild would run pahole.
+	if ! "${run[@]}" make -s -C "$hdir" M="$r" CONFIG_DEBUG_INFO_BTF_MODULES= \
+		CONFIG_INFINIBAND_RTRS=m CONFIG_INFINIBAND_RTRS_CLIENT=m CONFIG_INFINIBAND_RTRS_SERVER=m \
+		-j"$(nproc)" modules ||
+		! "${run[@]}" make -s -C "$hdir" M="$n" CONFIG_DEBUG_INFO_BTF_MODULES= \
+			CONFIG_BLK_DEV_RNBD_CLIENT=m CONFIG_BLK_DEV_RNBD_SERVER=m KCFLAGS="-I$r" \
+			KBUILD_EXTRA_SYMBOLS="$r/Module.symvers" -j"$(nproc)" modules; then
+		rm -rf "$tmp"
+		vm_die "building the kernel's RTRS/RNBD modules for $RTRS_VM_KVER failed"
+	fi
+	rm -rf "$out.new" && mkdir -p "$out.new"
+	for m in "$r"/rtrs-core.ko "$r"/rtrs-client.ko "$r"/rtrs-server.ko \
+		"$n"/rnbd-client.ko "$n"/rnbd-server.ko; do
+		cp "$root$m" "$out.new/"
+	done
+	rm -rf "$tmp"
+	touch "$out.new/.ok"
+	rm -rf "$out" && mv "$out.new" "$out"
+	vm_log "kernel RTRS/RNBD modules built in $(vm_since "$t0") s: $out"
+}
+
+# _vm_ksrc_unpack KEY HDR VERSION SRC SERIES: HDR=VERSION, its -common and linux-kbuild, and
+# SRC downloaded with the test bed's lists and unpacked into $RTRS_VM_CACHE/ksrc/KEY (once).
+_vm_ksrc_unpack() {
+	local key=$1 hdr=$2 v=$3 src=$4 series=$5 root hdir
+	root=$RTRS_VM_CACHE/ksrc/$key hdir=$RTRS_VM_CACHE/ksrc/$key/usr/src/$hdr
+	mkdir -p "$RTRS_VM_CACHE/ksrc"
+	(
+		flock 7
+		[ -f "$root/.ok" ] && exit 0
+		local common kbuild t0
+		t0=$(vm_now)
+		vm_log "downloading and unpacking $hdr, its -common, linux-kbuild and $src ($key)"
+		# The headers' Depends name the -common and linux-kbuild packages of this build.
+		# shellcheck disable=SC2207 # package names
+		common=($(vm_kapt apt-cache depends "$hdr=$v" |
+			awk '/Depends: linux-(headers|kbuild)-/ {print $2}' | sort -u))
+		[ ${#common[@]} -ge 2 ] || vm_die "$hdr=$v: cannot tell its -common and kbuild packages"
+		# One tree per series: an older build's (about 1 GB) is never used again.
+		rm -rf "$root" "$root.debs" "$RTRS_VM_CACHE/ksrc/$series".[0-9]*
+		vm_kapt_unpack "$root" "$hdr" "${common[@]}" "$src"
+		# The headers' Makefile includes /usr/src/linux-headers-*-common/Makefile (absolute);
+		# its scripts and tools links are relative and stay inside the root.
+		sed -i "s|^include /usr/src/|include $root/usr/src/|" "$hdir/Makefile"
+		grep -q "^include $root/" "$hdir/Makefile" || vm_die "unexpected $hdir/Makefile"
+		for kbuild in "$hdir/scripts" "$hdir/tools"; do
+			[ -e "$kbuild" ] || vm_die "$kbuild: dangling ($(readlink "$kbuild"))"
+		done
+		rm -rf "$root.debs"
+		touch "$root/.ok"
+		vm_log "$hdr and $src unpacked in $(vm_since "$t0") s: $root"
+	) 7>"$RTRS_VM_CACHE/ksrc/.lock"
+}
+
+# vm_chroot ROOT CMD...: run CMD as root in the chroot ROOT with /proc and /dev mounted, in a
+# mount namespace of its own (the mounts vanish with it, whatever happens), a clean
+# environment and the apt front end non-interactive.
+vm_chroot() {
+	local root=$1
+	shift
+	# shellcheck disable=SC2016 # expanded by the child shell
+	unshare --mount --propagation private bash -c '
+		r=$1
+		shift
+		mount -t proc proc "$r/proc" && mount --rbind /dev "$r/dev" || exit 1
+		exec chroot "$r" /usr/bin/env -i HOME=/root LC_ALL=C.UTF-8 DEBIAN_FRONTEND=noninteractive \
+			PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@"' vm_chroot "$root" "$@"
+}
+
+# vm_chroot_ensure ROOT SUITE: ROOT is a working chroot of Debian's SUITE (e.g. sid), made with
+# debootstrap (--variant=minbase) when it is missing or broken (no .ok, or apt-get does not
+# run in it). Kept in the cache and reused; its apt lists are refreshed by whoever installs.
+# The machine's apt settings on checking a Release file's dates are carried over (a mirror
+# whose Release files are past their Valid-Until is read by the machine's apt, and must be by
+# the chroot's).
+vm_chroot_ensure() {
+	local root=$1 suite=$2 t0
+	[ -f "$root/.ok" ] && vm_chroot "$root" apt-get --version >/dev/null 2>&1 && return 0
+	vm_apt_install debootstrap
+	t0=$(vm_now)
+	vm_log "debootstrap --variant=minbase $suite into $root"
+	rm -rf "$root" "$root.new"
+	mkdir -p "$(dirname "$root")"
+	debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
+		"$suite" "$root.new" "${RTRS_VM_MIRROR:-http://deb.debian.org/debian}" >"$root.log" 2>&1 || {
+		tail -20 "$root.log" >&2
+		vm_die "debootstrap $suite failed (log: $root.log)"
+	}
+	apt-config dump | grep -E '^Acquire::Check-(Valid-Until|Date) ' \
+		>"$root.new/etc/apt/apt.conf.d/99rtrs-vmtest-host" || true
+	vm_chroot "$root.new" apt-get clean
+	touch "$root.new/.ok"
+	mv "$root.new" "$root"
+	vm_log "chroot $suite made in $(vm_since "$t0") s: $root ($(du -sh "$root" | cut -f1))"
+}
+
+# _vm_chroot_kernel_pkgs ROOT PKG=VERSION...: the chroot ROOT (of RTRS_VM_CHROOT_SUITE) holds
+# these packages (installed with their dependencies, which name the compiler the headers were
+# built with), and no other linux-headers; its compiler is the one the headers' config names.
+_vm_chroot_kernel_pkgs() {
+	local root=$1 t0 p old hdr want have
+	shift
+	mkdir -p "$(dirname "$root")"
+	(
+		flock 6
+		vm_chroot_ensure "$root" "${RTRS_VM_CHROOT_SUITE:?}"
+		t0=$(vm_now)
+		vm_log "$root: installing $*"
+		vm_chroot "$root" apt-get -q update >/dev/null || exit 1
+		vm_chroot "$root" apt-get -q install -y --no-install-recommends make "$@" || exit 1
+		# Headers of an older build (about 90 MB each) are never used again.
+		for p in "$@"; do
+			case $p in linux-headers-*) hdr=${p%%=*} ;; esac
+		done
+		# shellcheck disable=SC2016 # dpkg-query's format
+		old=$(vm_chroot "$root" dpkg-query -W -f='${Package} ${Status}\n' 'linux-headers-*' |
+			awk -v h="$hdr" '$NF == "installed" && $1 != h && $1 !~ /-common$/ {print $1}')
+		# shellcheck disable=SC2086 # package names
+		[ -z "$old" ] || vm_chroot "$root" apt-get -q purge -y --autoremove $old
+		vm_chroot "$root" apt-get clean
+		# The compiler the headers' config names ("x86_64-linux-gnu-gcc-16 (Debian 16.2.0-4) 16.2.0")
+		# is there and is that version.
+		want=$(sed -n 's/^CONFIG_CC_VERSION_TEXT="\(.*\)"$/\1/p' "$root/usr/src/$hdr/.config")
+		[ -n "$want" ] || vm_die "$root/usr/src/$hdr/.config: no CONFIG_CC_VERSION_TEXT"
+		have=$(vm_chroot "$root" "${want%% *}" --version | head -1) ||
+			vm_die "$root: no ${want%% *}, which $hdr was built with"
+		if [ "$have" = "$want" ]; then
+			vm_log "compiler: $have, as $hdr names"
+		else
+			vm_log "warning: compiler $have; $hdr was built with $want"
+		fi
+		vm_log "$root: packages installed in $(vm_since "$t0") s ($(du -sh "$root" | cut -f1))"
+	) 6>"$root.lock"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -237,12 +417,23 @@ vm_wait() {
 # vm_tcp_listening PORT: something listens on TCP PORT (for servers started in background).
 vm_tcp_listening() { ss -Hltn "sport = :$1" | grep -q .; }
 
-# vm_insmod FILE [PARAM=VALUE...]: load a module unless a module of that name is loaded.
+# vm_insmod FILE [PARAM=VALUE...]: load a module unless a module of that name is loaded; the
+# modules it depends on that lie beside it (vm_kernel_module copies them) are loaded first. A
+# FILE missing with NAME.none beside it (vm_kernel_module: no such module in this kernel) is
+# skipped.
 vm_insmod() {
-	local name
+	local name dir d
 	name=$(basename "$1")
 	name=${name%%.ko*}
+	dir=$(dirname "$1")
 	[ -d "/sys/module/${name//-/_}" ] && return 0
+	if [ ! -e "$1" ] && [ -f "$dir/$name.none" ]; then
+		vm_log "$name: $(cat "$dir/$name.none"), not loaded"
+		return 0
+	fi
+	for d in $(vm_mod_deps "$1"); do
+		[ ! -f "$dir/$d.ko" ] || vm_insmod "$dir/$d.ko"
+	done
 	busybox insmod "$@"
 }
 

@@ -64,6 +64,11 @@ type Env struct {
 	// QPInitAttr.MaxSendWR or MaxRecvWR fails at exactly that index. An HCA may round the
 	// sizes up; then the suite only requires the failure at that index or later.
 	ExactQueueSizes bool
+	// LocalErrorsFlush says the provider may complete a request that fails a local check as
+	// flushed (WCFlushErr) instead of with the error, and may have executed an RDMA_WRITE posted
+	// behind an RDMA_READ whose local protection error it finds only when the response
+	// arrives, as Linux 7.x's rxe does (an HCA may too). The QP must still fail.
+	LocalErrorsFlush bool
 }
 
 // testCase is one conformance case.

@@ -16,13 +16,10 @@
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev nbd-client fio e2fsprogs"
 
 host() {
-	# ext4 and what it needs, from the VM's kernel (modules there, not built in).
-	local kdir m
-	kdir=$(ls -d "$RTRS_VM_CACHE"/kernel/*/lib/modules/"$RTRS_VM_KVER")
-	mkdir -p "$RTRS_VM_WORK/kmod" "$RTRS_VM_WORK/bin"
-	for m in fs/mbcache fs/jbd2/jbd2 lib/crc16 crypto/crc32c_generic fs/ext4/ext4; do
-		cp "$kdir/kernel/$m.ko" "$RTRS_VM_WORK/kmod/"
-	done
+	# ext4 and what it needs, from the VM's kernel (modules there, not built in; decompressed,
+	# looked up where a kernel moved them, skipped where it has no such module).
+	vm_kernel_module fs/mbcache fs/jbd2/jbd2 lib/crc16 crypto/crc32c_generic fs/ext4/ext4
+	mkdir -p "$RTRS_VM_WORK/bin"
 	(
 		cd "$RTRS_VM_REPO" || exit
 		go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd

@@ -1,0 +1,203 @@
+package rnbd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+// DeviceState is a mapped device's state.
+type DeviceState int
+
+// Device states: mapped and usable; disconnected (its session has no path; IO waits up to
+// the reconnect timeout); unmapped; closed by the server (its force_close: IO fails with
+// EIO at once, the device stays until unmapped and is not remapped on a reconnect).
+const (
+	StateMapped DeviceState = iota
+	StateDisconnected
+	StateUnmapped
+	StateClosedByServer
+)
+
+func (st DeviceState) String() string {
+	return [...]string{"open", "disconnected", "closed", "closed-by-server"}[st]
+}
+
+// Device is a mapped remote device: an io.ReaderAt and io.WriterAt of its size, plus Flush,
+// Discard and WriteZeroes.
+type Device struct {
+	sess *cltSess
+	path string
+	mode AccessMode
+
+	mu        sync.Mutex
+	state     DeviceState
+	id        uint32
+	geo       MsgOpenRsp
+	downSince time.Time
+	changed   chan struct{} // closed and replaced on every state change
+
+	// noUnmapRefused: the server answered a WRITE_ZEROES with RNBD_F_NOUNMAP EOPNOTSUPP (ours
+	// before protocol 2.2 announced WRITE_ZEROES but refused flags it did not know). Zeroes
+	// that must stay allocated are then written as data, until the next open.
+	noUnmapRefused atomic.Bool
+}
+
+// open sends OPEN and takes the answer: id and geometry. A remapped device must keep its size.
+func (d *Device) open(ctx context.Context) error {
+	var usr [OpenSize]byte
+	if err := (MsgOpen{AccessMode: d.mode, DevName: d.path}).Put(usr[:]); err != nil {
+		return err
+	}
+	var buf [OpenRspSize]byte
+	if err := d.sess.rtrs.DoAdmin(ctx, transport.Read, usr[:], buf[:]); err != nil {
+		return fmt.Errorf("rnbd: open %q: %w", d.path, err)
+	}
+	var rsp MsgOpenRsp
+	if err := rsp.Unmarshal(buf[:]); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.state == StateUnmapped {
+		return nil
+	}
+	if d.geo.LogicalBlockSize != 0 && (rsp.NSectors != d.geo.NSectors || rsp.LogicalBlockSize != d.geo.LogicalBlockSize) {
+		d.setStateLocked(StateDisconnected)
+		return fmt.Errorf("rnbd: %q changed geometry on remap (%d → %d sectors): %w", d.path, d.geo.NSectors, rsp.NSectors, syscall.EIO)
+	}
+	d.id, d.geo = rsp.DeviceID, rsp
+	d.noUnmapRefused.Store(false) // the server may have been upgraded under a remap
+	d.setStateLocked(StateMapped)
+	return nil
+}
+
+func (d *Device) setStateLocked(st DeviceState) {
+	if st == StateDisconnected && d.state != StateDisconnected {
+		d.downSince = time.Now()
+	}
+	d.state = st
+	close(d.changed)
+	d.changed = make(chan struct{})
+}
+
+func (d *Device) setDown() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.state == StateMapped {
+		d.setStateLocked(StateDisconnected)
+	}
+}
+
+// Opened says whether the first OPEN has been answered (the device has its size); a
+// device is listed from the start of Map, so that a second Map of it is EEXIST.
+func (d *Device) Opened() bool { d.mu.Lock(); defer d.mu.Unlock(); return d.geo.LogicalBlockSize != 0 }
+
+// Session is the device's session name; Path its path on the server.
+func (d *Device) Session() string { return d.sess.name }
+
+// Path is the device path the server opened.
+func (d *Device) Path() string { return d.path }
+
+// AccessMode is the mode the device was mapped with.
+func (d *Device) AccessMode() AccessMode { return d.mode }
+
+// State is the device's state.
+func (d *Device) State() DeviceState { d.mu.Lock(); defer d.mu.Unlock(); return d.state }
+
+// ID is the server's id for the device (it changes when the device is remapped).
+func (d *Device) ID() uint32 { d.mu.Lock(); defer d.mu.Unlock(); return d.id }
+
+// Size is the device's size in bytes.
+func (d *Device) Size() int64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return int64(d.geo.NSectors) * SectorSize
+}
+
+// Geometry is the server's OPEN_RSP for the device.
+func (d *Device) Geometry() MsgOpenRsp { d.mu.Lock(); defer d.mu.Unlock(); return d.geo }
+
+// BlockSize is the logical block size: offsets and lengths of IO must be multiples of it.
+func (d *Device) BlockSize() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return int(d.geo.LogicalBlockSize)
+}
+
+// Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
+// waiting fails.
+func (d *Device) Unmap(ctx context.Context) error {
+	d.mu.Lock()
+	if d.state == StateUnmapped {
+		d.mu.Unlock()
+		return fmt.Errorf("rnbd: %q is not mapped: %w", d.path, syscall.ENOENT)
+	}
+	// A device the server closed is closed too: the server still holds its id for us.
+	wasMapped, id := d.state == StateMapped || d.state == StateClosedByServer, d.id
+	d.setStateLocked(StateUnmapped)
+	d.mu.Unlock()
+	var err error
+	if wasMapped {
+		var usr [CloseSize]byte
+		MsgClose{DeviceID: id}.Put(usr[:])
+		if err = d.sess.rtrs.DoAdmin(ctx, transport.Write, usr[:], nil); err != nil {
+			err = fmt.Errorf("rnbd: close %q: %w", d.path, err)
+		}
+	}
+	d.sess.remove(d)
+	d.sess.c.putSessIfIdle(d.sess)
+	return err
+}
+
+// markStale records that IO with id found no session or an unknown id: the device waits
+// for a remap, which is asked for if the session has a path.
+func (d *Device) markStale(id uint32) {
+	d.mu.Lock()
+	if d.state == StateMapped && d.id == id {
+		d.setStateLocked(StateDisconnected)
+	}
+	d.mu.Unlock()
+	if d.sess.anyConnected() {
+		d.sess.kickRemap()
+	}
+}
+
+// serverClosed says whether an IO error is the server's answer that it does not serve the
+// device id any more although the session is up: ENOTCONN from the wire, as the kernel's
+// server (and ours after force_close) answers IO to a device it closed. The transport's own
+// ENOTCONN (a path not connected, ErrNotConn) is not that.
+func serverClosed(err error) bool {
+	var en syscall.Errno
+	return errors.As(err, &en) && en == syscall.ENOTCONN && !errors.Is(err, transport.ErrNotConn)
+}
+
+// closedByServer turns the device closed-by-server if id is still its id (says false when a
+// remap gave it another id meanwhile) and logs it once.
+func (d *Device) closedByServer(id uint32) bool {
+	d.mu.Lock()
+	switch {
+	case d.state == StateClosedByServer:
+		d.mu.Unlock()
+		return true
+	case d.id != id || d.state == StateUnmapped:
+		d.mu.Unlock()
+		return false
+	}
+	d.setStateLocked(StateClosedByServer)
+	d.mu.Unlock()
+	d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path, "device_id": id}).
+		Warn("the server closed the device (force_close on the server): its IO fails with EIO until it is unmapped and mapped again")
+	return true
+}
+
+func (d *Device) errClosedByServer() error {
+	return fmt.Errorf("rnbd: %q of session %q was closed by the server (force_close): %w", d.path, d.sess.name, syscall.EIO)
+}

@@ -1,0 +1,66 @@
+package transport
+
+import (
+	"sync/atomic"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// Work request ids: kind in the top byte, an index below.
+const (
+	wrRecv     = 1 << 56
+	wrInfo     = 2 << 56
+	wrLocalInv = 3 << 56
+	wrResp     = 4 << 56
+	wrHB       = 5 << 56
+	wrReq      = 6 << 56
+	wrKindMask = 0xff << 56
+)
+
+// con is one RDMA connection of a path.
+type con struct {
+	cid int
+	id  rdma.ConnID
+	cq  rdma.CQ
+	qp  rdma.QP
+
+	// Signal one send in sigInterval so that the send queue drains on hardware, where
+	// unsignaled requests free their slots only through a later signaled one.
+	sigInterval int
+	sends       atomic.Uint32
+
+	// Scratch for the connection's completion handler (calls never overlap).
+	recvWR [1]rdma.RecvWR
+	sendWR [1]rdma.SendWR
+}
+
+// signal returns the flags for the next send on c.
+func (c *con) signal() rdma.SendFlags {
+	if int(c.sends.Add(1))%c.sigInterval == 0 {
+		return rdma.SendSignaled
+	}
+	return 0
+}
+
+// drain polls c's queue empty, passing each completion to handle, and returns how many there
+// were (for wc_completion).
+func (c *con) drain(wc []rdma.WC, handle func(rdma.WC)) int {
+	total := 0
+	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
+		total += n
+		for _, w := range wc[:n] {
+			handle(w)
+		}
+	}
+	return total
+}
+
+func (c *con) destroy() {
+	if c.id != nil {
+		_ = c.id.Destroy()
+	}
+	if c.cq != nil {
+		c.cq.SetHandler(nil)
+		_ = c.cq.Destroy()
+	}
+}

@@ -1,0 +1,540 @@
+package transport
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/stats"
+)
+
+type srvPathState int
+
+const (
+	srvConnecting srvPathState = iota
+	srvConnected
+	srvClosing
+	srvClosed
+)
+
+// SrvPath is one client path of a server session.
+type SrvPath struct {
+	sess    *SrvSess
+	uuid    uuid.UUID
+	src     Addr       // client
+	dst     Addr       // server
+	peer    netip.Addr // the client address as the per-address bounds count it (rdma.AddrGroup)
+	created time.Time
+	// connStart is when the path's latest connection request came (p.mu): a path still
+	// connecting longer than Timings.ZombieTimeout after it is a zombie.
+	connStart time.Time
+	pending   int // connections reserved while the path is being established; Server.mu
+	nCons     int // connections reserved, established or not; Server.mu
+	hcaName   string
+	hcaPort   int
+	name      string
+	logp      atomic.Pointer[log.Entry]
+
+	mu      sync.Mutex
+	state   srvPathState
+	listed  bool // connected once: shown until the close has finished
+	cons    []*con
+	opsIdle *sync.Cond // signalled, under mu, when the last request of a closing path is answered
+	// live mirrors state == srvConnected for the IO path, which counts its requests in
+	// Stats.Inflight and checks live without taking mu: a lock per request shared by every
+	// connection of the path was a cache line passed between CPUs twice per IO.
+	live atomic.Bool
+
+	pd        rdma.PD
+	syncLocal bool                    // the device's LOCAL_INV takes effect when posted
+	mem       []byte                  // the session's chunks, set with chunkMR at INFO_REQ
+	chunkMR   []rdma.MR               // one per chunk with always_invalidate, else one for all
+	localMR   rdma.MR                 // all chunks, local access: the source of READ data
+	ctlMR     rdma.MR                 // info request/response and rkey response buffers
+	fileMRs   map[*FileSource]rdma.MR // file regions registered for RespondFile
+	reqs      []srvReq                // per chunk
+	hb        heartbeat
+	zombie    *time.Timer
+	closing   sync.Once
+	closed    chan struct{}
+
+	// Stats are the path's counters (its stats/ directory).
+	Stats stats.ServerPath
+}
+
+func (p *SrvPath) lg() *log.Entry { return p.logp.Load() }
+
+// Name is "<client addr>@<server addr>".
+func (p *SrvPath) Name() string { return p.name }
+
+// SrcAddr is the client's address, DstAddr the server's.
+func (p *SrvPath) SrcAddr() Addr { return p.src }
+
+// DstAddr is the server's (local) address.
+func (p *SrvPath) DstAddr() Addr { return p.dst }
+
+// HCA returns the device name and port of connection 0.
+func (p *SrvPath) HCA() (string, int) { return p.hcaName, p.hcaPort }
+
+// Session is the path's session.
+func (p *SrvPath) Session() *SrvSess { return p.sess }
+
+// State is "connected" or "disconnected", as sysfs would say it.
+func (p *SrvPath) State() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.state == srvConnected {
+		return "connected"
+	}
+	return "disconnected"
+}
+
+// Inflight is the number of requests handed up and not yet answered.
+func (p *SrvPath) Inflight() int { return int(p.Stats.Inflight.Load()) }
+
+// CurLatency is the path's last heartbeat round trip (0 before the first was answered).
+func (p *SrvPath) CurLatency() time.Duration { return time.Duration(p.hb.latency.Load()) }
+
+// refuse logs that the path's client was refused for cause, once per cause and interval.
+func (p *SrvPath) refuse(cause, detail string) {
+	p.sess.srv.countRefusal(cause)
+	p.sess.srv.refusals.Warn(p.lg(), cause, p.src.IP.String(), detail)
+}
+
+// addCon creates the QP of connection cid and accepts it.
+func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
+	srv := p.sess.srv
+	o := srv.opts
+	if err := p.setupPath(req.ID.Device()); err != nil {
+		p.sess.srv.reject(req, syscall.ENOMEM)
+		return err
+	}
+	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD)}
+	c.recvWR[0].ID = wrRecv
+	// Five per request in both modes, as the kernel sizes it: a response is up to four work
+	// requests (data, SEND_WITH_INV, REG_MR, the response) plus the LOCAL_INV taking the
+	// chunk back, and only every signal interval's response is signaled, so up to that many
+	// responses' work requests wait for one completion. (Three per request filled the queue
+	// under the kernel's client at QD32 with always_invalidate off.)
+	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+1
+	if cid == 0 {
+		// Connection 0 also carries the chunks' registrations in front of INFO_RSP.
+		sendWR, recvWR = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026)
+	}
+	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
+	var err error
+	if c.cq, err = req.ID.Device().CreateCQ(sendWR + recvWR); err != nil {
+		p.sess.srv.reject(req, syscall.ENOMEM)
+		return err
+	}
+	if c.qp, err = req.ID.CreateQP(p.pd, rdma.QPInitAttr{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: sendWR, MaxRecvWR: recvWR, MaxSendSGE: 1, MaxRecvSGE: 1}); err != nil {
+		c.destroy()
+		p.sess.srv.reject(req, syscall.ENOMEM)
+		return err
+	}
+	// Connection 0 waits for INFO_REQ; IO connections for requests.
+	if cid == 0 {
+		_, err = c.qp.PostRecv([]rdma.RecvWR{{ID: wrInfo, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, 0, infoReqSize)}}})
+	} else {
+		err = postEmptyRecvs(c.qp, o.QueueDepth)
+	}
+	if err != nil {
+		c.destroy()
+		p.sess.srv.reject(req, syscall.ENOMEM)
+		return err
+	}
+	var wc [16]rdma.WC
+	c.cq.SetHandler(func() { p.onCompletions(c, wc[:]) })
+	rsp := MsgConnRsp{QueueDepth: uint16(o.QueueDepth), MaxIOSize: uint32(o.ChunkSize - MaxHdrSize), MaxHdrSize: MaxHdrSize}
+	if o.AlwaysInvalidate {
+		rsp.Flags = MsgNewRkeyF
+	}
+	ctx, cancel := context.WithTimeout(srv.ctx, o.Timings.ConnectTimeout)
+	defer cancel()
+	p.mu.Lock()
+	p.cons[cid] = c
+	p.mu.Unlock()
+	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: rsp.Marshal(), RNRRetryCount: 7}); err != nil {
+		return err
+	}
+	go p.watch(c)
+	return nil
+}
+
+// postEmptyRecvs posts n receives without buffers (for WRITE_WITH_IMM).
+func postEmptyRecvs(qp rdma.QP, n int) error {
+	wrs := make([]rdma.RecvWR, n)
+	for i := range wrs {
+		wrs[i].ID = wrRecv
+	}
+	_, err := qp.PostRecv(wrs)
+	return err
+}
+
+// setupPath allocates the path's protection domain and control buffer, once. The chunks
+// come at INFO_REQ (regChunks): a connection request costs no chunk memory.
+func (p *SrvPath) setupPath(dev rdma.Device) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.pd != nil {
+		if p.pd.Device().Name() != dev.Name() {
+			return fmt.Errorf("rtrs: connection on %s, path on %s", dev.Name(), p.pd.Device().Name())
+		}
+		return nil
+	}
+	o := p.sess.srv.opts
+	pd, err := dev.AllocPD()
+	if err != nil {
+		return err
+	}
+	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(p.nChunkMR())+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	p.pd, p.ctlMR = pd, ctl
+	p.syncLocal = dev.Query().SyncLocalOps
+	p.reqs = make([]srvReq, o.QueueDepth)
+	for i := range p.reqs {
+		p.reqs[i].r.path, p.reqs[i].r.slot, p.reqs[i].id = p, &p.reqs[i], i
+	}
+	return nil
+}
+
+// nChunkMR is how many regions the chunks are registered as: one per chunk with
+// always_invalidate, else one for all.
+func (p *SrvPath) nChunkMR() int {
+	if o := p.sess.srv.opts; o.AlwaysInvalidate {
+		return o.QueueDepth
+	}
+	return 1
+}
+
+// ctl buffer layout: [info request 272][info response][rkey responses qd*8].
+func (p *SrvPath) ctlInfoRsp() int { return infoReqSize }
+
+func (p *SrvPath) ctlRkey(id int) int {
+	return infoReqSize + InfoRspSize(p.nChunkMR()) + rkeyRspSize*id
+}
+
+// regChunks registers the session's chunks for this path (at its INFO_REQ), allocating them
+// if the session has none yet.
+func (p *SrvPath) regChunks() error {
+	ss := p.sess
+	mem, err := ss.chunkMem()
+	if err != nil {
+		return err
+	}
+	o := ss.srv.opts
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.state != srvConnecting {
+		// Closing: its close may have let the session and its memory go already.
+		return fmt.Errorf("rtrs: path closing: %w", syscall.ECONNRESET)
+	}
+	pd := p.pd
+	local, err := pd.RegMR(mem, rdma.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	var mrs []rdma.MR
+	if o.AlwaysInvalidate {
+		// One fast-registration region per chunk, so each can be invalidated and re-keyed on
+		// its own; INFO_RSP registers them (map_cont_bufs). The client may fill a chunk through
+		// any connection of the path: the keys serve the whole PD.
+		for i := 0; i < o.QueueDepth; i++ {
+			m, err := pd.AllocFastRegMR(o.ChunkSize, 0)
+			if err == nil {
+				mrs = append(mrs, m)
+				err = m.Map(mem[i*o.ChunkSize:(i+1)*o.ChunkSize], local.Addr()+uint64(i*o.ChunkSize))
+			}
+			if err != nil {
+				for _, m := range mrs {
+					_ = m.Dereg()
+				}
+				_ = local.Dereg()
+				return err
+			}
+		}
+	} else {
+		m, err := pd.RegMR(mem, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
+		if err != nil {
+			_ = local.Dereg()
+			return err
+		}
+		mrs = append(mrs, m)
+	}
+	p.chunkMR, p.localMR, p.mem = mrs, local, mem
+	return nil
+}
+
+// watch waits for the connection to go and closes the path.
+func (p *SrvPath) watch(c *con) {
+	select {
+	case <-c.id.Events():
+		p.lg().Infof("connection %d disconnected", c.cid)
+		p.Close()
+	case <-p.closed:
+	}
+}
+
+// zombieLocked tells whether the path is still connecting more than z after its latest
+// connection request (rtrs_srv_check_close_path); p.mu held.
+func (p *SrvPath) zombieLocked(z time.Duration) bool {
+	return p.state == srvConnecting && time.Since(p.connStart) > z
+}
+
+// infoReq handles INFO_REQ on connection 0 (process_info_req).
+func (p *SrvPath) infoReq(c *con, w rdma.WC) {
+	var m MsgInfoReq
+	if err := m.Unmarshal(p.ctlMR.Bytes()[:w.ByteLen]); err != nil {
+		p.refuse("malformed INFO_REQ", err.Error())
+		go p.Close()
+		return
+	}
+	if err := validName(m.PathName); err != nil {
+		p.refuse("malformed INFO_REQ", err.Error())
+		go p.Close()
+		return
+	}
+	if !p.nameSession(c.id.RemoteAddr(), m.PathName) {
+		go p.Close()
+		return
+	}
+	if err := postEmptyRecvs(c.qp, ServiceConQD); err != nil {
+		p.lg().WithError(err).Warn("receives not posted, closing the path")
+		go p.Close()
+		return
+	}
+	if !p.establish() {
+		return
+	}
+	if err := p.sendInfoRsp(c); err != nil {
+		p.lg().WithError(err).Warn("INFO_RSP not sent")
+		go p.Close()
+		return
+	}
+	p.startHeartbeat(c)
+	p.lg().Info("path connected")
+}
+
+// nameSession gives the path's session the name of its INFO_REQ, with the session's chunks
+// registered for the path first. It refuses the path (false) when the name is held by
+// another live session or, in the names file, by another identity, or when the chunks cannot
+// be had.
+func (p *SrvPath) nameSession(peer netip.AddrPort, name string) bool {
+	srv, ss := p.sess.srv, p.sess
+	inUse := func() {
+		srv.refuse(peer, "session name in use", fmt.Sprintf("session name %q is used by another client session: %v", name, syscall.EPERM))
+	}
+	if !srv.nameFree(ss, name) {
+		inUse()
+		return false
+	}
+	// Memory first: a session refused for want of it does not take a name.
+	if err := p.regChunks(); err != nil {
+		srv.refuse(peer, "chunk memory", err.Error())
+		return false
+	}
+	if !p.claimName(peer, name) {
+		return false
+	}
+	srv.mu.Lock()
+	if !srv.nameFreeLocked(ss, name) {
+		srv.mu.Unlock()
+		inUse()
+		return false
+	}
+	ss.mu.Lock()
+	if ss.name == "" {
+		ss.name = name
+	}
+	ss.mu.Unlock()
+	srv.sessNamedLocked(ss)
+	srv.mu.Unlock()
+	p.logp.Store(p.lg().WithField("session", name))
+	return true
+}
+
+// claimName claims name in the names file for the owner of a session that has no name yet;
+// false when it belongs to another identity or the file has no room. The server's lock is
+// not held: a new name is written to the file.
+func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
+	srv, ss := p.sess.srv, p.sess
+	ss.mu.Lock()
+	named := ss.name != ""
+	ss.mu.Unlock()
+	if named {
+		return true
+	}
+	errno, err := srv.names.claim(name, ss.owner.Key())
+	if err != nil {
+		p.lg().WithError(err).Warn("session name not saved")
+	}
+	switch errno {
+	case syscall.EPERM:
+		srv.refuse(peer, "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, name, errno))
+	case syscall.ENOSPC:
+		srv.refuse(peer, "session names full", fmt.Sprintf("%v asked for a new session name %q with %d names kept: %v", ss.owner, name, maxNames, errno))
+	}
+	return errno == 0
+}
+
+// establish marks the path connected, unless it is closing (false): its zombie clock stops,
+// its connections stop counting as unfinished, and the session's first connected path is
+// reported to the handler.
+func (p *SrvPath) establish() bool {
+	srv, ss := p.sess.srv, p.sess
+	p.mu.Lock()
+	if p.state != srvConnecting {
+		p.mu.Unlock()
+		return false
+	}
+	p.state = srvConnected
+	p.live.Store(true)
+	p.listed = true
+	p.mu.Unlock()
+	p.zombie.Stop()
+	srv.established(p)
+	ss.mu.Lock()
+	ss.established++
+	first := ss.established == 1
+	ss.mu.Unlock()
+	if first {
+		srv.opts.Handler.LinkEvent(ss, LinkConnected)
+	}
+	return true
+}
+
+// sendInfoRsp sends INFO_RSP on connection 0: the chunks' addresses and keys, behind the
+// registrations of their first keys with always_invalidate.
+func (p *SrvPath) sendInfoRsp(c *con) error {
+	o := p.sess.srv.opts
+	rsp := MsgInfoRsp{}
+	cs := o.ChunkSize
+	var wrs []rdma.SendWR
+	for _, mr := range p.chunkMR {
+		key := mr.RKey()
+		if o.AlwaysInvalidate {
+			// Registered in front of the response on the same queue, so no key is named
+			// before it works.
+			key = rdma.IncKey(mr.RKey())
+			wrs = append(wrs, rdma.SendWR{Opcode: rdma.OpRegMR, MR: mr, Key: key, Access: rdma.AccessLocalWrite | rdma.AccessRemoteWrite})
+		}
+		rsp.Desc = append(rsp.Desc, SgDesc{Addr: mr.Addr(), Key: key, Len: uint32(mr.Len() / cs * cs)})
+	}
+	b := rsp.Marshal()
+	copy(p.ctlMR.Bytes()[p.ctlInfoRsp():], b)
+	wrs = append(wrs, rdma.SendWR{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}})
+	_, err := c.qp.PostSend(wrs)
+	return err
+}
+
+// startHeartbeat starts the path's heartbeat on connection 0; a lost one closes the path.
+func (p *SrvPath) startHeartbeat(c *con) {
+	t := p.sess.srv.opts.Timings
+	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
+		_, err := c.qp.PostSend(hbWR(ImmHBMsgValue))
+		return err
+	}, func() {
+		p.lg().Warn("heartbeat lost, closing the path")
+		go p.Close()
+	})
+}
+
+// Disconnect closes the path asynchronously (the server's sysfs disconnect).
+func (p *SrvPath) Disconnect() { go p.Close() }
+
+// Close closes the path (close_path): connections go, requests handed up are waited for,
+// the session goes with its last path. It returns when the path is closed.
+func (p *SrvPath) Close() {
+	p.closing.Do(func() {
+		p.mu.Lock()
+		wasConnected := p.state == srvConnected
+		p.state = srvClosing
+		p.live.Store(false)
+		cons := append([]*con(nil), p.cons...)
+		p.mu.Unlock()
+		p.sess.mu.Lock()
+		p.sess.live--
+		p.sess.mu.Unlock()
+		p.zombie.Stop()
+		p.hb.halt()
+		for _, c := range cons {
+			if c != nil && c.qp != nil {
+				c.qp.ToError()
+			}
+		}
+		p.hb.wait()
+		// Requests already handed up are answered (into the void) before the memory goes.
+		p.mu.Lock()
+		deadline := time.AfterFunc(p.sess.srv.opts.Timings.ConnectTimeout, func() {
+			p.mu.Lock()
+			p.opsIdle.Broadcast()
+			p.mu.Unlock()
+		})
+		start := time.Now()
+		for p.Stats.Inflight.Load() > 0 && time.Since(start) < p.sess.srv.opts.Timings.ConnectTimeout {
+			p.opsIdle.Wait()
+		}
+		deadline.Stop()
+		stuck := p.Stats.Inflight.Load() > 0
+		p.mu.Unlock()
+		for _, c := range cons {
+			if c != nil {
+				c.destroy()
+			}
+		}
+		ss, srv := p.sess, p.sess.srv
+		srv.mu.Lock()
+		srv.pendLocked(p, -p.pending)
+		srv.conns -= p.nCons
+		p.nCons = 0
+		ss.mu.Lock()
+		ss.stuck = ss.stuck || stuck
+		delete(ss.paths, p.uuid)
+		last := false
+		if wasConnected {
+			ss.established--
+			last = ss.established == 0
+		}
+		gone := len(ss.paths) == 0
+		if gone {
+			delete(srv.sessions, ss.uuid)
+			ss.gone = true
+			srv.sessNamedLocked(ss)
+		}
+		ss.mu.Unlock()
+		srv.mu.Unlock()
+		if last {
+			srv.opts.Handler.LinkEvent(ss, LinkDisconnected)
+		}
+		p.mu.Lock()
+		mrs := append(p.chunkMR, p.localMR, p.ctlMR)
+		p.mu.Unlock()
+		for _, mr := range mrs {
+			if mr != nil {
+				_ = mr.Dereg()
+			}
+		}
+		p.dropFileMRs()
+		if gone {
+			// Every path has deregistered the chunks: nothing but a stuck handler can
+			// touch them now.
+			ss.freeMem()
+		}
+		p.mu.Lock()
+		p.state = srvClosed
+		p.mu.Unlock()
+		p.lg().Info("path closed")
+		close(p.closed)
+	})
+	<-p.closed
+}
