@@ -243,7 +243,7 @@ start_our_server() {
 # delay (reconnect_delay_sec, set by RNBD); writing its path's reconnect file runs the pending
 # attempt at once (rtrs_clt_reconnect_from_sysfs), so the suite does that instead of waiting.
 kc_faults() {
-	local T=$1 s=$2 inv=$3 K=/sys/class/rtrs-client/$2 pa pb
+	local T=$1 s=$2 inv=$3 K=/sys/class/rtrs-client/$2 pa pb t1
 	pa=$(path_name "$K" 1) pb=$(path_name "$K" 2)
 	echo "-- faults under fio: $pa disconnected in the kernel client's tree and reconnected there;"
 	echo "   $pb disconnected in our server's tree, reconnected through the kernel client's reconnect file"
@@ -256,8 +256,10 @@ kc_faults() {
 	echo 1 >"$K/paths/$pa/reconnect"
 	vm_wait 30 state_is "$K/paths/$pa" connected
 	echo 1 >"$T/srv/$s/paths/$pb/disconnect"
+	t1=$(vm_now)
 	vm_wait 10 state_is "$K/paths/$pb" disconnected
 	vm_wait 60 reconnect_now "$K/paths/$pb"
+	echo "$pb: connected again $(vm_since "$t1") s after our server disconnected it (the kernel client alone waits 30 s)"
 	wait "$FIO_PID"
 	vm_wait 60 reconnect_all "$K"
 	echo "kernel client stats/reconnects: $(cat "$K"/paths/*/stats/reconnects | tr '\n' ' ')"
@@ -272,7 +274,9 @@ kc_faults() {
 	rtrs-serverd -cleanup -mount "$T"/srv -rnbd-mount "$T"/rnbd
 	vm_wait 30 state_is "$K/paths/$pa" disconnected
 	start_our_server "$T" "$inv"
+	t1=$(vm_now)
 	vm_wait 90 reconnect_all "$K"
+	echo "both paths connected again $(vm_since "$t1") s after our server was back (the kernel client alone: up to 30 s)"
 	# The device is opened again behind the reconnect: IO works once the server has it.
 	vm_wait 30 dd if=/dev/rnbd0 of="$T"/back2 bs=1M skip=100 count=8 iflag=direct status=none
 	cmp "$T"/pat2 "$T"/back2
@@ -380,7 +384,7 @@ ks_force_close() {
 # reconnects a path the server dropped on its own, after -reconnect-delay (CLIENT_RECONNECT_DELAY
 # here; 30 s by default, as the kernel's client).
 ks_faults() {
-	local T=$1 s=$2 inv=$3 dev=$4 C=$1/cli/$2 K=/sys/class/rtrs-server/$2 pa pb r0 ra
+	local T=$1 s=$2 inv=$3 dev=$4 C=$1/cli/$2 K=/sys/class/rtrs-server/$2 pa pb r0 ra t1
 	pa=$(path_name "$C" 1) pb=$(path_name "$C" 2)
 	echo "-- faults under fio: $pb disconnected in our client's tree and reconnected there;"
 	echo "   $pa disconnected in the kernel server's tree (our client reconnects it on its own after $CLIENT_RECONNECT_DELAY)"
@@ -395,6 +399,7 @@ ks_faults() {
 	echo 1 >"$C/paths/$pb/reconnect"
 	vm_wait 30 state_is "$C/paths/$pb" connected
 	ra=$(cut -d' ' -f1 "$C/paths/$pa/stats/reconnects")
+	t1=$(vm_now)
 	if ! { echo 1 >"$K/paths/$pa/disconnect"; } 2>/dev/null; then
 		# Closed by the kernel's server itself in the meantime: a disconnect from the server's
 		# side as well.
@@ -403,6 +408,7 @@ ks_faults() {
 	fi
 	# Our client saw the path go and reconnected it: its count of reconnects moved.
 	vm_wait 60 reconnected_since "$C/paths/$pa" "$ra"
+	echo "$pa: connected again $(vm_since "$t1") s after the kernel server disconnected it (-reconnect-delay $CLIENT_RECONNECT_DELAY)"
 	wait "$FIO_PID"
 	vm_wait 60 paths_connected "$C"
 	echo "our client stats/reconnects: $(cat "$C"/paths/*/stats/reconnects | tr '\n' ' ')"
@@ -416,8 +422,10 @@ ks_faults() {
 	vm_wait 10 state_is "$C/paths/$pa" disconnected
 	vm_insmod "$RTRS_VM_WORK/kmod/rtrs-server.ko" always_invalidate="$inv"
 	vm_insmod "$RTRS_VM_WORK/kmod/rnbd-server.ko"
-	wait "$FIO_PID"
+	t1=$(vm_now)
 	vm_wait 60 paths_connected "$C"
+	echo "both paths connected again $(vm_since "$t1") s after the modules were back (-reconnect-delay $CLIENT_RECONNECT_DELAY)"
+	wait "$FIO_PID"
 	echo "our client stats/reconnects: $(cat "$C"/paths/*/stats/reconnects | tr '\n' ' ')"
 	[ "$(reconnects "$C")" -ge $((r0 + 2)) ]
 }
