@@ -5,12 +5,20 @@
 #   always_invalidate on and off: fio verifies (crc32c) random 4 KiB and sequential 1 MiB IO
 #   on /dev/rnbd0, a file system holds files; with always_invalidate on, fio keeps verifying
 #   while a path is disconnected from the kernel client's tree and another from our server's
-#   tree, then our server is killed and restarted and the kernel client reconnects to it;
+#   tree, then our server is killed and restarted and the kernel client reconnects to it (its
+#   paths' reconnect files run the attempts at once instead of after its fixed 30 s delay);
 # - our rtrs-clientd maps a loop device from the kernel's rnbd-server (rtrs-server loaded with
 #   always_invalidate Y, then N): fio verifies through the device file and through our NBD
 #   export; with Y, fio keeps verifying while a path is disconnected from our tree and another
 #   from the kernel server's tree, and while the kernel's modules are removed and loaded
-#   again; mpath_policy is switched under load and each policy's split shows in stats/rdma;
+#   again (our client reconnects on its own, after -reconnect-delay 2s); mpath_policy is
+#   switched under load and each policy's split shows in stats/rdma;
+# - RNBD 2.2 (issue 20), always_invalidate off, both directions (kc_rnbd22, ks_rnbd22): ext4 with
+#   its journal (mkfs, files, fsck -n, remount), fio verify with fsync=1 and fdatasync=1,
+#   fstrim, blkdiscard, blkdiscard -z, fallocate --zero-range and --punch-hole on the block
+#   device, no IO error in dmesg; what arrived is asserted per kernel (6.1, 6.12, 7.2: rnbd_rules)
+#   from our server's counters or from the kernel server's loop device, what it did from the
+#   backing file's allocation. One matrix line per check (results/interop-matrix.md);
 # - force_close both ways: in our rnbd-server tree with the kernel's client on it, and in the
 #   kernel's /sys/class/rnbd-server with our client on it (kc_force_close, ks_force_close);
 # - the kernel's trees and ours are listed file by file and compared (compare_trees);
@@ -18,7 +26,7 @@
 #   (results/interop-figures.md).
 
 # shellcheck disable=SC2034 # read by vmtest.sh
-SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio"
+SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio nbd-client libnbd-bin curl util-linux"
 
 host() {
 	vm_build_kernel_rtrs
@@ -30,23 +38,50 @@ host() {
 	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd)
 }
 
+# Our server's metrics (RNBD requests by operation and flag) for the RNBD 2.2 checks.
+METRICS_ADDR=127.0.0.1:9851
+# Our client's reconnect delay against the kernel's server (-reconnect-delay; 30 s by default).
+CLIENT_RECONNECT_DELAY=2s
+
 guest() {
 	export PATH=$RTRS_VM_WORK/bin:$PATH
 	R=$RTRS_VM_WORK/results
 	mkdir -p "$R"/trees
+	{
+		echo "| kernel | direction | always_invalidate | check | result | time | what arrived, what it did |"
+		echo "|---|---|---|---|---|---|---|"
+	} >"$R"/interop-matrix.md
+	echo "kernel $(uname -r): RNBD rules of $(rnbd_rules): $(rules_text "$(rnbd_rules)")"
 	# The kernel's client side only: our server takes RNBD's port 1234.
 	vm_load_kernel_rtrs rtrs-core rtrs-client rnbd-client
 	local m
 	for m in mbcache jbd2 crc16 crc32c_generic ext4; do
 		vm_insmod "$RTRS_VM_WORK/kmod/$m.ko"
 	done
-	kernel_client_our_server true faults
-	kernel_client_our_server false
+	timed kernel_client_our_server true faults
+	timed kernel_client_our_server false
 	# Now the kernel's server takes port 1234.
-	our_client_kernel_server Y faults
-	our_client_kernel_server N
+	timed our_client_kernel_server Y faults
+	timed our_client_kernel_server N
 	compare_trees
+	local t0
+	t0=$(vm_now)
 	figures | tee "$R"/interop-figures.md
+	echo "== figures took $(vm_since "$t0") s"
+	echo "== the RNBD 2.2 matrix (results/interop-matrix.md)"
+	cat "$R"/interop-matrix.md
+	if [ "$RNBD22_FAILS" != 0 ]; then
+		echo "$RNBD22_FAILS RNBD 2.2 checks failed (FAIL in the matrix)"
+		return 1
+	fi
+}
+
+# timed CMD ARGS...: runs CMD and says how long it took.
+timed() {
+	local t0
+	t0=$(vm_now)
+	"$@"
+	echo "== $* took $(vm_since "$t0") s"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +194,7 @@ kernel_client_our_server() {
 		dump_tree "$T/srv/$s" "$R"/trees/our-server
 	fi
 	if [ -z "$faults" ]; then
+		kc_rnbd22 "$T" "$inv"
 		kc_force_close "$T" "$s"
 	fi
 	echo normal >/sys/block/rnbd0/rnbd/unmap_device
@@ -188,11 +224,12 @@ kc_force_close() {
 	grep "force_close: closed" "$T"/serverd.log
 }
 
-# start_our_server T INV: rtrs-serverd on port 1234 exporting T/exports, tree at T/srv; sets
-# SRV_PID.
+# start_our_server T INV: rtrs-serverd on port 1234 exporting T/exports, tree at T/srv, metrics
+# at METRICS_ADDR; sets SRV_PID.
 start_our_server() {
 	rtrs-serverd -provider verbs -config /dev/null -listen "$RTRS_VM_ADDR1:1234" -always-invalidate="$2" \
-		-dev-search-path "$1"/exports -mount "$1"/srv -rnbd-mount "$1"/rnbd -names-file "$1"/names.json >>"$1"/serverd.log 2>&1 &
+		-dev-search-path "$1"/exports -mount "$1"/srv -rnbd-mount "$1"/rnbd -names-file "$1"/names.json \
+		-metrics "$METRICS_ADDR" >>"$1"/serverd.log 2>&1 &
 	SRV_PID=$!
 	DAEMON_LOGS="$1/serverd.log"
 	vm_wait 30 mountpoint -q "$1"/srv || {
@@ -202,12 +239,14 @@ start_our_server() {
 }
 
 # kc_faults T S INV: faults under fio with the kernel client on our server, then our server
-# killed and restarted.
+# killed and restarted. The kernel client would reconnect a path only after its fixed 30 s
+# delay (reconnect_delay_sec, set by RNBD); writing its path's reconnect file runs the pending
+# attempt at once (rtrs_clt_reconnect_from_sysfs), so the suite does that instead of waiting.
 kc_faults() {
-	local T=$1 s=$2 inv=$3 K=/sys/class/rtrs-client/$2 pa pb
+	local T=$1 s=$2 inv=$3 K=/sys/class/rtrs-client/$2 pa pb t1
 	pa=$(path_name "$K" 1) pb=$(path_name "$K" 2)
 	echo "-- faults under fio: $pa disconnected in the kernel client's tree and reconnected there;"
-	echo "   $pb disconnected in our server's tree (the kernel client reconnects it after its 30 s delay)"
+	echo "   $pb disconnected in our server's tree, reconnected through the kernel client's reconnect file"
 	local r0
 	r0=$(reconnects "$K")
 	fio_background "kc-faults" /dev/rnbd0 20
@@ -217,13 +256,16 @@ kc_faults() {
 	echo 1 >"$K/paths/$pa/reconnect"
 	vm_wait 30 state_is "$K/paths/$pa" connected
 	echo 1 >"$T/srv/$s/paths/$pb/disconnect"
+	t1=$(vm_now)
 	vm_wait 10 state_is "$K/paths/$pb" disconnected
+	vm_wait 60 reconnect_now "$K/paths/$pb"
+	echo "$pb: connected again $(vm_since "$t1") s after our server disconnected it (the kernel client alone waits 30 s)"
 	wait "$FIO_PID"
-	vm_wait 60 paths_connected "$K"
+	vm_wait 60 reconnect_all "$K"
 	echo "kernel client stats/reconnects: $(cat "$K"/paths/*/stats/reconnects | tr '\n' ' ')"
 	[ "$(reconnects "$K")" -ge $((r0 + 2)) ]
 
-	echo "-- our server killed (SIGKILL) and restarted: the kernel client reconnects and re-opens the device"
+	echo "-- our server killed (SIGKILL) and restarted: the kernel client reconnects (its reconnect files) and re-opens the device"
 	head -c 8M /dev/urandom >"$T"/pat2
 	dd if="$T"/pat2 of=/dev/rnbd0 bs=1M seek=100 oflag=direct status=none
 	r0=$(reconnects "$K")
@@ -232,7 +274,9 @@ kc_faults() {
 	rtrs-serverd -cleanup -mount "$T"/srv -rnbd-mount "$T"/rnbd
 	vm_wait 30 state_is "$K/paths/$pa" disconnected
 	start_our_server "$T" "$inv"
-	vm_wait 90 paths_connected "$K"
+	t1=$(vm_now)
+	vm_wait 90 reconnect_all "$K"
+	echo "both paths connected again $(vm_since "$t1") s after our server was back (the kernel client alone: up to 30 s)"
 	# The device is opened again behind the reconnect: IO works once the server has it.
 	vm_wait 30 dd if=/dev/rnbd0 of="$T"/back2 bs=1M skip=100 count=8 iflag=direct status=none
 	cmp "$T"/pat2 "$T"/back2
@@ -257,9 +301,12 @@ our_client_kernel_server() {
 	local loop
 	loop=$(losetup -f --show "$T"/disk)
 	: >"$T"/clientd.conf
-	# IO waits up to two minutes for a session that lost every path (the module reload).
+	# IO waits up to two minutes for a session that lost every path (the module reload). A path
+	# the server dropped is reconnected after CLIENT_RECONNECT_DELAY (by default 30 s, as the
+	# kernel's client waits).
 	rtrs-clientd -provider verbs -config "$T"/clientd.conf -mount "$T"/cli -dev-mount "$T"/dev \
-		-nbd-socket "$T"/nbd.sock -io-timeout 120s >"$T"/clientd.log 2>&1 &
+		-nbd-socket "$T"/nbd.sock -io-timeout 120s -reconnect-delay "$CLIENT_RECONNECT_DELAY" \
+		>"$T"/clientd.log 2>&1 &
 	local cpid=$!
 	DAEMON_LOGS="$T/clientd.log"
 	vm_wait 30 mountpoint -q "$T"/dev || {
@@ -301,6 +348,7 @@ our_client_kernel_server() {
 		dump_tree "$T/cli/$s" "$R"/trees/our-client
 	fi
 	if [ -z "$faults" ]; then
+		ks_rnbd22 "$T" "$s" "$inv"
 		ks_force_close "$T" "$s" "$loop" "$dev"
 	fi
 	echo "sessname=$s device_path=$loop" >"$T"/dev/ctl/unmap_device
@@ -332,12 +380,17 @@ ks_force_close() {
 	grep "the server closed the device" "$T"/clientd.log
 }
 
-# ks_faults T S INV DEV: faults under fio with our client on the kernel's server.
+# ks_faults T S INV DEV: faults under fio with our client on the kernel's server. Our client
+# reconnects a path the server dropped on its own, after -reconnect-delay (CLIENT_RECONNECT_DELAY
+# here; 30 s by default, as the kernel's client).
 ks_faults() {
-	local T=$1 s=$2 inv=$3 dev=$4 C=$1/cli/$2 K=/sys/class/rtrs-server/$2 pa pb r0
+	local T=$1 s=$2 inv=$3 dev=$4 C=$1/cli/$2 K=/sys/class/rtrs-server/$2 pa pb r0 ra t1
 	pa=$(path_name "$C" 1) pb=$(path_name "$C" 2)
 	echo "-- faults under fio: $pb disconnected in our client's tree and reconnected there;"
-	echo "   $pa disconnected in the kernel server's tree (our client reconnects it after its 30 s delay)"
+	echo "   $pa disconnected in the kernel server's tree (our client reconnects it on its own after $CLIENT_RECONNECT_DELAY)"
+	# The kernel's server on rxe closes a path on its own at times (REG MR failed, see
+	# our_client_kernel_server): both sides hold both paths before the faults start.
+	vm_wait 90 both_sides_connected "$C" "$K"
 	r0=$(reconnects "$C")
 	fio_background "ks-faults" "$dev" 20
 	sleep 4
@@ -345,8 +398,17 @@ ks_faults() {
 	vm_wait 10 state_is "$C/paths/$pb" disconnected
 	echo 1 >"$C/paths/$pb/reconnect"
 	vm_wait 30 state_is "$C/paths/$pb" connected
-	echo 1 >"$K/paths/$pa/disconnect"
-	vm_wait 10 state_is "$C/paths/$pa" disconnected
+	ra=$(cut -d' ' -f1 "$C/paths/$pa/stats/reconnects")
+	t1=$(vm_now)
+	if ! { echo 1 >"$K/paths/$pa/disconnect"; } 2>/dev/null; then
+		# Closed by the kernel's server itself in the meantime: a disconnect from the server's
+		# side as well.
+		echo "$pa was gone from the kernel server's tree already; its log:"
+		dmesg | grep "rtrs_server.*<$s>" | tail -3
+	fi
+	# Our client saw the path go and reconnected it: its count of reconnects moved.
+	vm_wait 60 reconnected_since "$C/paths/$pa" "$ra"
+	echo "$pa: connected again $(vm_since "$t1") s after the kernel server disconnected it (-reconnect-delay $CLIENT_RECONNECT_DELAY)"
 	wait "$FIO_PID"
 	vm_wait 60 paths_connected "$C"
 	echo "our client stats/reconnects: $(cat "$C"/paths/*/stats/reconnects | tr '\n' ' ')"
@@ -360,8 +422,10 @@ ks_faults() {
 	vm_wait 10 state_is "$C/paths/$pa" disconnected
 	vm_insmod "$RTRS_VM_WORK/kmod/rtrs-server.ko" always_invalidate="$inv"
 	vm_insmod "$RTRS_VM_WORK/kmod/rnbd-server.ko"
-	wait "$FIO_PID"
+	t1=$(vm_now)
 	vm_wait 60 paths_connected "$C"
+	echo "both paths connected again $(vm_since "$t1") s after the modules were back (-reconnect-delay $CLIENT_RECONNECT_DELAY)"
+	wait "$FIO_PID"
 	echo "our client stats/reconnects: $(cat "$C"/paths/*/stats/reconnects | tr '\n' ' ')"
 	[ "$(reconnects "$C")" -ge $((r0 + 2)) ]
 }
@@ -528,6 +592,544 @@ rail_down() {
 	ip neigh del "$RAIL_PEER" dev vb
 	rdma link del rxe1
 	ip addr del "$POL_ADDR/32" dev vb
+}
+
+# ---------------------------------------------------------------------------------------------
+# RNBD 2.2 (issue 20): what each kernel sends and serves, both directions
+
+# rnbd_rules: whose RNBD the running kernel has, of the three read (docs/protocol.md §7): 6.1
+# (no WRITE_ZEROES; a flush is FLUSH|SYNC|FUA, 0x302), 6.12 (WRITE_ZEROES, never with NOUNMAP;
+# its server serves them) or 7.2 (protocol 2.2: PREFLUSH on every flush, 0x702, and NOUNMAP on
+# a WRITE_ZEROES that keeps the range allocated; its server honours both). No kernel puts the
+# minor on the wire, so the version (uname -r) says which; a kernel in between gets the rules of
+# the older one.
+rnbd_rules() {
+	if kernel_at_least 7.2; then
+		echo 7.2
+	elif kernel_at_least 6.12; then
+		echo 6.12
+	else
+		echo 6.1
+	fi
+}
+
+# kernel_at_least MAJOR.MINOR: the running kernel is that version or newer.
+kernel_at_least() {
+	uname -r | awk -v w="$1" '{ split($0, h, /[.-]/); split(w, v, ".")
+		exit !(h[1] > v[1] || (h[1] == v[1] && h[2] >= v[2])) }'
+}
+
+# rules_text RULES: the rules in a few words.
+rules_text() {
+	case $1 in
+	6.1) echo "no WRITE_ZEROES either way (zeroing is written zero pages), flush FLUSH|SYNC|FUA, no PREFLUSH, no NOUNMAP" ;;
+	6.12) echo "WRITE_ZEROES without NOUNMAP (its server deallocates), no PREFLUSH" ;;
+	7.2) echo "PREFLUSH on every flush (0x702), NOUNMAP on WRITE_ZEROES that keep the range allocated, both honoured by its server" ;;
+	esac
+}
+
+# matrix DIRECTION INV CHECK RESULT SECONDS NOTE: one line of the interop matrix, printed with
+# a MATRIX prefix and added to results/interop-matrix.md.
+matrix() {
+	local line
+	line=$(printf '| %s | %s | %s | %s | %s | %s s | %s |' "$(uname -r)" "$1" "$2" "$3" "$4" "$5" "$6")
+	echo "MATRIX $line"
+	echo "$line" >>"$R"/interop-matrix.md
+}
+
+# check DIRECTION INV NAME CMD ARGS...: CMD runs in the background, where errexit holds, and
+# its matrix line follows with what it gave to note. A failed check adds to CHECK_FAILS and the
+# next one still runs; kc_rnbd22 and ks_rnbd22 add their failures to RNBD22_FAILS, and the suite
+# fails at its end if there are any (so one run shows every check of both directions).
+CHECK_FAILS=0 RNBD22_FAILS=0
+check() {
+	local dir=$1 inv=$2 name=$3 t0 rc=0 res=PASS
+	shift 3
+	echo "--- $name"
+	: >/tmp/check.note
+	t0=$(vm_now)
+	"$@" &
+	wait $! || rc=$?
+	if [ "$rc" != 0 ]; then
+		res=FAIL
+		CHECK_FAILS=$((CHECK_FAILS + 1))
+	fi
+	matrix "$dir" "$inv" "$name" "$res" "$(vm_since "$t0")" "$(sed 's/; $//' /tmp/check.note)"
+}
+
+# note TEXT: printed, and added to the check's matrix line.
+note() {
+	echo "$*"
+	printf '%s; ' "$*" >>/tmp/check.note
+}
+
+# want WHAT VALUE OP BOUND: VALUE OP BOUND (test's -eq, -ne, -ge, -le, ...), or it says what
+# it got and fails.
+want() {
+	test "$2" "$3" "$4" || {
+		echo "FAIL: $1: $2, want $3 $4"
+		return 1
+	}
+}
+
+# The evidence of what arrived, by direction (set before the checks): EVKIND kc (the kernel's
+# client on our server: our server's counters) or ks (our client on the kernel's server: the
+# counters of the loop device the kernel's server exports), EV the command printing them as
+# "key value" lines, DEV the device the checks use, BACKING the file holding the data at the end.
+
+# srv_counters: our server's RNBD counters from its metrics: op_read, op_write, op_flush,
+# op_discard, op_write_zeroes, flag_preflush, flag_nounmap, fua_writes, errors.
+srv_counters() {
+	curl -sf --max-time 10 "http://$METRICS_ADDR/metrics" | awk '
+		/^rtrs_rnbd_server_requests_total\{/ { match($0, /op="[^"]*"/); printf "op_%s %d\n", substr($0, RSTART + 4, RLENGTH - 5), $NF }
+		/^rtrs_rnbd_server_request_flags_total\{/ { match($0, /flag="[^"]*"/); printf "flag_%s %d\n", substr($0, RSTART + 6, RLENGTH - 7), $NF }
+		/^rtrs_rnbd_server_fua_writes_total / { printf "fua_writes %d\n", $NF }
+		/^rtrs_rnbd_server_errors_total / { printf "errors %d\n", $NF }'
+}
+
+# loop_counters DEV: the block layer's counters of a loop device (/sys/block/NAME/stat): w_ios,
+# w_sectors, d_ios (discards), d_sectors, f_ios (flushes). A WRITE_ZEROES counts as one write
+# of its whole range; written zero pages as many writes.
+loop_counters() {
+	awk '{ printf "w_ios %d\nw_sectors %d\nd_ios %d\nd_sectors %d\nf_ios %d\n", $5, $7, $12, $14, $16 }' \
+		/sys/block/"$(basename "$1")"/stat
+}
+
+# snap TAG: the evidence now, into /tmp/ev.TAG.
+snap() {
+	$EV >/tmp/ev."$1"
+	[ -s /tmp/ev."$1" ]
+}
+
+# delta A B KEY: KEY in snapshot B minus KEY in snapshot A.
+delta() { awk -v k="$3" 'FNR == 1 { f++ } $1 == k { v[f] = $2 } END { print v[2] - v[1] }' /tmp/ev."$1" /tmp/ev."$2"; }
+
+# moved A B: the counters that moved from A to B ("key +n ...", or "nothing").
+moved() {
+	awk 'FNR == NR { a[$1] = $2; next } $2 != a[$1] { printf "%s%s+%d", n++ ? " " : "", $1, $2 - a[$1] }
+		END { if (!n) printf "nothing" }' /tmp/ev."$1" /tmp/ev."$2"
+}
+
+# alloc FILE: bytes allocated to FILE; mib N: N bytes in MiB.
+alloc() { echo $(($(stat -c %b "$1") * $(stat -c %B "$1"))); }
+mib() { awk -v n="$1" 'BEGIN { printf "%.1f", n / 1048576 }'; }
+
+# dev_size DEV: its size in bytes (a block device or our device file).
+dev_size() {
+	if [ -b "$1" ]; then blockdev --getsize64 "$1"; else stat -c %s "$1"; fi
+}
+
+# fs_mount DIR: DEV's ext4 mounted on DIR (a loop device over our device file, which is a
+# regular file).
+fs_mount() {
+	if [ -b "$DEV" ]; then mount "$DEV" "$1"; else mount -o loop "$DEV" "$1"; fi
+}
+
+# fs_journal T: ext4 with its journal on DEV, inode tables and journal zeroed by mkfs (no lazy
+# init writing later): files written and synced, unmounted, fsck -n clean, mounted again and
+# read back. The journal's commits arrive as flushes and FUA writes; mkfs discards the device
+# first and zeroes with fallocate's ZERO_RANGE: WRITE_ZEROES on 6.12 and 7.2 (on 7.2 each with
+# NOUNMAP), written zero pages on 6.1. On 7.2 every flush carries PREFLUSH.
+fs_journal() {
+	local T=$1
+	snap a
+	mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$DEV"
+	dumpe2fs -h "$DEV" 2>/dev/null | grep '^Filesystem features:.*has_journal' >/dev/null
+	fs_mount "$T"/mnt
+	head -c 16M /dev/urandom >"$T"/p16
+	cp "$T"/p16 "$T"/mnt/p16
+	seq 1 20000 >"$T"/mnt/seq
+	sync
+	umount "$T"/mnt
+	fsck.ext4 -n -f "$DEV" >"$T"/fsck.out 2>&1 || {
+		cat "$T"/fsck.out
+		return 1
+	}
+	fs_mount "$T"/mnt
+	cmp "$T"/p16 "$T"/mnt/p16
+	[ "$(seq 1 20000 | md5sum)" = "$(md5sum <"$T"/mnt/seq)" ]
+	umount "$T"/mnt
+	snap b
+	note "fsck -n clean; $(moved a b)"
+	case $EVKIND in
+	kc)
+		want "errors" "$(delta a b errors)" -eq 0
+		want "FLUSH (journal commits)" "$(delta a b op_flush)" -ge 1
+		want "FUA writes (commit blocks)" "$(delta a b fua_writes)" -ge 1
+		want "DISCARD (mkfs discards the device)" "$(delta a b op_discard)" -ge 1
+		case $RULES in
+		6.1)
+			want "WRITE_ZEROES (6.1 sends none)" "$(delta a b op_write_zeroes)" -eq 0
+			want "PREFLUSH (6.1 sends none)" "$(delta a b flag_preflush)" -eq 0
+			;;
+		6.12)
+			want "WRITE_ZEROES (mkfs zeroes with ZERO_RANGE)" "$(delta a b op_write_zeroes)" -ge 1
+			want "NOUNMAP (6.12 sends none)" "$(delta a b flag_nounmap)" -eq 0
+			want "PREFLUSH (6.12 sends none)" "$(delta a b flag_preflush)" -eq 0
+			;;
+		7.2)
+			want "WRITE_ZEROES (mkfs zeroes with ZERO_RANGE)" "$(delta a b op_write_zeroes)" -ge 1
+			want "NOUNMAP (on each of them)" "$(delta a b flag_nounmap)" -eq "$(delta a b op_write_zeroes)"
+			want "PREFLUSH (on each flush)" "$(delta a b flag_preflush)" -eq "$(delta a b op_flush)"
+			;;
+		esac
+		;;
+	ks)
+		want "flushes on the kernel server's loop device" "$(delta a b f_ios)" -ge 1
+		if [ -b "$DEV" ]; then
+			want "discards on it (mkfs discards the device)" "$(delta a b d_ios)" -ge 1
+		fi
+		;;
+	esac
+}
+
+# fs_trim T: a 48 MiB file written to the ext4 on DEV and deleted, fstrim: DISCARDs arrive and the
+# backing file loses about that much of its allocation.
+fs_trim() {
+	local T=$1 a0 a1
+	fs_mount "$T"/mnt
+	dd if=/dev/urandom of="$T"/mnt/big bs=1M count=48 conv=fsync status=none
+	sync
+	a0=$(alloc "$BACKING")
+	rm "$T"/mnt/big
+	sync
+	snap a
+	fstrim -v "$T"/mnt
+	snap b
+	a1=$(alloc "$BACKING")
+	umount "$T"/mnt
+	note "$(moved a b); backing allocation $(mib "$a0") → $(mib "$a1") MiB"
+	want "backing allocation freed (bytes)" $((a0 - a1)) -ge $((40 << 20))
+	case $EVKIND in
+	kc)
+		want "errors" "$(delta a b errors)" -eq 0
+		want "DISCARD" "$(delta a b op_discard)" -ge 1
+		want "WRITE_ZEROES" "$(delta a b op_write_zeroes)" -eq 0
+		;;
+	ks) want "discards on the kernel server's loop device" "$(delta a b d_ios)" -ge 1 ;;
+	esac
+}
+
+# fio_sync MODE: fio verifies (crc32c) 1024 random 4 KiB writes on DEV, each but the last
+# followed by MODE (fsync or fdatasync): on a block device each is a flush (blkdev_fsync), on
+# our device file FUSE's FSYNC, which our client sends as a FLUSH. Each must arrive.
+fio_sync() {
+	snap a
+	fio_run "$FIO_TAG-$1" "$DEV" --ioengine=psync --iodepth=1 --rw=randwrite --bs=4k --size=4m \
+		--"$1"=1 --verify=crc32c
+	snap b
+	note "$(moved a b)"
+	case $EVKIND in
+	kc)
+		want "errors" "$(delta a b errors)" -eq 0
+		want "WRITE" "$(delta a b op_write)" -ge 1024
+		want "FLUSH (one per $1)" "$(delta a b op_flush)" -ge 1023
+		if [ "$RULES" = 7.2 ]; then
+			want "PREFLUSH (on each flush)" "$(delta a b flag_preflush)" -eq "$(delta a b op_flush)"
+		else
+			want "PREFLUSH ($RULES sends none)" "$(delta a b flag_preflush)" -eq 0
+		fi
+		;;
+	ks) want "flushes on the kernel server's loop device (one per $1)" "$(delta a b f_ios)" -ge 1023 ;;
+	esac
+}
+
+# zero_expect OP: what the running kernel makes of OP on DEV, by the rules read from its
+# sources (block/ioctl.c, block/fops.c, block/blk-lib.c, rnbd-proto.h, nbd.c, loop.c). BLKZEROOUT
+# (blkdiscard -z) and fallocate's ZERO_RANGE zero with REQ_NOUNMAP, falling back to written zero
+# pages where the device has no WRITE_ZEROES; PUNCH_HOLE zeroes with WRITE_ZEROES without
+# NOUNMAP and no fallback (EOPNOTSUPP). Sets SENT (discard, wz, wz-nounmap, writes or refused:
+# what reaches the server) and KEEPS (1: the backing range stays allocated).
+#   kc: 6.1's client has no WRITE_ZEROES; 6.12's drops REQ_NOUNMAP (our server then deallocates);
+#       7.2's sends NOUNMAP (our server keeps the range allocated).
+#   ks: the kernel's NBD sends WRITE_ZEROES when our export offers it (NBD_WZ, its
+#       write_zeroes_max_bytes), NO_HOLE for REQ_NOUNMAP, which our client sends as NOUNMAP; 6.12's
+#       server drops it (loop punches the file), 7.2's keeps it (loop's ZERO_RANGE).
+zero_expect() {
+	local op=$1 wz
+	SENT=writes KEEPS=1
+	case $EVKIND in
+	kc) [ "$RULES" = 6.1 ] && wz=0 || wz=1 ;;
+	ks) [ "${NBD_WZ:-0}" -gt 0 ] && wz=1 || wz=0 ;;
+	esac
+	case $op in
+	discard) SENT=discard KEEPS=0 ;;
+	zeroout | zero-range)
+		if [ "$wz" = 1 ] && [ "$RULES" = 7.2 ]; then
+			SENT=wz-nounmap KEEPS=1
+		elif [ "$wz" = 1 ]; then
+			SENT=wz KEEPS=0
+		fi
+		;;
+	punch-hole)
+		if [ "$wz" = 1 ]; then SENT=wz KEEPS=0; else SENT=refused KEEPS=1; fi
+		;;
+	esac
+}
+
+# zero_check OP OFF LEN: OP (discard: blkdiscard; zeroout: blkdiscard -z; zero-range and
+# punch-hole: fallocate) on LEN MiB of DEV at OFF MiB, written with random data first (LEN 0:
+# the whole device, not written first). Checks what arrived (zero_expect), that the range reads
+# back as zeroes (unchanged where the kernel refuses OP) and the backing file's allocation: the
+# range deallocated or kept.
+zero_check() {
+	local op=$1 len=$(($3 << 20)) size a0 a1 rc=0 range=()
+	size=$(dev_size "$DEV")
+	zero_expect "$op"
+	if [ "$len" -gt 0 ]; then
+		range=(-o $(($2 << 20)) -l "$len")
+		dd if=/tmp/pat16 of="$DEV" bs=1M seek="$2" count="$3" oflag=direct conv=fsync status=none
+	else
+		len=$size
+	fi
+	a0=$(alloc "$BACKING")
+	snap a
+	case $op in
+	discard) blkdiscard -f "${range[@]}" "$DEV" ;;
+	zeroout) blkdiscard -f -z "${range[@]}" "$DEV" ;;
+	zero-range) fallocate -z "${range[@]}" "$DEV" ;;
+	punch-hole) fallocate -p "${range[@]}" "$DEV" ;;
+	esac >/tmp/zero.out 2>&1 || rc=$?
+	snap b
+	a1=$(alloc "$BACKING")
+	note "expected: $SENT, range $([ "$KEEPS" = 1 ] && echo kept || echo deallocated); arrived: $(moved a b); backing allocation $(mib "$a0") → $(mib "$a1") MiB"
+	if [ "$SENT" = refused ]; then
+		# fallocate(1) says EOPNOTSUPP with KEEP_SIZE as "keep size mode is unsupported".
+		note "$op: $(head -1 /tmp/zero.out)"
+		want "exit status (EOPNOTSUPP expected)" "$rc" -ne 0
+		grep -qE "not supported|unsupported" /tmp/zero.out || {
+			echo "FAIL: $op failed, but not with EOPNOTSUPP"
+			return 1
+		}
+		dd if="$DEV" bs=1M skip="$2" count="$3" iflag=direct status=none | cmp -n "$len" - /tmp/pat16
+	else
+		[ "$rc" = 0 ] || {
+			cat /tmp/zero.out
+			return 1
+		}
+		dd if="$DEV" bs=1M skip="$2" count=$((len >> 20)) iflag=direct status=none | cmp -n "$len" - /dev/zero
+	fi
+	arrived_as "$SENT" "$len"
+	if [ "$KEEPS" = 1 ] && [ "$3" = 0 ]; then
+		want "backing allocation after zeroing the whole device, kept (bytes)" "$a1" -ge $((size - (1 << 20)))
+	elif [ "$KEEPS" = 1 ]; then
+		want "backing allocation change, range kept (bytes)" "$(((a1 - a0) < 0 ? a0 - a1 : a1 - a0))" -le $((1 << 20))
+	elif [ "$3" = 0 ]; then
+		want "backing allocation after zeroing the whole device, deallocated (bytes)" "$a1" -le $((1 << 20))
+	else
+		want "backing allocation freed, range deallocated (bytes)" $((a0 - a1)) -ge $((len * 3 / 4))
+	fi
+}
+
+# arrived_as SENT LEN: the evidence from snapshot a to b shows SENT for LEN bytes.
+arrived_as() {
+	local sent=$1 len=$2
+	case $EVKIND:$sent in
+	kc:*) want "errors" "$(delta a b errors)" -eq 0 ;;&
+	kc:discard)
+		want "DISCARD" "$(delta a b op_discard)" -ge 1
+		want "WRITE_ZEROES" "$(delta a b op_write_zeroes)" -eq 0
+		want "WRITE" "$(delta a b op_write)" -eq 0
+		;;
+	kc:wz | kc:wz-nounmap)
+		want "WRITE_ZEROES" "$(delta a b op_write_zeroes)" -ge 1
+		want "DISCARD" "$(delta a b op_discard)" -eq 0
+		want "WRITE" "$(delta a b op_write)" -eq 0
+		;;&
+	kc:wz) want "NOUNMAP" "$(delta a b flag_nounmap)" -eq 0 ;;
+	kc:wz-nounmap) want "NOUNMAP (on each WRITE_ZEROES)" "$(delta a b flag_nounmap)" -eq "$(delta a b op_write_zeroes)" ;;
+	kc:writes)
+		want "WRITE_ZEROES" "$(delta a b op_write_zeroes)" -eq 0
+		want "WRITE (zero pages, at most 128 KiB each)" "$(delta a b op_write)" -ge $((len >> 17))
+		;;
+	kc:refused)
+		want "WRITE" "$(delta a b op_write)" -eq 0
+		want "WRITE_ZEROES" "$(delta a b op_write_zeroes)" -eq 0
+		want "DISCARD" "$(delta a b op_discard)" -eq 0
+		;;
+	ks:discard)
+		want "discards on the kernel server's loop device" "$(delta a b d_ios)" -ge 1
+		want "sectors written on it" "$(delta a b w_sectors)" -eq 0
+		;;
+	ks:wz | ks:wz-nounmap)
+		# (fallocate(1) fsyncs the device before it closes it: the flush may count as a write.)
+		want "writes on the loop device (one WRITE_ZEROES)" "$(delta a b w_ios)" -ge 1
+		want "writes on the loop device (one WRITE_ZEROES)" "$(delta a b w_ios)" -le 2
+		want "sectors written on it (the whole range)" "$(delta a b w_sectors)" -ge $((len >> 9))
+		want "discards on it" "$(delta a b d_ios)" -eq 0
+		;;
+	ks:writes)
+		want "writes on the loop device (zero pages)" "$(delta a b w_ios)" -ge 4
+		want "sectors written on it (the whole range)" "$(delta a b w_sectors)" -ge $((len >> 9))
+		;;
+	ks:refused)
+		want "sectors written on the loop device" "$(delta a b w_sectors)" -eq 0
+		want "discards on it" "$(delta a b d_ios)" -eq 0
+		;;
+	esac
+}
+
+# no_io_errors T0: the kernel logged no IO error since T0 (seconds of uptime): no failed block
+# request on any device, no buffer or ext4 error, no RNBD request failed on either kernel side,
+# no NBD error from our export.
+no_io_errors() {
+	dmesg | awk -v t="$1" '{ ts = $0; sub(/^\[ */, "", ts); sub(/\].*/, "", ts); if (ts + 0 >= t) print }' >/tmp/dmesg.since
+	if grep -E 'error, dev |I/O error|blk_update_request|Buffer I/O|EXT4-fs error|failed with err|returned error|IO request failed' /tmp/dmesg.since; then
+		echo "FAIL: the kernel logged IO errors (above)"
+		return 1
+	fi
+	note "$(wc -l </tmp/dmesg.since) kernel messages, no IO error"
+}
+
+# uptime_now: seconds of uptime, as dmesg stamps its lines.
+uptime_now() { cut -d' ' -f1 /proc/uptime; }
+
+# kc_rnbd22 T INV: the RNBD 2.2 checks with the kernel's client on our server: /dev/rnbd0 over
+# T/exports/disk (256 MiB on tmpfs). What arrived is read from our server's counters, what it
+# did from the export's allocation.
+kc_rnbd22() {
+	local T=$1 inv=$2 d="kernel client → our server" t0
+	RULES=$(rnbd_rules) EVKIND=kc EV=srv_counters DEV=/dev/rnbd0 BACKING=$T/exports/disk FIO_TAG=kc22
+	echo "-- RNBD 2.2 checks, the kernel's client on our server; $(uname -r): rules of $RULES: $(rules_text "$RULES")"
+	head -c 16M /dev/urandom >/tmp/pat16
+	t0=$(uptime_now)
+	CHECK_FAILS=0
+	check "$d" "$inv" "queue limits" kc_limits
+	check "$d" "$inv" "mkfs.ext4 + journal, fsck" fs_journal "$T"
+	check "$d" "$inv" "fstrim" fs_trim "$T"
+	check "$d" "$inv" "fio verify, fsync=1" fio_sync fsync
+	check "$d" "$inv" "fio verify, fdatasync=1" fio_sync fdatasync
+	check "$d" "$inv" "blkdiscard 16 MiB" zero_check discard 64 16
+	check "$d" "$inv" "blkdiscard -z 16 MiB" zero_check zeroout 96 16
+	check "$d" "$inv" "fallocate --zero-range 8 MiB" zero_check zero-range 128 8
+	check "$d" "$inv" "fallocate --punch-hole 8 MiB" zero_check punch-hole 136 8
+	check "$d" "$inv" "blkdiscard -z whole device" zero_check zeroout 0 0
+	check "$d" "$inv" "no IO error (dmesg)" no_io_errors "$t0"
+	echo "-- RNBD 2.2 checks: $CHECK_FAILS failed"
+	RNBD22_FAILS=$((RNBD22_FAILS + CHECK_FAILS))
+}
+
+# kc_limits: the kernel client's queue, from our server's open response: discards on every
+# kernel; WRITE_ZEROES (our server announces 2 GiB) on 6.12 and 7.2, not on 6.1, whose client
+# has none; a write-back cache with FUA.
+kc_limits() {
+	local q=/sys/block/rnbd0/queue dm wz
+	dm=$(cat $q/discard_max_bytes) wz=$(cat $q/write_zeroes_max_bytes)
+	note "discard_max_bytes $dm, write_zeroes_max_bytes $wz, write_cache $(cat $q/write_cache), fua $(cat $q/fua 2>/dev/null || echo -)"
+	want "discard_max_bytes" "$dm" -gt 0
+	if [ "$RULES" = 6.1 ]; then
+		want "write_zeroes_max_bytes (6.1's client has no WRITE_ZEROES)" "$wz" -eq 0
+	else
+		want "write_zeroes_max_bytes" "$wz" -gt 0
+	fi
+	[ "$(cat $q/write_cache)" = "write back" ]
+}
+
+# ks_rnbd22 T S INV: the RNBD 2.2 checks with our client on the kernel's server, through our
+# device file and through our NBD export attached with nbd-client. The kernel's server exports
+# a loop device over a 128 MiB file on ext4 (on a loop device over tmpfs): loop serves a
+# WRITE_ZEROES with NOUNMAP with fallocate's ZERO_RANGE, which tmpfs lacks (7.2's server would
+# fail the request) and ext4 has. What arrived is read from that loop device's counters, what
+# it did from the file's allocation.
+ks_rnbd22() {
+	local T=$1 s=$2 inv=$3 la lb name nbd d t0
+	RULES=$(rnbd_rules) EVKIND=ks
+	echo "-- RNBD 2.2 checks, our client on the kernel's server; $(uname -r): rules of $RULES: $(rules_text "$RULES")"
+	mkdir -p "$T"/fs "$T"/mnt
+	truncate -s 200M "$T"/ext4.img
+	la=$(losetup -f --show "$T"/ext4.img)
+	mkfs.ext4 -q "$la"
+	mount "$la" "$T"/fs
+	truncate -s 128M "$T"/fs/disk
+	lb=$(losetup -f --show "$T"/fs/disk)
+	echo "sessname=$s device_path=$lb access_mode=rw" >"$T"/dev/ctl/map_device
+	name=$(printf '%s' "${lb#/}" | tr / '!')
+	EV="loop_counters $lb" BACKING=$T/fs/disk
+	head -c 16M /dev/urandom >/tmp/pat16
+	t0=$(uptime_now)
+	CHECK_FAILS=0
+	d="our client (device file) → kernel server" DEV=$T/dev/$s/$name FIO_TAG=ks22-file
+	check "$d" "$inv" "mkfs.ext4 + journal, fsck" fs_journal "$T"
+	check "$d" "$inv" "fio verify, fsync=1" fio_sync fsync
+	check "$d" "$inv" "fio verify, fdatasync=1" fio_sync fdatasync
+	d="our client (NBD export, nbd-client) → kernel server" FIO_TAG=ks22-nbd
+	check "$d" "$inv" "NBD negotiation" ks_nbd_offer "nbd+unix:///$s/$name?socket=$T/nbd.sock"
+	nbd=$(nbd_free)
+	nbd-client -unix "$T"/nbd.sock "$nbd" -name "$s/$name"
+	vm_wait 10 test -e /sys/block/"${nbd#/dev/}"/pid
+	DEV=$nbd NBD_WZ=$(cat /sys/block/"${nbd#/dev/}"/queue/write_zeroes_max_bytes)
+	check "$d" "$inv" "queue limits" ks_nbd_limits
+	check "$d" "$inv" "mkfs.ext4 + journal, fsck" fs_journal "$T"
+	check "$d" "$inv" "fstrim" fs_trim "$T"
+	check "$d" "$inv" "fio verify, fsync=1" fio_sync fsync
+	check "$d" "$inv" "fio verify, fdatasync=1" fio_sync fdatasync
+	check "$d" "$inv" "blkdiscard 16 MiB" zero_check discard 32 16
+	check "$d" "$inv" "blkdiscard -z 16 MiB" zero_check zeroout 48 16
+	check "$d" "$inv" "fallocate --zero-range 8 MiB" zero_check zero-range 64 8
+	check "$d" "$inv" "fallocate --punch-hole 8 MiB" zero_check punch-hole 72 8
+	check "$d" "$inv" "blkdiscard -z whole device" zero_check zeroout 0 0
+	nbd-client -d "$nbd"
+	vm_wait 10 test ! -e /sys/block/"${nbd#/dev/}"/pid
+	check "$d" "$inv" "no IO error (dmesg)" no_io_errors "$t0"
+	echo "sessname=$s device_path=$lb" >"$T"/dev/ctl/unmap_device
+	losetup -d "$lb"
+	umount "$T"/fs
+	losetup -d "$la"
+	echo "-- RNBD 2.2 checks: $CHECK_FAILS failed"
+	RNBD22_FAILS=$((RNBD22_FAILS + CHECK_FAILS))
+}
+
+# ks_nbd_offer URI: what our NBD export offers (nbdinfo): flush, FUA and trim always; write
+# zeroes only where the kernel's server announced max_write_zeroes_sectors (6.12 and 7.2; 6.1's
+# server sends 0 there, and op 5 to it would be served as a READ).
+ks_nbd_offer() {
+	local j z f
+	j=$(nbdinfo --json "$1")
+	z=$(printf '%s' "$j" | grep -oE '"can_zero": *(true|false)' | grep -oE 'true|false')
+	note "$(printf '%s' "$j" | grep -oE '"can_(flush|fua|trim|zero)": *(true|false)' | tr -d '" ' | paste -sd ' ')"
+	for f in can_flush can_fua can_trim; do
+		printf '%s' "$j" | grep -qE "\"$f\": *true" || {
+			echo "FAIL: $f is not true"
+			return 1
+		}
+	done
+	if [ "$RULES" = 6.1 ]; then
+		[ "$z" = false ] || {
+			echo "FAIL: can_zero $z to a 6.1 server, want false"
+			return 1
+		}
+	else
+		[ "$z" = true ] || {
+			echo "FAIL: can_zero $z to a $RULES server, want true"
+			return 1
+		}
+	fi
+}
+
+# ks_nbd_limits: the kernel's NBD device over our export: discards; WRITE_ZEROES where our
+# export offers them and the kernel's NBD has them (6.12 and 7.2; 6.1's NBD has none).
+ks_nbd_limits() {
+	local q=/sys/block/${DEV#/dev/}/queue dm
+	dm=$(cat "$q"/discard_max_bytes)
+	note "discard_max_bytes $dm, write_zeroes_max_bytes $NBD_WZ, write_cache $(cat "$q"/write_cache), fua $(cat "$q"/fua 2>/dev/null || echo -)"
+	want "discard_max_bytes" "$dm" -gt 0
+	if [ "$RULES" = 6.1 ]; then
+		want "write_zeroes_max_bytes (no WRITE_ZEROES offered, none in 6.1's NBD)" "$NBD_WZ" -eq 0
+	else
+		want "write_zeroes_max_bytes" "$NBD_WZ" -gt 0
+	fi
+}
+
+# nbd_free: the first /dev/nbdN with no connection.
+nbd_free() {
+	local i
+	for i in $(seq 0 15); do
+		if [ ! -e /sys/block/nbd"$i"/pid ]; then
+			echo /dev/nbd"$i"
+			return 0
+		fi
+	done
+	return 1
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -698,6 +1300,36 @@ paths_connected() {
 both_sides_connected() {
 	paths_connected "$1" && [ "$(ls "$1"/paths)" = "$(ls "$2"/paths)" ]
 }
+
+# reconnect_now PATHDIR: the path is connected, or is after writing its reconnect file, which
+# runs the path's pending reconnect attempt at once and returns when it has ended (the kernel's
+# rtrs_clt_reconnect_from_sysfs: EBUSY while an attempt runs, ENOTCONN when it failed; ours the
+# same). A connected path is left alone: writing the file would tear it down and reconnect it.
+reconnect_now() {
+	local err
+	state_is "$1" connected && return 0
+	if err=$({ echo 1 >"$1"/reconnect; } 2>&1) && state_is "$1" connected; then
+		echo "$(basename "$1"): reconnected through its reconnect file"
+		return 0
+	fi
+	if [ -n "$err" ]; then err=${err##*: }; else err="written, not connected yet"; fi
+	echo "$(basename "$1"): reconnect file: $err"
+	sleep 1
+	return 1
+}
+
+# reconnect_all SESSDIR: reconnect_now for each path; all of them connected.
+reconnect_all() {
+	local p rc=0
+	for p in "$1"/paths/*; do
+		reconnect_now "$p" || rc=1
+	done
+	return $rc
+}
+
+# reconnected_since PATHDIR N: the path is connected and has reconnected successfully more than N
+# times (the first value of stats/reconnects).
+reconnected_since() { state_is "$1" connected && [ "$(cut -d' ' -f1 "$1"/stats/reconnects)" -gt "$2" ]; }
 
 # reconnects SESSDIR: successful reconnects summed over the session's paths.
 reconnects() { cat "$1"/paths/*/stats/reconnects | awk '{ n += $1 } END { print n + 0 }'; }
