@@ -3,7 +3,7 @@ package e2e
 import (
 	"flag"
 	"fmt"
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"io/fs"
 	"os"
 	"path/filepath"

@@ -11,7 +11,7 @@ import (
 
 	"github.com/prometheus/common/expfmt"
 
-	"github.com/rtrs-go/rtrs/internal/metrics/metricstest"
+	"github.com/rtrs-go/rtrs/internal/daemon/metrics/metricstest"
 )
 
 // scrapeNS fetches http://addr/metrics from inside network namespace ns with curl, as

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"golang.org/x/sys/unix"
 )
 

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // TestDaemonHelp: -h of each daemon exits 0, says what the daemon is, describes every flag in

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // TestRNBDServerForceClose: the server's rnbd-server tree shows who has which export open,

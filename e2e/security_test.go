@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // TestDaemonsSecured runs both daemons as docs/security.md sets them up: mutual TLS between

@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
-	"github.com/rtrs-go/rtrs/internal/size"
+	"github.com/rtrs-go/rtrs/internal/lib/size"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"

@@ -9,7 +9,7 @@ import (
 	"sort"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/size"
+	"github.com/rtrs-go/rtrs/internal/lib/size"
 )
 
 // latencyCmd measures 4 KiB QD1 latency with the async engine against the raw TCP round trip,

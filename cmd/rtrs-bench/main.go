@@ -32,7 +32,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
-	"github.com/rtrs-go/rtrs/internal/size"
+	"github.com/rtrs-go/rtrs/internal/lib/size"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"

@@ -3,63 +3,18 @@ package main
 import (
 	"bufio"
 	"context"
-	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
-	"github.com/rtrs-go/rtrs/pkg/fsview"
-	"github.com/rtrs-go/rtrs/pkg/rnbd"
-	"github.com/rtrs-go/rtrs/pkg/transport"
+	"github.com/rtrs-go/rtrs/pkg/control"
 )
 
 // writtenBack marks the declarations rtrs-clientd writes into its config file.
 const writtenBack = "# sessions and devices: written back by rtrs-clientd on every change"
-
-// applyOne carries out one declaration; done says it needs no retry.
-func (d *clientd) applyOne(ctx context.Context, line string) (done bool, err error) {
-	verb, rest, _ := strings.Cut(line, " ")
-	switch verb {
-	case "open_session":
-		o, pol, mra, err := fsview.ParseOpenSession(rest)
-		if err != nil {
-			return true, err // a bad line stays bad
-		}
-		if d.c.Session(o.SessName) != nil {
-			return true, nil
-		}
-		err = d.c.OpenSession(ctx, o, func(co *transport.ClientOptions) {
-			if pol != nil {
-				co.Policy = *pol
-			}
-			if mra != nil {
-				co.MaxReconnectAttempts = *mra
-			}
-		})
-		if errors.Is(err, syscall.EEXIST) {
-			return true, nil // opened meanwhile through the tree, which OpenSession waited for
-		}
-		return false, err
-	case "map_device":
-		r, err := fsview.ParseMapRequest(rest)
-		if err != nil {
-			return true, err
-		}
-		for _, dev := range d.c.Devices() {
-			if dev.Session() == r.SessName && dev.Path() == r.DevicePath {
-				return true, nil
-			}
-		}
-		_, err = fsview.MapDevice(ctx, d.c, d.nbd, r)
-		return false, err
-	}
-	return true, fmt.Errorf("unknown declaration %q", verb)
-}
 
 // apply carries out the declarations in order, and retries those that failed (a server
 // that is not up yet) every few seconds until they succeed or the daemon stops.
@@ -69,7 +24,7 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 		var left []string
 		for _, line := range pending {
 			actx, cancel := context.WithTimeout(ctx, time.Minute)
-			done, err := d.applyOne(actx, line)
+			done, err := d.ctl.Apply(actx, line)
 			cancel()
 			if err != nil {
 				d.lg.WithError(err).Warnf("declaration %q", line)
@@ -115,39 +70,10 @@ func (d *clientd) reload() {
 	}()
 }
 
-// declarations renders the sessions and devices of now, plus the declarations still
-// waiting for their server.
+// declarations are the sessions and devices of now (control.Client.Declarations), plus the
+// declarations still waiting for their server.
 func (d *clientd) declarations() []string {
-	var out []string
-	for _, name := range d.c.SessionNames() {
-		s := d.c.Session(name)
-		if s == nil {
-			continue
-		}
-		line := fmt.Sprintf("open_session sessname=%s dest_port=%d", name, s.Port())
-		for _, p := range s.Paths() {
-			if p.State() == transport.StateDead {
-				continue
-			}
-			src := ""
-			if p.SrcAddr().IP.IsValid() && !p.SrcAddr().IP.IsUnspecified() {
-				src = p.SrcAddr().String() + "@"
-			}
-			line += " path=" + src + p.DstAddr().String()
-		}
-		line += fmt.Sprintf(" mpath_policy=%s max_reconnect_attempts=%d", s.Policy(), s.MaxReconnectAttempts())
-		out = append(out, line)
-	}
-	for _, dev := range d.c.Devices() {
-		if dev.State() == rnbd.StateUnmapped || !dev.Opened() {
-			continue
-		}
-		line := fmt.Sprintf("map_device sessname=%s device_path=%s access_mode=%v", dev.Session(), dev.Path(), dev.AccessMode())
-		if tok := d.nbd.token(dev); tok != "" {
-			line += " nbd=" + tok
-		}
-		out = append(out, line)
-	}
+	out := d.ctl.Declarations()
 	d.mu.Lock()
 	var pend []string
 	for l := range d.pendingDecls {
@@ -180,7 +106,7 @@ func (d *clientd) writeBack() {
 		for sc.Scan() {
 			line := sc.Text()
 			t := strings.TrimSpace(line)
-			if t == writtenBack || strings.HasPrefix(t, "open_session ") || strings.HasPrefix(t, "map_device ") {
+			if t == writtenBack || strings.HasPrefix(t, control.VerbOpenSession+" ") || strings.HasPrefix(t, control.VerbMapDevice+" ") {
 				continue
 			}
 			keep = append(keep, line)

@@ -26,8 +26,9 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
-	"github.com/rtrs-go/rtrs/internal/metrics"
-	"github.com/rtrs-go/rtrs/internal/size"
+	"github.com/rtrs-go/rtrs/internal/daemon/metrics"
+	"github.com/rtrs-go/rtrs/internal/lib/size"
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
@@ -49,7 +50,7 @@ func main() {
 type clientd struct {
 	cfgPath string
 	c       *rnbd.Client
-	tree    *fsview.ClientTree
+	ctl     *control.Client
 	nbd     *nbdAttacher
 	lg      *log.Entry
 
@@ -179,16 +180,16 @@ Flags:`)
 	// Stale devices first: a restart must find the indexes its declarations name free.
 	disconnectStale(lg)
 	d.nbd = &nbdAttacher{srv: ns, def: nbdDef, conns: *nbdConns, timeout: *nbdTimeout, export: exportOf, lg: lg,
-		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]fsview.NBDAttach{}}
+		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]control.Attach{}}
 	// Before the NBD server closes (defers run last first): the kernel is told first.
 	defer d.nbd.detachAll()
-	d.tree = &fsview.ClientTree{C: c, OnChange: d.writeBack}
-	cs, err := fsview.Mount(*mount, d.tree, fsview.MountOptions{Name: "rtrs-client"})
+	d.ctl = &control.Client{RNBD: c, Attacher: d.nbd, OnChange: d.writeBack}
+	cs, err := fsview.Mount(*mount, &fsview.ClientTree{Ctl: d.ctl}, fsview.MountOptions{Name: "rtrs-client"})
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", *mount, err)
 	}
 	defer unmount(lg, cs, *mount)
-	ds, err := fsview.Mount(*devMount, &fsview.DevTree{C: d.tree, OnChange: d.writeBack, NBD: d.nbd}, fsview.MountOptions{Name: "rtrs-dev"})
+	ds, err := fsview.Mount(*devMount, &fsview.DevTree{Ctl: d.ctl}, fsview.MountOptions{Name: "rtrs-dev"})
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", *devMount, err)
 	}
@@ -254,7 +255,7 @@ func (d *clientd) exports() []nbd.Export {
 
 // exportOf is a mapped device's NBD export.
 func exportOf(dev *rnbd.Device) nbd.Export {
-	return nbd.Export{Name: dev.Session() + "/" + fsview.DeviceFileName(dev.Path()),
+	return nbd.Export{Name: dev.Session() + "/" + control.DeviceFileName(dev.Path()),
 		Description: fmt.Sprintf("rnbd %s:%s (%v)", dev.Session(), dev.Path(), dev.AccessMode()),
 		Dev:         dev, ReadOnly: dev.AccessMode() == rnbd.AccessRO}
 }

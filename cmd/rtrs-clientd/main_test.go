@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
-	"github.com/rtrs-go/rtrs/pkg/fsview"
+	"github.com/rtrs-go/rtrs/pkg/control"
 )
 
 // TestDeployConfig: the example config's settings are flags of this daemon and its
@@ -30,10 +30,10 @@ func TestDeployConfig(t *testing.T) {
 		verb, rest, _ := strings.Cut(d, " ")
 		var err error
 		switch verb {
-		case "open_session":
-			_, _, _, err = fsview.ParseOpenSession(rest)
-		case "map_device":
-			_, err = fsview.ParseMapDevice(rest)
+		case control.VerbOpenSession:
+			_, err = control.ParseOpenSession(rest)
+		case control.VerbMapDevice:
+			_, err = control.ParseMapDevice(rest)
 		default:
 			t.Fatalf("declaration %q", d)
 		}

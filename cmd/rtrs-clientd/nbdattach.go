@@ -12,18 +12,18 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rtrs-go/rtrs/pkg/fsview"
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 )
 
 // nbdAttacher attaches mapped devices to the kernel's /dev/nbdX (map_device's nbd= token,
-// -nbd-attach its default) through the NBD server's Attach: the fsview.NBDAttacher of the
-// device view.
+// -nbd-attach its default) through the NBD server's Attach: the control.Attacher of the
+// daemon.
 type nbdAttacher struct {
 	srv     *nbd.Server
-	def     fsview.NBDAttach // NBDNone or NBDAuto
+	def     control.Attach // AttachNone or AttachAuto
 	conns   int
 	timeout time.Duration
 	export  func(*rnbd.Device) nbd.Export
@@ -32,7 +32,7 @@ type nbdAttacher struct {
 	mu     sync.Mutex
 	closed bool
 	devs   map[*rnbd.Device]*nbd.Attachment
-	tokens map[*rnbd.Device]fsview.NBDAttach // nbd= as written in map_device, for write-back
+	tokens map[*rnbd.Device]control.Attach // nbd= as written in map_device, for write-back
 	seq    int
 	wg     sync.WaitGroup // watchers
 }
@@ -40,19 +40,19 @@ type nbdAttacher struct {
 // backendPrefix starts the backend name of every attachment: "rtrs-clientd[<pid>] ".
 const backendPrefix = "rtrs-clientd["
 
-func parseNBDDefault(v string) (fsview.NBDAttach, error) {
+func parseNBDDefault(v string) (control.Attach, error) {
 	switch v {
 	case "none", "":
-		return fsview.NBDNone, nil
+		return control.AttachNone, nil
 	case "auto":
-		return fsview.NBDAuto, nil
+		return control.AttachAuto, nil
 	}
-	return fsview.NBDNone, fmt.Errorf("-nbd-attach %q: none or auto", v)
+	return control.AttachNone, fmt.Errorf("-nbd-attach %q: none or auto", v)
 }
 
-func (n *nbdAttacher) Attach(ctx context.Context, d *rnbd.Device, at fsview.NBDAttach) error {
+func (n *nbdAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.Attach) error {
 	tok := at
-	if at == fsview.NBDDefault {
+	if at == control.AttachDefault {
 		at = n.def
 	}
 	n.mu.Lock()
@@ -60,16 +60,16 @@ func (n *nbdAttacher) Attach(ctx context.Context, d *rnbd.Device, at fsview.NBDA
 		n.mu.Unlock()
 		return fmt.Errorf("rtrs-clientd is stopping: %w", syscall.ESHUTDOWN)
 	}
-	if tok != fsview.NBDDefault {
+	if tok != control.AttachDefault {
 		n.tokens[d] = tok
 	}
 	n.seq++
 	seq := n.seq
 	n.mu.Unlock()
-	if at == fsview.NBDNone {
+	if at == control.AttachNone {
 		return nil
 	}
-	name := d.Session() + "/" + fsview.DeviceFileName(d.Path())
+	name := d.Session() + "/" + control.DeviceFileName(d.Path())
 	idx := -1
 	if at >= 0 {
 		idx = int(at)
@@ -112,7 +112,7 @@ func (n *nbdAttacher) watch(d *rnbd.Device, a *nbd.Attachment) {
 	if !lost {
 		return
 	}
-	n.lg.Warnf("%s/%s: the kernel dropped every connection of %s; detached", d.Session(), fsview.DeviceFileName(d.Path()), a.Device())
+	n.lg.Warnf("%s/%s: the kernel dropped every connection of %s; detached", d.Session(), control.DeviceFileName(d.Path()), a.Device())
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := a.Detach(ctx); err != nil {
@@ -157,13 +157,14 @@ func (n *nbdAttacher) Attached(d *rnbd.Device) string {
 }
 
 // token is the nbd= value map_device was given for d ("" if none).
-func (n *nbdAttacher) token(d *rnbd.Device) string {
+// Token is nbd= as map_device gave it for d (AttachDefault when it gave none).
+func (n *nbdAttacher) Token(d *rnbd.Device) control.Attach {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if t, ok := n.tokens[d]; ok {
-		return t.String()
+		return t
 	}
-	return ""
+	return control.AttachDefault
 }
 
 func (n *nbdAttacher) count() int {

@@ -5,7 +5,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/rtrs-go/rtrs/pkg/fsview"
+	"github.com/rtrs-go/rtrs/pkg/control"
 )
 
 func TestStaleBackend(t *testing.T) {
@@ -26,7 +26,7 @@ func TestStaleBackend(t *testing.T) {
 }
 
 func TestParseNBDDefault(t *testing.T) {
-	for v, want := range map[string]fsview.NBDAttach{"none": fsview.NBDNone, "auto": fsview.NBDAuto} {
+	for v, want := range map[string]control.Attach{"none": control.AttachNone, "auto": control.AttachAuto} {
 		if got, err := parseNBDDefault(v); err != nil || got != want {
 			t.Errorf("%q: %v %v", v, got, err)
 		}

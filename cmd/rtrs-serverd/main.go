@@ -22,8 +22,8 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
-	"github.com/rtrs-go/rtrs/internal/metrics"
-	"github.com/rtrs-go/rtrs/internal/size"
+	"github.com/rtrs-go/rtrs/internal/daemon/metrics"
+	"github.com/rtrs-go/rtrs/internal/lib/size"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"

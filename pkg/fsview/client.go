@@ -2,15 +2,11 @@ package fsview
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sort"
-	"strconv"
-	"strings"
-	"syscall"
 	"time"
 
-	"github.com/rtrs-go/rtrs/pkg/rnbd"
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/stats"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -24,37 +20,29 @@ const (
 )
 
 // ClientTree is the rtrs-client tree (/sys/class/rtrs-client) over the sessions of a block
-// client, plus ctl/ to open and close sessions without a device.
+// client, plus ctl/ to open and close sessions without a device. Its stores parse with the
+// control package's grammar and call its Client.
 type ClientTree struct {
-	C *rnbd.Client
+	Ctl *control.Client
 	// Timeout bounds the blocking control writes (add_path, reconnect, open_session).
 	Timeout time.Duration
-	// OnChange is called after a control write changed the declared sessions (to write the
-	// config back); it may be nil.
-	OnChange func()
 }
 
 func usage(s string) func() string { return func() string { return s } }
 
-func (t *ClientTree) ctx() (context.Context, context.CancelFunc) {
-	d := t.Timeout
+// writeCtx bounds a blocking control write: d, or 2 minutes when d is not set.
+func writeCtx(d time.Duration) (context.Context, context.CancelFunc) {
 	if d <= 0 {
 		d = 2 * time.Minute
 	}
 	return context.WithTimeout(context.Background(), d)
 }
 
-func (t *ClientTree) changed() {
-	if t.OnChange != nil {
-		t.OnChange()
-	}
-}
-
 // Entries lists ctl/ and a directory per session.
 func (t *ClientTree) Entries() []Entry {
 	out := []Entry{{Name: "ctl", Dir: DirFunc(t.ctlEntries)}}
-	for _, name := range t.C.SessionNames() {
-		if s := t.C.Session(name); s != nil && ValidName(name) && name != "ctl" {
+	for _, name := range t.Ctl.RNBD.SessionNames() {
+		if s := t.Ctl.RNBD.Session(name); s != nil && validEntry(name) && name != "ctl" {
 			out = append(out, Entry{Name: name, Dir: DirFunc(func() []Entry { return t.sessEntries(s) })})
 		}
 	}
@@ -63,86 +51,45 @@ func (t *ClientTree) Entries() []Entry {
 
 func (t *ClientTree) ctlEntries() []Entry {
 	return []Entry{
-		{Name: "close_session", Attr: &Attr{Mode: 0o644, Show: usage(closeUsage), Store: func(v string) error {
-			if err := t.C.CloseSession(v); err != nil {
-				return err
-			}
-			t.changed()
-			return nil
-		}}},
+		{Name: "close_session", Attr: &Attr{Mode: 0o644, Show: usage(closeUsage), Store: t.Ctl.CloseSession}},
 		{Name: "open_session", Attr: &Attr{Mode: 0o644, Show: usage(openUsage), Store: func(v string) error {
-			o, pol, mra, err := ParseOpenSession(v)
+			o, err := control.ParseOpenSession(v)
 			if err != nil {
 				return err
 			}
-			ctx, cancel := t.ctx()
+			ctx, cancel := writeCtx(t.Timeout)
 			defer cancel()
-			if err := t.C.OpenSession(ctx, o, func(co *transport.ClientOptions) {
-				if pol != nil {
-					co.Policy = *pol
-				}
-				if mra != nil {
-					co.MaxReconnectAttempts = *mra
-				}
-			}); err != nil {
-				return err
-			}
-			t.changed()
-			return nil
+			return t.Ctl.OpenSession(ctx, o)
 		}}},
 	}
 }
 
 func (t *ClientTree) sessEntries(s *transport.Session) []Entry {
 	policy := &Attr{Mode: 0o644, Show: func() string { return policyShow(s.Policy()) }, Store: func(v string) error {
-		p, err := ParsePolicy(v)
+		p, err := control.ParsePolicy(v)
 		if err != nil {
 			return err
 		}
-		if err := s.SetPolicy(p); err != nil {
-			return err
-		}
-		t.changed() // the config's open_session line carries it
-		return nil
+		return t.Ctl.SetPolicy(s, p)
 	}}
 	return []Entry{
 		{Name: "add_path", Attr: &Attr{Mode: 0o644, Show: usage(addPathUsage), Store: func(v string) error {
-			if i := strings.IndexByte(v, '\n'); i >= 0 {
-				v = v[:i]
-			}
-			src, dst, err := transport.ParsePathAddrs(v)
+			pa, err := control.ParseAddPath(v)
 			if err != nil {
-				return fmt.Errorf("%v: %w", err, syscall.EINVAL) // every parse error is EINVAL
-			}
-			name := transport.PathName(src, dst)
-			for _, p := range s.Paths() {
-				if p.Listed() && p.Name() == name {
-					return fmt.Errorf("path %s exists: %w", name, syscall.EEXIST)
-				}
-			}
-			ctx, cancel := t.ctx()
-			defer cancel()
-			if _, err := s.AddPath(ctx, transport.PathAddrs{Src: src, Dst: dst}); err != nil {
 				return err
 			}
-			t.changed()
-			return nil
+			ctx, cancel := writeCtx(t.Timeout)
+			defer cancel()
+			return t.Ctl.AddPath(ctx, s, pa)
 		}}},
 		{Name: "max_reconnect_attempts", Attr: &Attr{Mode: 0o644,
 			Show: func() string { return fmt.Sprintf("%d\n", s.MaxReconnectAttempts()) },
 			Store: func(v string) error {
-				n, err := parseKInt(v)
+				n, err := control.ParseMaxReconnectAttempts(v)
 				if err != nil {
 					return err
 				}
-				if n < -1 || n > 9999 {
-					return fmt.Errorf("max_reconnect_attempts %d not in -1..9999: %w", n, syscall.EINVAL)
-				}
-				if err := s.SetMaxReconnectAttempts(n); err != nil {
-					return err
-				}
-				t.changed()
-				return nil
+				return t.Ctl.SetMaxReconnectAttempts(s, n)
 			}}},
 		{Name: "mp_policy", Attr: policy},
 		{Name: "mpath_policy", Attr: policy},
@@ -153,7 +100,7 @@ func (t *ClientTree) sessEntries(s *transport.Session) []Entry {
 func (t *ClientTree) pathsEntries(s *transport.Session) []Entry {
 	var out []Entry
 	for _, p := range s.Paths() {
-		if !p.Listed() || !ValidName(p.Name()) {
+		if !p.Listed() || !validEntry(p.Name()) {
 			continue
 		}
 		out = append(out, Entry{Name: p.Name(), Dir: DirFunc(func() []Entry { return t.pathEntries(p) })})
@@ -162,20 +109,12 @@ func (t *ClientTree) pathsEntries(s *transport.Session) []Entry {
 	return out
 }
 
-// only1 accepts exactly "1" (sysfs_streq(x, "1")).
-func only1(v string) error {
-	if v != "1" {
-		return fmt.Errorf("%q: %w", v, syscall.EINVAL)
-	}
-	return nil
-}
-
 func (t *ClientTree) pathEntries(p *transport.Path) []Entry {
 	ro := func(f func() string) *Attr { return &Attr{Mode: 0o444, Show: f} }
 	return []Entry{
 		{Name: "cur_latency", Attr: ro(func() string { return fmt.Sprintf("%d ns\n", p.CurLatency().Nanoseconds()) })},
 		{Name: "disconnect", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo 1 > disconnect\n"), Store: func(v string) error {
-			if err := only1(v); err != nil {
+			if err := control.ParseOne(v); err != nil {
 				return err
 			}
 			p.Disconnect()
@@ -185,19 +124,18 @@ func (t *ClientTree) pathEntries(p *transport.Path) []Entry {
 		{Name: "hca_name", Attr: ro(func() string { n, _ := p.HCA(); return n + "\n" })},
 		{Name: "hca_port", Attr: ro(func() string { _, port := p.HCA(); return fmt.Sprintf("%d\n", port) })},
 		{Name: "reconnect", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo 1 > reconnect\n"), Store: func(v string) error {
-			if err := only1(v); err != nil {
+			if err := control.ParseOne(v); err != nil {
 				return err
 			}
-			ctx, cancel := t.ctx()
+			ctx, cancel := writeCtx(t.Timeout)
 			defer cancel()
 			return p.Reconnect(ctx)
 		}}},
 		{Name: "remove_path", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo 1 > remove_path\n"), Store: func(v string) error {
-			if err := only1(v); err != nil {
+			if err := control.ParseOne(v); err != nil {
 				return err
 			}
-			p.Remove()
-			t.changed()
+			t.Ctl.RemovePath(p)
 			return nil
 		}}},
 		{Name: "src_addr", Attr: ro(func() string { return p.SrcAddr().String() + "\n" })},
@@ -215,8 +153,8 @@ func (t *ClientTree) pathEntries(p *transport.Path) []Entry {
 // kernel's STAT_STORE_FUNC answers (it hands 0 to the reset helpers, which refuse it).
 func resetStore(reset func()) func(string) error {
 	return func(v string) error {
-		if v != "1" {
-			return fmt.Errorf("%q: write 1 to reset: %w", v, syscall.EINVAL)
+		if err := control.ParseOne(v); err != nil {
+			return err
 		}
 		reset()
 		return nil
@@ -250,111 +188,4 @@ func policyShow(p transport.Policy) string {
 		return "min-latency (ML: 2)\n"
 	}
 	return fmt.Sprintf("Unknown (%d)\n", int(p))
-}
-
-// ParsePolicy reads mpath_policy as the kernel does: 0, 1 or 2; or, in any case, a value
-// that begins with round-robin, min-inflight or min-latency, or is rr, mi or ml.
-func ParsePolicy(v string) (transport.Policy, error) {
-	if n, err := parseKInt(v); err == nil {
-		if n >= 0 && n <= 2 {
-			return transport.Policy(n), nil
-		}
-		return 0, fmt.Errorf("policy %d: %w", n, syscall.EINVAL)
-	}
-	l := strings.ToLower(v)
-	switch {
-	case strings.HasPrefix(l, "round-robin"), l == "rr":
-		return transport.RoundRobin, nil
-	case strings.HasPrefix(l, "min-inflight"), l == "mi":
-		return transport.MinInflight, nil
-	case strings.HasPrefix(l, "min-latency"), l == "ml":
-		return transport.MinLatency, nil
-	}
-	return 0, fmt.Errorf("policy %q: %w", v, syscall.EINVAL)
-}
-
-// parseKInt is kstrtoint base 10: an optional sign, digits, nothing else; ERANGE when it
-// does not fit.
-func parseKInt(v string) (int, error) {
-	n, err := strconv.ParseInt(v, 10, 32)
-	if err != nil {
-		if errors.Is(err, strconv.ErrRange) {
-			return 0, fmt.Errorf("%q: %w", v, syscall.ERANGE)
-		}
-		return 0, fmt.Errorf("%q: %w", v, syscall.EINVAL)
-	}
-	return int(n), nil
-}
-
-// ParseOpenSession reads open_session's tokens: sessname= (required), path= (1..), dest_port=
-// (applies to the path= tokens after it, as in map_device; all paths of a session share one
-// port), mpath_policy= (or mp_policy=), max_reconnect_attempts= (-1..9999).
-func ParseOpenSession(v string) (rnbd.MapOptions, *transport.Policy, *int, error) {
-	var o rnbd.MapOptions
-	var pol *transport.Policy
-	var mra *int
-	port, portSet := uint16(transport.DefaultPort), false
-	for _, tok := range strings.Fields(v) {
-		k, val, ok := strings.Cut(tok, "=")
-		if !ok {
-			return o, nil, nil, fmt.Errorf("token %q: %w", tok, syscall.EINVAL)
-		}
-		switch k {
-		case "sessname":
-			o.SessName = val
-		case "path":
-			pa, err := parsePathToken(val, port, &o, &portSet)
-			if err != nil {
-				return o, nil, nil, err
-			}
-			o.Paths = append(o.Paths, pa)
-		case "dest_port":
-			n, err := strconv.ParseUint(val, 10, 16)
-			if err != nil {
-				return o, nil, nil, fmt.Errorf("dest_port %q: %w", val, syscall.EINVAL)
-			}
-			port = uint16(n)
-		case "mpath_policy", "mp_policy":
-			p, err := ParsePolicy(val)
-			if err != nil {
-				return o, nil, nil, err
-			}
-			pol = &p
-		case "max_reconnect_attempts":
-			n, err := parseKInt(val)
-			if err != nil || n < -1 || n > 9999 {
-				return o, nil, nil, fmt.Errorf("max_reconnect_attempts %q: %w", val, syscall.EINVAL)
-			}
-			mra = &n
-		default:
-			return o, nil, nil, fmt.Errorf("unknown token %q: %w", tok, syscall.EINVAL)
-		}
-	}
-	if o.SessName == "" || !ValidName(o.SessName) || strings.ContainsAny(o.SessName, ".") || o.SessName == "ctl" {
-		return o, nil, nil, fmt.Errorf("sessname %q: %w", o.SessName, syscall.EINVAL)
-	}
-	if len(o.Paths) == 0 {
-		return o, nil, nil, fmt.Errorf("no path=: %w", syscall.EINVAL)
-	}
-	if !portSet {
-		o.Port = port
-	}
-	return o, pol, mra, nil
-}
-
-// parsePathToken parses a path= value with the port in force; paths of one session must
-// share their port.
-func parsePathToken(val string, port uint16, o *rnbd.MapOptions, portSet *bool) (transport.PathAddrs, error) {
-	if len(o.Paths) >= transport.MaxPathsNum {
-		return transport.PathAddrs{}, fmt.Errorf("too many paths: %w", syscall.ENOMEM)
-	}
-	src, dst, err := transport.ParsePathAddrs(val)
-	if err != nil {
-		return transport.PathAddrs{}, fmt.Errorf("path %q: %w", val, syscall.EINVAL)
-	}
-	if *portSet && o.Port != port {
-		return transport.PathAddrs{}, fmt.Errorf("paths on ports %d and %d: one session has one port: %w", o.Port, port, syscall.EINVAL)
-	}
-	o.Port, *portSet = port, true
-	return transport.PathAddrs{Src: src, Dst: dst}, nil
 }

@@ -2,7 +2,6 @@ package fsview
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -10,43 +9,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 )
-
-func TestParseMapRequestNBD(t *testing.T) {
-	base := "sessname=s device_path=d path=ip:10.0.0.1 "
-	for v, want := range map[string]NBDAttach{
-		"": NBDDefault, "nbd=auto": NBDAuto, "nbd=none": NBDNone, "nbd=0": 0, "nbd=15": 15, "nbd=1048575": 1<<20 - 1,
-	} {
-		r, err := ParseMapRequest(base + v)
-		if err != nil || r.NBD != want || r.SessName != "s" || r.DevicePath != "d" || len(r.Paths) != 1 {
-			t.Errorf("%q: %+v %v", v, r, err)
-		}
-		if want != NBDDefault && r.NBD.String() != strings.TrimPrefix(v, "nbd=") {
-			t.Errorf("%q: String %q", v, r.NBD.String())
-		}
-	}
-	for _, v := range []string{"nbd=", "nbd=-1", "nbd=1048576", "nbd=x", "nbd=AUTO", "nbd=01", "nbd=+1", "nbd=auto nbd=none", "nbd=/dev/nbd0"} {
-		if _, err := ParseMapRequest(base + v); !errors.Is(err, syscall.EINVAL) {
-			t.Errorf("%q: %v", v, err)
-		}
-	}
-	// The kernel's parser (ParseMapDevice) knows no nbd=.
-	if _, err := ParseMapDevice(base + "nbd=auto"); !errors.Is(err, syscall.EINVAL) {
-		t.Errorf("ParseMapDevice took nbd=: %v", err)
-	}
-	// The kernel's tokens are unchanged.
-	o, err := ParseMapDevice("sessname=s device_path=/dev/x dest_port=11 path=ip:10.0.0.1 access_mode=ro nr_poll_queues=2")
-	if err != nil || o.Port != 11 || o.AccessMode != rnbd.AccessRO {
-		t.Errorf("kernel tokens: %+v %v", o, err)
-	}
-}
 
 // fakeAttacher records what the device view asks of it.
 type fakeAttacher struct {
 	mu      sync.Mutex
-	def     NBDAttach
+	def     control.Attach
 	fail    error
 	busy    bool
 	next    int
@@ -54,18 +25,18 @@ type fakeAttacher struct {
 	actions []string
 }
 
-func (f *fakeAttacher) Attach(_ context.Context, d *rnbd.Device, at NBDAttach) error {
+func (f *fakeAttacher) Attach(_ context.Context, d *rnbd.Device, at control.Attach) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.actions = append(f.actions, fmt.Sprintf("attach %s %q", d.Path(), at.String()))
-	if at == NBDDefault {
+	if at == control.AttachDefault {
 		at = f.def
 	}
 	if f.fail != nil {
 		return f.fail
 	}
 	switch {
-	case at == NBDAuto:
+	case at == control.AttachAuto:
 		f.devs[d] = fmt.Sprintf("/dev/nbd%d", f.next)
 		f.next++
 	case at >= 0:
@@ -84,6 +55,8 @@ func (f *fakeAttacher) Detach(_ context.Context, d *rnbd.Device) error {
 	delete(f.devs, d)
 	return nil
 }
+
+func (f *fakeAttacher) Token(*rnbd.Device) control.Attach { return control.AttachDefault }
 
 func (f *fakeAttacher) Attached(d *rnbd.Device) string {
 	f.mu.Lock()
@@ -110,8 +83,8 @@ func (f *fakeAttacher) log() string {
 func TestDeviceViewNBD(t *testing.T) {
 	leakcheck.Check(t)
 	tr := mountTrees(t)
-	fa := &fakeAttacher{def: NBDNone, devs: map[*rnbd.Device]string{}}
-	dev := mount(t, &DevTree{C: &ClientTree{C: tr.client, Timeout: 20 * time.Second}, NBD: fa})
+	fa := &fakeAttacher{def: control.AttachNone, devs: map[*rnbd.Device]string{}}
+	dev := mount(t, &DevTree{Ctl: &control.Client{RNBD: tr.client, Attacher: fa}, Timeout: 20 * time.Second})
 	p1 := "ip:127.0.0.1@ip:127.0.0.1"
 	mapLine := fmt.Sprintf("sessname=n device_path=disk dest_port=%d path=%s", tr.port, p1)
 
@@ -168,27 +141,4 @@ func TestDeviceViewNBD(t *testing.T) {
 		t.Errorf("no attacher: %q", got)
 	}
 	mustSh(t, "echo 'sessname=n device_path=disk' > "+tr.dev+"/ctl/unmap_device")
-}
-
-// Names a config file could not carry back are refused before anything is done with them:
-// "disk#x" written to the config would come back as "disk" after a restart.
-func TestControlFileNamesRefused(t *testing.T) {
-	for _, v := range []string{
-		"sessname=s device_path=disk#x path=ip:10.0.0.1 access_mode=ro",
-		"sessname=s#1 device_path=disk path=ip:10.0.0.1",
-		"sessname=s device_path=disk\x01 path=ip:10.0.0.1",
-		"sessname=s device_path=d\xffisk path=ip:10.0.0.1",
-	} {
-		if _, err := ParseMapRequest(v); !errors.Is(err, syscall.EINVAL) {
-			t.Errorf("map_device %q: %v, want EINVAL", v, err)
-		}
-	}
-	for _, v := range []string{"sessname=s#1 path=ip:10.0.0.1", "sessname=s\x7f path=ip:10.0.0.1"} {
-		if _, _, _, err := ParseOpenSession(v); !errors.Is(err, syscall.EINVAL) {
-			t.Errorf("open_session %q: %v, want EINVAL", v, err)
-		}
-	}
-	if _, _, err := parseUnmap("sessname=s device_path=disk#x"); !errors.Is(err, syscall.EINVAL) {
-		t.Errorf("unmap of disk#x: %v", err)
-	}
 }

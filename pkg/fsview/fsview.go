@@ -5,13 +5,9 @@ package fsview
 
 import (
 	"context"
-	"errors"
-	"io"
-	"os"
-	"syscall"
 	"time"
 
-	"github.com/rtrs-go/rtrs/pkg/transport"
+	"github.com/rtrs-go/rtrs/internal/lib/names"
 )
 
 // Attr is one file of a directory (the kernel's DEVICE_ATTR).
@@ -59,44 +55,9 @@ type DirFunc func() []Entry
 // Entries calls f.
 func (f DirFunc) Entries() []Entry { return f() }
 
-// Errno maps an error to the errno a reader or writer of a tree's file sees (control and
-// attribute files, and the device view's block files): the errno the error carries, else one
-// for a context's end or a missing object, else EIO. The wire has its own mappings:
-// transport.Errno for RTRS responses and the NBD server's for NBD replies.
-func Errno(err error) syscall.Errno {
-	if err == nil {
-		return 0
-	}
-	var en syscall.Errno
-	if errors.As(err, &en) {
-		return en
-	}
-	switch {
-	case errors.Is(err, context.DeadlineExceeded):
-		return syscall.ETIMEDOUT
-	case errors.Is(err, context.Canceled):
-		return syscall.EINTR
-	case errors.Is(err, os.ErrNotExist):
-		return syscall.ENOENT
-	case errors.Is(err, io.EOF):
-		return syscall.EIO
-	}
-	return syscall.EIO
-}
-
-// ValidName says whether a user- or peer-supplied name can be a path component (and a word
-// of a config file: transport.CheckText).
-func ValidName(name string) bool {
-	if name == "" || name == "." || name == ".." || len(name) > 255 || transport.CheckText(name) != nil {
-		return false
-	}
-	for i := 0; i < len(name); i++ {
-		if name[i] == '/' || name[i] == 0 {
-			return false
-		}
-	}
-	return true
-}
+// validEntry says whether a name a user or a peer chose can be an entry of a tree
+// (names.Component); entries that cannot are left out of the listing.
+func validEntry(name string) bool { return names.Component(name) == nil }
 
 // mountTime is the time every file shows (sysfs files show their creation time).
 var mountTime = time.Now()

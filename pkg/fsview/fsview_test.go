@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
@@ -267,27 +267,6 @@ func TestBlockFile(t *testing.T) {
 	}
 	if _, err := f.WriteAt(make([]byte, 512), 1<<20); !errors.Is(err, syscall.ENOSPC) {
 		t.Fatalf("write past the end: %v", err)
-	}
-}
-
-func TestErrno(t *testing.T) {
-	for err, want := range map[error]syscall.Errno{
-		fmt.Errorf("x: %w", syscall.EEXIST): syscall.EEXIST,
-		context.DeadlineExceeded:            syscall.ETIMEDOUT,
-		errors.New("plain"):                 syscall.EIO,
-		os.ErrNotExist:                      syscall.ENOENT,
-	} {
-		if got := Errno(err); got != want {
-			t.Errorf("%v → %v, want %v", err, got, want)
-		}
-	}
-	for _, n := range []string{"", ".", "..", "a/b", "a\x00", strings.Repeat("x", 256)} {
-		if ValidName(n) {
-			t.Errorf("%q valid", n)
-		}
-	}
-	if !ValidName("ip:10.0.0.1@ip:10.0.0.2") {
-		t.Error("path name refused")
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/rtrs-go/rtrs/internal/lib/errno"
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
@@ -375,11 +376,11 @@ func (n *attrNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off 
 	}
 	val := strings.TrimSuffix(string(data), "\n")
 	if err := a.Store(val); err != nil {
-		errno := Errno(err)
+		en := errno.Of(err)
 		// The writer sees only the errno; the log says which file, what was written, and why.
-		log.G(ctx).WithFields(log.Fields{"component": "fsview", "file": n.Path(nil), "input": fmt.Sprintf("%.200q", val), "errno": errno.Error()}).
+		log.G(ctx).WithFields(log.Fields{"component": "fsview", "file": n.Path(nil), "input": fmt.Sprintf("%.200q", val), "errno": en.Error()}).
 			WithError(err).Warn("control write refused")
-		return 0, errno
+		return 0, en
 	}
 	return uint32(len(data)), 0
 }
@@ -445,13 +446,13 @@ func (n *blockNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off 
 	}
 	if start == off && end == off+int64(len(dest)) {
 		if err := n.dev().ReadAtContext(ioCtx(), dest, off); err != nil {
-			return nil, Errno(err)
+			return nil, errno.Of(err)
 		}
 		return fuse.ReadResultData(dest), 0
 	}
 	buf := make([]byte, end-start)
 	if err := n.dev().ReadAtContext(ioCtx(), buf, start); err != nil {
-		return nil, Errno(err)
+		return nil, errno.Of(err)
 	}
 	return fuse.ReadResultData(buf[off-start : off-start+int64(len(dest))]), 0
 }
@@ -463,7 +464,7 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 	bs := int64(n.dev().BlockSize())
 	if off%bs == 0 && int64(len(data))%bs == 0 {
 		if err := n.dev().WriteAtContext(ioCtx(), data, off, false); err != nil {
-			return 0, Errno(err)
+			return 0, errno.Of(err)
 		}
 		return uint32(len(data)), 0
 	}
@@ -476,15 +477,15 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 	}
 	buf := make([]byte, end-start)
 	if err := n.dev().ReadAtContext(ioCtx(), buf, start); err != nil {
-		return 0, Errno(err)
+		return 0, errno.Of(err)
 	}
 	copy(buf[off-start:], data)
 	if err := n.dev().WriteAtContext(ioCtx(), buf, start, false); err != nil {
-		return 0, Errno(err)
+		return 0, errno.Of(err)
 	}
 	return uint32(len(data)), 0
 }
 
 func (n *blockNode) Fsync(ctx context.Context, f fs.FileHandle, flags uint32) syscall.Errno {
-	return Errno(n.dev().Flush(ioCtx()))
+	return errno.Of(n.dev().Flush(ioCtx()))
 }

@@ -1,6 +1,7 @@
 package fsview
 
 import (
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 )
 
@@ -26,7 +27,7 @@ func (t *RNBDServerTree) Entries() []Entry {
 func (t *RNBDServerTree) devices() []Entry {
 	var out []Entry
 	for _, ex := range t.S.Exports() {
-		if !ValidName(ex.Name) {
+		if !validEntry(ex.Name) {
 			continue
 		}
 		out = append(out, Entry{Name: ex.Name, Dir: DirFunc(func() []Entry { return t.device(ex.Name) })})
@@ -57,7 +58,7 @@ func (t *RNBDServerTree) sessions(name string) []Entry {
 			continue
 		}
 		for _, es := range ex.Sessions {
-			if !ValidName(es.Session) || seen[es.Session] {
+			if !validEntry(es.Session) || seen[es.Session] {
 				continue
 			}
 			seen[es.Session] = true
@@ -76,7 +77,7 @@ func (t *RNBDServerTree) session(es rnbd.ExportSession) []Entry {
 	return []Entry{
 		{Name: "access_mode", Attr: ro(es.AccessMode.String() + "\n")},
 		{Name: "force_close", Attr: &Attr{Mode: 0o644, Show: usage(forceCloseUsage), Store: func(v string) error {
-			if err := only1(v); err != nil {
+			if err := control.ParseOne(v); err != nil {
 				return err
 			}
 			return t.S.ForceClose(es)

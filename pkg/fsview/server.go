@@ -3,6 +3,7 @@ package fsview
 import (
 	"fmt"
 
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
@@ -19,7 +20,7 @@ func (t *ServerTree) Entries() []Entry {
 	seen := map[string]bool{}
 	for _, ss := range t.S.Sessions() {
 		name := ss.Name()
-		if !ValidName(name) || seen[name] {
+		if !validEntry(name) || seen[name] {
 			continue
 		}
 		seen[name] = true
@@ -33,7 +34,7 @@ func (t *ServerTree) Entries() []Entry {
 func (t *ServerTree) paths(ss *transport.SrvSess) []Entry {
 	var out []Entry
 	for _, p := range ss.ListedPaths() {
-		if ValidName(p.Name()) {
+		if validEntry(p.Name()) {
 			out = append(out, Entry{Name: p.Name(), Dir: DirFunc(func() []Entry { return serverPath(p) })})
 		}
 	}
@@ -60,7 +61,7 @@ func serverPath(p *transport.SrvPath) []Entry {
 	if p.State() == "connected" {
 		out = append([]Entry{{Name: "disconnect", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo 1 > disconnect\n"),
 			Store: func(v string) error {
-				if err := only1(v); err != nil {
+				if err := control.ParseOne(v); err != nil {
 					return err
 				}
 				p.Disconnect()

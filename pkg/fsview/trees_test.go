@@ -3,7 +3,6 @@ package fsview
 import (
 	"bytes"
 	"fmt"
-	"github.com/rtrs-go/rtrs/internal/testutil"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -12,7 +11,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
@@ -53,11 +55,11 @@ func mountTrees(t *testing.T) *trees {
 	}
 	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: prov, ConPerPath: 2,
 		MaxReconnectAttempts: -1, Policy: transport.MinInflight, Timings: fast()}, ReconnectTimeout: 5 * time.Second})
-	ct := &ClientTree{C: c, Timeout: 20 * time.Second}
+	ct := &ClientTree{Ctl: &control.Client{RNBD: c}, Timeout: 20 * time.Second}
 	tr := &trees{port: srv.Addr().Port(), exports: exports, client: c}
 	tr.cli = mount(t, ct)
 	tr.srv = mount(t, &ServerTree{S: srv})
-	tr.dev = mount(t, &DevTree{C: ct})
+	tr.dev = mount(t, &DevTree{Ctl: ct.Ctl, Timeout: ct.Timeout})
 	tr.rnbd = mount(t, &RNBDServerTree{S: rs})
 	// Mounts go first at cleanup (registered last), then the sessions and the server.
 	t.Cleanup(func() {

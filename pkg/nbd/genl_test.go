@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // golden decodes hex laid out by field; '#' starts a comment to the end of the line. The

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"golang.org/x/sys/unix"
 )
 

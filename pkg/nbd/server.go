@@ -15,7 +15,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/rtrs-go/rtrs/internal/sockread"
+	"github.com/rtrs-go/rtrs/internal/lib/sockread"
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 

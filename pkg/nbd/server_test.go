@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 )
 
 func TestMain(m *testing.M) { testutil.Main(m) }

@@ -12,8 +12,9 @@ import (
 	"syscall"
 	"unsafe"
 
-	"github.com/rtrs-go/rtrs/pkg/transport"
 	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // backing is an opened export: a regular file or a block device.

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/lib/names"
+
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -90,7 +92,7 @@ func (c *Client) Map(ctx context.Context, o MapOptions) (*Device, error) {
 	if o.DevicePath == "" || len(o.DevicePath) >= NameMax {
 		return nil, fmt.Errorf("rnbd: device path of %d bytes: %w", len(o.DevicePath), syscall.EINVAL)
 	}
-	if err := transport.CheckText(o.DevicePath); err != nil {
+	if err := names.Text(o.DevicePath); err != nil {
 		return nil, fmt.Errorf("rnbd: device path: %w", err)
 	}
 	if o.AccessMode > AccessMigration {

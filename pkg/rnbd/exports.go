@@ -9,8 +9,11 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/rtrs-go/rtrs/pkg/transport"
+	"github.com/rtrs-go/rtrs/internal/lib/names"
+
 	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // Export is one device open in at least one session: a directory of the rnbd-server tree
@@ -155,7 +158,7 @@ var sysDevBlock = "/sys/dev/block"
 func exportName(b *backing) (dir, link string) {
 	if b.bdev {
 		sys := filepath.Join(sysDevBlock, fmt.Sprintf("%d:%d", unix.Major(b.rdev), unix.Minor(b.rdev)))
-		if p, err := filepath.EvalSymlinks(sys); err == nil && validDirName(filepath.Base(p)) {
+		if p, err := filepath.EvalSymlinks(sys); err == nil && names.Component(filepath.Base(p)) == nil {
 			return filepath.Base(p), p
 		}
 	}
@@ -166,14 +169,8 @@ func exportName(b *backing) (dir, link string) {
 		p = b.f.Name()
 	}
 	dir = strings.ReplaceAll(strings.TrimLeft(p, "/"), "/", "!")
-	if !validDirName(dir) {
+	if names.Component(dir) != nil {
 		dir = fmt.Sprintf("dev%d-ino%d", b.dev, b.ino)
 	}
 	return dir, "."
-}
-
-// validDirName: a name a directory of the tree can have.
-func validDirName(n string) bool {
-	return n != "" && n != "." && n != ".." && len(n) <= 250 && !strings.ContainsAny(n, "/\x00") &&
-		transport.CheckText(n) == nil
 }

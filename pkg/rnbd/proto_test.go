@@ -8,7 +8,7 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // Golden bytes written from the offset tables of rnbd-proto.h (spec section 7), little-endian.

@@ -17,10 +17,11 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
 	"golang.org/x/sys/unix"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )

@@ -13,6 +13,9 @@ import (
 	"sync/atomic"
 	"syscall"
 
+	"github.com/rtrs-go/rtrs/internal/lib/errno"
+	"github.com/rtrs-go/rtrs/internal/lib/names"
+
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/stats"
 	"github.com/rtrs-go/rtrs/pkg/transport"
@@ -208,7 +211,7 @@ func (s *Server) Request(r *transport.SrvRequest) {
 				if err != nil {
 					s.failed(r, err)
 				}
-				r.Respond(errnoOf(err))
+				r.Respond(errno.Neg(err))
 			}
 			return
 		}
@@ -223,8 +226,8 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		if errno, answered := s.process(r); !answered {
-			r.Respond(errno)
+		if rc, answered := s.process(r); !answered {
+			r.Respond(rc)
 		}
 	}()
 }
@@ -263,7 +266,7 @@ func (s *Server) destroySess(ts *transport.SrvSess) {
 
 // process handles one request and returns the errno for the response, or answered when
 // the request has been answered already.
-func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
+func (s *Server) process(r *transport.SrvRequest) (rc int, answered bool) {
 	typ, ok := PeekType(r.Usr)
 	if !ok {
 		return -int(syscall.EBADMSG), false
@@ -278,15 +281,15 @@ func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
 		if err = s.processOpen(r); err != nil && err != errResponded {
 			// The client sees only the errno: the operator reads why here (rate-limited per
 			// session and cause, since the peer chooses how often to ask).
-			errno := syscall.Errno(-errnoOf(err))
+			en := errno.Of(err)
 			s.mu.Lock()
 			ss := s.sess(r.Session())
 			if s.openRefused == nil {
 				s.openRefused = map[syscall.Errno]uint64{}
 			}
-			s.openRefused[errno]++
+			s.openRefused[en]++
 			s.mu.Unlock()
-			ss.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+errno.Error(),
+			ss.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+en.Error(),
 				r.Path().SrcAddr().IP.String(), err.Error())
 		}
 	case MsgTypeClose:
@@ -300,12 +303,8 @@ func (s *Server) process(r *transport.SrvRequest) (errno int, answered bool) {
 	if err != nil {
 		s.failed(r, err)
 	}
-	return errnoOf(err), false
+	return errno.Neg(err), false
 }
-
-// errnoOf is the negative errno an error stands for (EIO when it names none), as the
-// response carries it.
-func errnoOf(err error) int { return transport.Errno(err) }
 
 func (s *Server) sess(ts *transport.SrvSess) *srvSess {
 	ss := s.sessions[ts]
@@ -364,7 +363,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	if r.Dir != transport.Read || len(r.Data) < OpenRspSize {
 		return fmt.Errorf("rnbd: OPEN needs a %d-byte READ buffer: %w", OpenRspSize, syscall.EINVAL)
 	}
-	if err := transport.CheckText(m.DevName); err != nil {
+	if err := names.Text(m.DevName); err != nil {
 		return fmt.Errorf("rnbd: device path: %w", err)
 	}
 	ts := r.Session()

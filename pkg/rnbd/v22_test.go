@@ -12,9 +12,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
-	"github.com/rtrs-go/rtrs/pkg/transport"
+	"github.com/rtrs-go/rtrs/internal/lib/errno"
+
 	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // TestProtocol22Server sends what a 7.2 client sends, raw through the session: PREFLUSH
@@ -139,7 +142,7 @@ func TestClientNegotiation(t *testing.T) {
 			if err == nil {
 				binary.LittleEndian.PutUint32(r.Data[20:], 0)
 			}
-			r.Respond(errnoOf(err))
+			r.Respond(errno.Neg(err))
 		}()
 		return true
 	}

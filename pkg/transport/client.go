@@ -1028,6 +1028,14 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddrs) (*Path, error) {
 	if s.closed.Load() {
 		return nil, ErrClosed
 	}
+	// A path the session lists is refused before anything connects: a second connection
+	// from the same address would make the server drop the first. Without a source the
+	// name is known only once connected, below.
+	if pa.Src.IP.IsValid() {
+		if err := s.checkNewPath(PathName(pa.Src, pa.Dst), nil); err != nil {
+			return nil, err
+		}
+	}
 	s.mu.RLock()
 	n := len(s.paths)
 	s.mu.RUnlock()
@@ -1054,11 +1062,19 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddrs) (*Path, error) {
 	p.mu.Lock()
 	name := p.name
 	p.mu.Unlock()
-	for _, q := range s.Paths() {
-		if q != p && q.Name() == name {
-			p.Remove()
-			return nil, fmt.Errorf("%w: path %s", ErrExists, name)
-		}
+	if err := s.checkNewPath(name, p); err != nil {
+		p.Remove()
+		return nil, err
 	}
 	return p, nil
+}
+
+// checkNewPath refuses a path named name that the session lists already, p aside (EEXIST).
+func (s *Session) checkNewPath(name string, p *Path) error {
+	for _, q := range s.Paths() {
+		if q != p && q.Listed() && q.Name() == name {
+			return fmt.Errorf("%w: path %s", ErrExists, name)
+		}
+	}
+	return nil
 }

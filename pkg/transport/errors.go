@@ -1,7 +1,6 @@
 package transport
 
 import (
-	"errors"
 	"fmt"
 	"syscall"
 )
@@ -17,19 +16,6 @@ var (
 	ErrExists    = fmt.Errorf("rtrs: already exists: %w", syscall.EEXIST)
 	ErrInvalName = fmt.Errorf("rtrs: invalid session name: %w", syscall.EINVAL)
 )
-
-// Errno returns the negative errno a request error stands for, as the kernel passes it to
-// its callbacks (0 for nil).
-func Errno(err error) int {
-	if err == nil {
-		return 0
-	}
-	var en syscall.Errno
-	if errors.As(err, &en) {
-		return -int(en)
-	}
-	return -int(syscall.EIO)
-}
 
 // errnoErr turns a negative errno from the wire into an error.
 func errnoErr(errno int) error {

@@ -3,7 +3,7 @@ package transport
 import (
 	"testing"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 func TestMain(m *testing.M) { testutil.Main(m) }

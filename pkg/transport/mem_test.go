@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // forcedGCs counts the collections the program asked for (debug.FreeOSMemory is one).

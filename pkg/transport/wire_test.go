@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 
 	"github.com/google/uuid"
 )

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/sockread"
+	"github.com/rtrs-go/rtrs/internal/lib/sockread"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 

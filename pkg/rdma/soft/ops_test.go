@@ -5,7 +5,7 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/rtrs-go/rtrs/internal/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 

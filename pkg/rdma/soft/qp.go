@@ -9,7 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/sockread"
+	"github.com/rtrs-go/rtrs/internal/lib/sockread"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 

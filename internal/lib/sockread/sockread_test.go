@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rtrs-go/rtrs/internal/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // TestReader reads a stream of small and large pieces, as frames are, and checks every

@@ -1,0 +1,233 @@
+// Package control is what the client daemon's control files and config declarations do,
+// with no file system in sight: their grammar (parse and format, one place), the checks of
+// what is written, and the orchestration of sessions, paths and devices (map, attach, roll
+// back; detach, unmap), with a change event for the config write-back. pkg/fsview adapts
+// it to files, as the kernel's sysfs store handlers parse and then call.
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rtrs-go/rtrs/pkg/rnbd"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+// Client controls an RNBD client: its sessions, their paths, and its devices.
+type Client struct {
+	RNBD *rnbd.Client
+	// Attacher gives mapped devices a kernel block device; nil refuses nbd= other than none.
+	Attacher Attacher
+	// OnChange, if set, is called after a change of the declared sessions or devices (the
+	// daemon writes its config back).
+	OnChange func()
+}
+
+func (c *Client) changed() {
+	if c.OnChange != nil {
+		c.OnChange()
+	}
+}
+
+// OpenSession opens a session without a device (open_session).
+func (c *Client) OpenSession(ctx context.Context, o OpenSession) error {
+	if err := c.RNBD.OpenSession(ctx, o.MapOptions(), func(co *transport.ClientOptions) {
+		if o.Policy != nil {
+			co.Policy = *o.Policy
+		}
+		if o.MaxReconnectAttempts != nil {
+			co.MaxReconnectAttempts = *o.MaxReconnectAttempts
+		}
+	}); err != nil {
+		return err
+	}
+	c.changed()
+	return nil
+}
+
+// CloseSession closes a session that has no device (close_session).
+func (c *Client) CloseSession(name string) error {
+	if err := c.RNBD.CloseSession(name); err != nil {
+		return err
+	}
+	c.changed()
+	return nil
+}
+
+// AddPath adds a path to s and connects it (add_path).
+func (c *Client) AddPath(ctx context.Context, s *transport.Session, pa transport.PathAddrs) error {
+	if _, err := s.AddPath(ctx, pa); err != nil {
+		return err
+	}
+	c.changed()
+	return nil
+}
+
+// RemovePath disconnects p and takes it out of its session (remove_path).
+func (c *Client) RemovePath(p *transport.Path) {
+	p.Remove()
+	c.changed()
+}
+
+// SetPolicy sets s's multipath policy (mpath_policy).
+func (c *Client) SetPolicy(s *transport.Session, p transport.Policy) error {
+	if err := s.SetPolicy(p); err != nil {
+		return err
+	}
+	c.changed()
+	return nil
+}
+
+// SetMaxReconnectAttempts sets how often s reconnects a path (max_reconnect_attempts).
+func (c *Client) SetMaxReconnectAttempts(s *transport.Session, n int) error {
+	if err := s.SetMaxReconnectAttempts(n); err != nil {
+		return err
+	}
+	c.changed()
+	return nil
+}
+
+// Map maps r and attaches it as r.Attach says (map_device). When the attach fails the
+// device is unmapped again (the session goes with it if the mapping opened it) and the
+// attach's error returned: a failed map_device leaves nothing behind.
+func (c *Client) Map(ctx context.Context, r MapRequest) (*rnbd.Device, error) {
+	d, err := c.mapAttach(ctx, r)
+	if err == nil {
+		c.changed()
+	}
+	return d, err
+}
+
+func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, error) {
+	if c.Attacher == nil && r.Attach != AttachDefault && r.Attach != AttachNone {
+		return nil, fmt.Errorf("nbd=%v: no attach front end here: %w", r.Attach, syscall.EINVAL)
+	}
+	d, err := c.RNBD.Map(ctx, r.MapOptions)
+	if err != nil || c.Attacher == nil {
+		return d, err
+	}
+	if err := c.Attacher.Attach(ctx, d, r.Attach); err != nil {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		if uerr := d.Unmap(uctx); uerr != nil {
+			err = fmt.Errorf("%w (unmapping %s again: %v)", err, r.DevicePath, uerr)
+		}
+		return nil, err
+	}
+	return d, nil
+}
+
+// Unmap detaches and unmaps the device u names (unmap_device): by its path or by its file
+// name in the device view. While its kernel device is in use the detach fails (EBUSY) and
+// nothing changes.
+func (c *Client) Unmap(ctx context.Context, u UnmapRequest) error {
+	for _, d := range c.RNBD.Devices() {
+		if d.Session() != u.SessName || (d.Path() != u.DevicePath && DeviceFileName(d.Path()) != u.DevicePath) {
+			continue
+		}
+		if c.Attacher != nil {
+			if err := c.Attacher.Detach(ctx, d); err != nil {
+				return err
+			}
+		}
+		err := d.Unmap(ctx)
+		c.changed()
+		return err
+	}
+	return fmt.Errorf("%s is not mapped in %q: %w", u.DevicePath, u.SessName, syscall.ENOENT)
+}
+
+// Mapped lists the devices that are mapped and open.
+func (c *Client) Mapped() []*rnbd.Device {
+	var out []*rnbd.Device
+	for _, d := range c.RNBD.Devices() {
+		if d.State() != rnbd.StateUnmapped && d.Opened() {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// DeviceFileName is the file name of a mapped device in the device view and its NBD export
+// name: its path without leading slashes, with '/' shown as '!' (as the kernel names block
+// devices like cciss!c0d0).
+func DeviceFileName(devicePath string) string {
+	return strings.ReplaceAll(strings.TrimLeft(devicePath, "/"), "/", "!")
+}
+
+// Verbs of the config file's declarations.
+const (
+	VerbOpenSession = "open_session"
+	VerbMapDevice   = "map_device"
+)
+
+// Apply carries out one declaration of the config file: "open_session <tokens>" or
+// "map_device <tokens>", as written to those control files. What exists already is left as
+// it is. done says the declaration needs no retry: it succeeded, or it can never succeed
+// (bad syntax).
+func (c *Client) Apply(ctx context.Context, line string) (done bool, err error) {
+	verb, rest, _ := strings.Cut(line, " ")
+	switch verb {
+	case VerbOpenSession:
+		o, err := ParseOpenSession(rest)
+		if err != nil {
+			return true, err
+		}
+		if c.RNBD.Session(o.SessName) != nil {
+			return true, nil
+		}
+		err = c.OpenSession(ctx, o)
+		if errors.Is(err, syscall.EEXIST) {
+			return true, nil // opened meanwhile through the tree, which OpenSession waited for
+		}
+		return err == nil, err
+	case VerbMapDevice:
+		r, err := ParseMapRequest(rest)
+		if err != nil {
+			return true, err
+		}
+		for _, d := range c.RNBD.Devices() {
+			if d.Session() == r.SessName && d.Path() == r.DevicePath {
+				return true, nil
+			}
+		}
+		_, err = c.Map(ctx, r)
+		return err == nil, err
+	}
+	return true, fmt.Errorf("unknown declaration %q", verb)
+}
+
+// Declarations renders the sessions and devices of now as config declarations, which Apply
+// takes back: a session with its live paths, port, policy and reconnect attempts, then each
+// mapped device with its access mode and nbd= as it was given.
+func (c *Client) Declarations() []string {
+	var out []string
+	for _, name := range c.RNBD.SessionNames() {
+		s := c.RNBD.Session(name)
+		if s == nil {
+			continue
+		}
+		o := OpenSession{SessName: name, Port: s.Port()}
+		for _, p := range s.Paths() {
+			if p.State() != transport.StateDead {
+				o.Paths = append(o.Paths, transport.PathAddrs{Src: p.SrcAddr(), Dst: p.DstAddr()})
+			}
+		}
+		pol, mra := s.Policy(), s.MaxReconnectAttempts()
+		o.Policy, o.MaxReconnectAttempts = &pol, &mra
+		out = append(out, VerbOpenSession+" "+o.String())
+	}
+	for _, d := range c.Mapped() {
+		r := MapRequest{MapOptions: rnbd.MapOptions{SessName: d.Session(), DevicePath: d.Path(),
+			AccessMode: d.AccessMode(), Port: transport.DefaultPort}, Attach: AttachDefault}
+		if c.Attacher != nil {
+			r.Attach = c.Attacher.Token(d)
+		}
+		out = append(out, VerbMapDevice+" "+r.String())
+	}
+	return out
+}
