@@ -147,7 +147,7 @@ Flags:`)
 	if err != nil {
 		return err
 	}
-	prov, why, err := pick.OpenSoft(*provName, soft.Options{TLS: tlsCfg})
+	prov, why, err := pick.OpenWith(*provName, soft.Options{TLS: tlsCfg})
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
 	}

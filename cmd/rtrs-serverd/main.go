@@ -167,7 +167,7 @@ Flags:`)
 	if len(subjects) > 0 && tlsCfg == nil {
 		return fmt.Errorf("-allow-subject needs -tls-cert, -tls-key and -tls-ca")
 	}
-	prov, why, err := pick.OpenSoft(*provName, soft.Options{MaxPending: *maxPending, MaxPendingPerAddr: *maxPendingAddr, HandshakeTimeout: *handshake, TLS: tlsCfg}, addr.Addr())
+	prov, why, err := pick.OpenWith(*provName, soft.Options{MaxPending: *maxPending, MaxPendingPerAddr: *maxPendingAddr, HandshakeTimeout: *handshake, TLS: tlsCfg}, addr.Addr())
 	if err != nil {
 		return fmt.Errorf("-provider: %w", err)
 	}
@@ -199,7 +199,7 @@ Flags:`)
 		}
 		defer ml.Close()
 	}
-	fsrv, err := fsview.Mount(*mount, &fsview.ServerTree{S: srv}, fsview.MountOptions{Name: "rtrs-server"})
+	fsrv, err := fsview.Mount(*mount, &fsview.ServerTree{Server: srv}, fsview.MountOptions{Name: "rtrs-server"})
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", *mount, err)
 	}
@@ -210,7 +210,7 @@ Flags:`)
 		}
 	}()
 	if *rnbdMount != "" {
-		rsrv, err := fsview.Mount(*rnbdMount, &fsview.RNBDServerTree{S: rs}, fsview.MountOptions{Name: "rnbd-server"})
+		rsrv, err := fsview.Mount(*rnbdMount, &fsview.RNBDServerTree{Server: rs}, fsview.MountOptions{Name: "rnbd-server"})
 		if err != nil {
 			return fmt.Errorf("mount %s: %w", *rnbdMount, err)
 		}

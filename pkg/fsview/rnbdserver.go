@@ -14,7 +14,7 @@ const forceCloseUsage = "Usage: echo 1 > force_close\n"
 // has it open. A device leaves with its last session, a session's directory with its close
 // (unmap, force_close, or the session gone).
 type RNBDServerTree struct {
-	S *rnbd.Server
+	Server *rnbd.Server
 }
 
 // Entries lists ctl/.
@@ -26,7 +26,7 @@ func (t *RNBDServerTree) Entries() []Entry {
 
 func (t *RNBDServerTree) devices() []Entry {
 	var out []Entry
-	for _, ex := range t.S.Exports() {
+	for _, ex := range t.Server.Exports() {
 		if !validEntry(ex.Name) {
 			continue
 		}
@@ -37,7 +37,7 @@ func (t *RNBDServerTree) devices() []Entry {
 
 // device lists a device's directory as it is now (its sessions change while it is open).
 func (t *RNBDServerTree) device(name string) []Entry {
-	for _, ex := range t.S.Exports() {
+	for _, ex := range t.Server.Exports() {
 		if ex.Name != name {
 			continue
 		}
@@ -53,7 +53,7 @@ func (t *RNBDServerTree) device(name string) []Entry {
 func (t *RNBDServerTree) sessions(name string) []Entry {
 	var out []Entry
 	seen := map[string]bool{}
-	for _, ex := range t.S.Exports() {
+	for _, ex := range t.Server.Exports() {
 		if ex.Name != name {
 			continue
 		}
@@ -80,7 +80,7 @@ func (t *RNBDServerTree) session(es rnbd.ExportSession) []Entry {
 			if err := control.ParseOne(v); err != nil {
 				return err
 			}
-			return t.S.ForceClose(es)
+			return t.Server.ForceClose(es)
 		}}},
 		{Name: "mapping_path", Attr: ro(es.MappingPath + "\n")},
 		{Name: "read_only", Attr: ro(readOnly)},

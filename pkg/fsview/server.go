@@ -11,14 +11,14 @@ import (
 // and in it a directory per path from its INFO_REQ until its close has finished, as the
 // kernel's sysfs does (a closing path is listed without its disconnect file).
 type ServerTree struct {
-	S *transport.Server
+	Server *transport.Server
 }
 
 // Entries lists the sessions that have a name (a path finished INFO_REQ).
 func (t *ServerTree) Entries() []Entry {
 	var out []Entry
 	seen := map[string]bool{}
-	for _, ss := range t.S.Sessions() {
+	for _, ss := range t.Server.Sessions() {
 		name := ss.Name()
 		if !validEntry(name) || seen[name] {
 			continue

@@ -27,10 +27,7 @@ type trees struct {
 	client              *rnbd.Client
 }
 
-func fast() transport.Timings {
-	return transport.Timings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMissed: 3, ConnectTimeout: 5 * time.Second,
-		ReconnectDelay: 100 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond, ZombieTimeout: 5 * time.Second}
-}
+func fast() transport.Timings { return transport.Timings(testutil.FastTimings()) }
 
 // mountTrees starts an RNBD server over soft RTRS and mounts the three trees in-process.
 func mountTrees(t *testing.T) *trees {
@@ -58,9 +55,9 @@ func mountTrees(t *testing.T) *trees {
 	ct := &ClientTree{Ctl: &control.Client{RNBD: c}, Timeout: 20 * time.Second}
 	tr := &trees{port: srv.Addr().Port(), exports: exports, client: c}
 	tr.cli = mount(t, ct)
-	tr.srv = mount(t, &ServerTree{S: srv})
+	tr.srv = mount(t, &ServerTree{Server: srv})
 	tr.dev = mount(t, &DevTree{Ctl: ct.Ctl, Timeout: ct.Timeout})
-	tr.rnbd = mount(t, &RNBDServerTree{S: rs})
+	tr.rnbd = mount(t, &RNBDServerTree{Server: rs})
 	// Mounts go first at cleanup (registered last), then the sessions and the server.
 	t.Cleanup(func() {
 		c.Close(t.Context())

@@ -20,11 +20,12 @@ const Usage = "RDMA provider: auto (verbs when this binary has it and an RDMA de
 // addrs are the local addresses the program will use; none, or only unspecified ones, mean
 // any device will do.
 func Open(name string, addrs ...netip.Addr) (rdma.Provider, string, error) {
-	return OpenSoft(name, soft.Options{}, addrs...)
+	return OpenWith(name, soft.Options{}, addrs...)
 }
 
-// OpenSoft is Open with the options the soft provider gets if it is chosen.
-func OpenSoft(name string, so soft.Options, addrs ...netip.Addr) (rdma.Provider, string, error) {
+// OpenWith is Open with the options the soft provider gets if it is the one chosen; any
+// provider may be returned.
+func OpenWith(name string, so soft.Options, addrs ...netip.Addr) (rdma.Provider, string, error) {
 	switch name {
 	case "soft":
 		return soft.New(so), "soft: asked for", nil
