@@ -54,13 +54,17 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 	}
 }
 
-// reload re-reads the config file and applies, with the same retries, the declarations the
-// daemon does not have yet.
+// reload is SIGHUP: the settings are loaded again as at start (the file's, the command
+// line's winning); the log level follows them, and the file's declarations the daemon does
+// not have yet are applied with the same retries.
 func (d *clientd) reload() {
-	cfg, err := daemon.ReadConfig(d.cfgPath, true)
+	c, cfg, err := daemon.Load("rtrs-clientd", usage, d.args, newConfig)
 	if err != nil {
 		d.lg.WithError(err).Warn("reload")
 		return
+	}
+	if err := daemon.SetupLog(c.LogLevel, c.LogJSON); err != nil {
+		d.lg.WithError(err).Warn("reload")
 	}
 	d.lg.Infof("reload: %d declarations", len(cfg.Decls))
 	d.wg.Add(1)

@@ -16,6 +16,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -27,12 +28,10 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
 	"github.com/rtrs-go/rtrs/internal/daemon/metrics"
-	"github.com/rtrs-go/rtrs/internal/lib/size"
 	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/fsview"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/nbd"
-	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
@@ -49,6 +48,7 @@ func main() {
 
 type clientd struct {
 	cfgPath string
+	args    []string // the command line, for reloads
 	c       *rnbd.Client
 	ctl     *control.Client
 	nbd     *nbdAttacher
@@ -70,175 +70,121 @@ func run(parent context.Context, args []string) error {
 		}
 	})
 	defer stop()
-	fs := flag.NewFlagSet("rtrs-clientd", flag.ContinueOnError)
-	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), `rtrs-clientd: the RTRS client daemon. It opens RTRS sessions to RNBD servers (the kernel's
-rnbd-server or rtrs-serverd), maps their devices, and mounts the rtrs-client tree
-(/sys/class/rtrs-client's files) at -mount and the device view at -dev-mount, also served over
-NBD. Settings and declarations come from -config; flags on the command line win.
-
-Flags:`)
-		fs.PrintDefaults()
-	}
-	cfgPath := fs.String("config", "/etc/rtrs/rtrs-clientd.conf", "config file: settings and declarations (flags override settings)")
-	mount := fs.String("mount", "/run/rtrs/rtrs-client", "where the rtrs-client tree is mounted")
-	devMount := fs.String("dev-mount", "/run/rtrs/dev", "where the device view is mounted")
-	nbdSock := fs.String("nbd-socket", "/run/rtrs/nbd.sock", "unix socket serving the mapped devices over NBD (empty: none)")
-	nbdGroup := fs.String("nbd-socket-group", "", "group that may use the NBD socket too (mode 0660; empty: root only, mode 0600)")
-	nbdTCP := fs.String("nbd-tcp", "", "TCP address serving them too (empty: none); beyond loopback only with TLS")
-	nbdTLSFlags := daemon.TLSFlags(fs, "nbd-tls", "NBD TCP listener, STARTTLS")
-	nbdAttach := fs.String("nbd-attach", "none", "attach mappings without an nbd= token to the kernel's /dev/nbdX: none or auto")
-	nbdConns := fs.Int("nbd-conns", 0, "sockets per attached /dev/nbdX (0: the CPUs, at most 4)")
-	nbdTimeout := fs.Duration("nbd-timeout", 0, "the kernel's request timeout on an attached /dev/nbdX (0: -io-timeout plus one minute)")
-	ioTimeout := fs.Duration("io-timeout", rnbd.DefaultReconnectTimeout, "how long IO waits for a session that lost every path before it fails with EIO")
-	recDelay := fs.Duration("reconnect-delay", 0, "how long a disconnected path waits before each reconnect attempt, plus 0–7 ms so paths do not reconnect in step (0: 30 s, what RNBD asks of the kernel's RTRS)")
-	hbInterval := fs.Duration("heartbeat-interval", 0, "how often each path sends a heartbeat; a path that misses more than 5 in a row is reconnected (0: 5 s, as the kernel)")
-	conPerPath := fs.Int("con-per-path", 0, "connections (QPs) per path: one for the service messages plus one per CPU to spread IO over (0: CPUs + 1, as the kernel)")
-	provName := fs.String("provider", "auto", pick.Usage)
-	softTLS := daemon.TLSFlags(fs, "tls", "soft provider, mutual TLS")
-	maxMem := fs.String("max-chunk-memory", "256M", "the most chunk memory (queue depth × chunk size) a server may make a session allocate")
-	metricsAddr := fs.String("metrics", "", metrics.FlagUsage)
-	level := fs.String("log-level", "info", "log level")
-	json := fs.Bool("log-json", false, "log JSON lines")
-	cleanup := fs.Bool("cleanup", false, "detach stale mounts and exit")
-	cfg, err := daemon.Flags(fs, args, "config", true)
+	c, cfg, err := daemon.Load("rtrs-clientd", usage, args, newConfig)
 	if err != nil {
 		return err
 	}
-	if err := daemon.SetupLog(*level, *json); err != nil {
-		return err
-	}
-	nbdDef, err := parseNBDDefault(*nbdAttach)
+	lg, err := c.Start(ctx, "rtrs-clientd")
 	if err != nil {
 		return err
 	}
-	if *nbdConns < 0 || *nbdConns > 64 {
-		return fmt.Errorf("-nbd-conns %d: 0 to 64", *nbdConns)
+	r, err := c.resolve()
+	if err != nil {
+		return err
 	}
-	if *nbdTimeout < 0 {
-		return fmt.Errorf("-nbd-timeout %v", *nbdTimeout)
-	}
-	if *nbdTimeout == 0 {
-		*nbdTimeout = *ioTimeout + time.Minute
-	}
-	lg := log.G(ctx).WithField("component", "rtrs-clientd")
-	if *cleanup {
+	if c.Cleanup {
 		disconnectStale(lg)
-		return errors.Join(fsview.CleanupReport(*mount), fsview.CleanupReport(*devMount))
+		return daemon.CleanupMounts(c.Mount, c.DevMount)
 	}
-	nbdGID, err := lookupGroup(*nbdGroup)
+	nbdGID, err := lookupGroup(c.NBDSocketGroup)
 	if err != nil {
 		return fmt.Errorf("-nbd-socket-group: %w", err)
 	}
-	nbdTLS, err := nbdTLSFlags()
+	nbdTLS, err := c.NBDTLS.Config()
 	if err != nil {
 		return fmt.Errorf("NBD TLS: %w", err)
 	}
-	if *nbdTCP != "" {
-		if err := checkNBDTCP(*nbdTCP, nbdTLS); err != nil {
+	if c.NBDTCP != "" {
+		if err := checkNBDTCP(c.NBDTCP, nbdTLS); err != nil {
 			return err
 		}
 	}
-	chunkMem, err := size.Parse(*maxMem)
-	if err != nil || chunkMem < 1 {
-		return fmt.Errorf("-max-chunk-memory %q: want a size such as 256M", *maxMem)
-	}
-	tlsCfg, err := softTLS()
+	prov, _, err := c.OpenProvider(lg, soft.Options{})
 	if err != nil {
 		return err
 	}
-	prov, why, err := pick.OpenWith(*provName, soft.Options{TLS: tlsCfg})
-	if err != nil {
-		return fmt.Errorf("-provider: %w", err)
-	}
-	lg.Infof("provider %s", why)
-	if tlsCfg != nil && prov.Name() != "soft" {
-		return fmt.Errorf("-tls-cert: TLS is the soft provider's; %s authenticates nothing (use -provider soft, or -allow)", prov.Name())
-	}
-	c := rnbd.NewClient(rnbd.ClientOptions{
-		Session: transport.ClientOptions{Provider: prov, ConPerPath: *conPerPath,
-			MaxReconnectAttempts: -1, Policy: transport.MinInflight, MaxChunkMemory: int64(chunkMem),
-			Timings: transport.Timings{ReconnectDelay: *recDelay, HeartbeatInterval: *hbInterval}},
-		ReconnectTimeout: *ioTimeout,
+	rc := rnbd.NewClient(rnbd.ClientOptions{
+		Session: transport.ClientOptions{Provider: prov, ConPerPath: c.ConPerPath,
+			MaxReconnectAttempts: -1, Policy: transport.MinInflight, MaxChunkMemory: r.chunkMemory,
+			Timings: transport.Timings{ReconnectDelay: c.ReconnectDelay, HeartbeatInterval: c.HeartbeatInterval}},
+		ReconnectTimeout: c.IOTimeout,
 	})
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		c.Close(cctx)
+		rc.Close(cctx)
 	}()
-	if *metricsAddr != "" {
-		ml, err := metrics.Serve(*metricsAddr, lg, metrics.NewClient(c))
+	if c.Metrics != "" {
+		ml, err := metrics.Serve(c.Metrics, lg, metrics.NewClient(rc))
 		if err != nil {
 			return fmt.Errorf("-metrics: %w", err)
 		}
 		defer ml.Close()
 	}
-	d := &clientd{cfgPath: *cfgPath, c: c, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
+	d := &clientd{cfgPath: c.ConfigFile, args: args, c: rc, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
 	defer d.wg.Wait()
 	ns := nbd.NewServer(nbd.Options{Exports: d.exports})
 	defer ns.Close()
 	// Stale devices first: a restart must find the indexes its declarations name free.
 	disconnectStale(lg)
-	d.nbd = &nbdAttacher{srv: ns, def: nbdDef, conns: *nbdConns, timeout: *nbdTimeout, export: exportOf, lg: lg,
+	d.nbd = &nbdAttacher{srv: ns, def: r.attachDefault, conns: c.NBDConns, timeout: r.nbdTimeout, export: exportOf, lg: lg,
 		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]control.Attach{}}
 	// Before the NBD server closes (defers run last first): the kernel is told first.
 	defer d.nbd.detachAll()
-	d.ctl = &control.Client{RNBD: c, Attacher: d.nbd, OnChange: d.writeBack}
-	cs, err := fsview.Mount(*mount, &fsview.ClientTree{Ctl: d.ctl}, fsview.MountOptions{Name: "rtrs-client"})
-	if err != nil {
-		return fmt.Errorf("mount %s: %w", *mount, err)
-	}
-	defer unmount(lg, cs, *mount)
-	ds, err := fsview.Mount(*devMount, &fsview.DevTree{Ctl: d.ctl}, fsview.MountOptions{Name: "rtrs-dev"})
-	if err != nil {
-		return fmt.Errorf("mount %s: %w", *devMount, err)
-	}
-	defer unmount(lg, ds, *devMount)
-	if *nbdSock != "" {
-		ln, err := listenUnix(*nbdSock, nbdGID)
+	d.ctl = &control.Client{RNBD: rc, Attacher: d.nbd, OnChange: d.writeBack}
+	for _, m := range []struct {
+		dir, name string
+		tree      fsview.Dir
+	}{{c.Mount, "rtrs-client", &fsview.ClientTree{Ctl: d.ctl}}, {c.DevMount, "rtrs-dev", &fsview.DevTree{Ctl: d.ctl}}} {
+		unmount, err := daemon.Mount(lg, m.dir, m.name, m.tree)
 		if err != nil {
-			return fmt.Errorf("NBD on %s: %w", *nbdSock, err)
+			return err
 		}
-		defer os.Remove(*nbdSock)
-		go func() { _ = ns.Serve(ln) }()
+		defer unmount()
 	}
-	if *nbdTCP != "" {
-		ln, err := net.Listen("tcp", *nbdTCP)
-		if err != nil {
-			return fmt.Errorf("NBD on %s: %w", *nbdTCP, err)
-		}
-		if nbdTLS != nil {
-			go func() { _ = ns.ServeTLS(ln, nbdTLS) }()
-		} else {
-			go func() { _ = ns.Serve(ln) }()
-		}
+	stopNBD, err := serveNBD(ns, c.NBDSocket, nbdGID, c.NBDTCP, nbdTLS)
+	if err != nil {
+		return err
 	}
+	defer stopNBD()
 	cur.Store(d)
-	lg.Infof("trees at %s and %s, NBD at %s", *mount, *devMount, *nbdSock)
-	daemon.Notify("READY=1\nSTATUS=" + d.status())
+	lg.Infof("trees at %s and %s, NBD at %s", c.Mount, c.DevMount, c.NBDSocket)
 	// Declarations are applied after READY: a server that is down must not hold up boot.
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
 		d.apply(ctx, cfg.Decls)
 	}()
-	t := time.NewTicker(5 * time.Second)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-			daemon.Notify("STATUS=" + d.status())
-		}
-	}
+	daemon.Serve(ctx, d.status)
+	return nil
 }
 
-func unmount(lg *log.Entry, s interface{ Unmount() error }, dir string) {
-	if err := s.Unmount(); err != nil {
-		lg.WithError(err).Warnf("unmount %s", dir)
-		_, _ = fsview.Cleanup(dir)
+// serveNBD serves the NBD server on the unix socket at sock (group gid may use it too; ""
+// for none) and on TCP at tcp (with STARTTLS when tlsCfg is set; "" for none). The returned
+// function removes the socket file; the listeners close with the server.
+func serveNBD(ns *nbd.Server, sock string, gid int, tcp string, tlsCfg *tls.Config) (func(), error) {
+	stop := func() {}
+	if sock != "" {
+		ln, err := listenUnix(sock, gid)
+		if err != nil {
+			return nil, fmt.Errorf("NBD on %s: %w", sock, err)
+		}
+		stop = func() { os.Remove(sock) }
+		go func() { _ = ns.Serve(ln) }()
 	}
+	if tcp != "" {
+		ln, err := net.Listen("tcp", tcp)
+		if err != nil {
+			stop()
+			return nil, fmt.Errorf("NBD on %s: %w", tcp, err)
+		}
+		if tlsCfg != nil {
+			go func() { _ = ns.ServeTLS(ln, tlsCfg) }()
+		} else {
+			go func() { _ = ns.Serve(ln) }()
+		}
+	}
+	return stop, nil
 }
 
 // exports lists every mapped device as an NBD export "<session>/<device file name>".

@@ -8,6 +8,24 @@ import (
 	"os"
 )
 
+// TLSFiles name a certificate, its key, and the CA whose certificates peers must present:
+// the flags -<prefix>-cert, -<prefix>-key and -<prefix>-ca.
+type TLSFiles struct {
+	Cert, Key, CA string
+	prefix        string // the flags' prefix, for errors
+}
+
+// Flags binds -<prefix>-cert, -<prefix>-key and -<prefix>-ca, for what (said in their help).
+func (t *TLSFiles) Flags(fs *flag.FlagSet, prefix, what string) {
+	t.prefix = prefix
+	fs.StringVar(&t.Cert, prefix+"-cert", t.Cert, what+": the certificate (with -"+prefix+"-key and -"+prefix+"-ca); peers must then present one from the CA")
+	fs.StringVar(&t.Key, prefix+"-key", t.Key, what+": the certificate's private key")
+	fs.StringVar(&t.CA, prefix+"-ca", t.CA, what+": the CA peers' certificates must come from")
+}
+
+// Config is TLSConfig of the three files.
+func (t TLSFiles) Config() (*tls.Config, error) { return TLSConfig(t.prefix, t.Cert, t.Key, t.CA) }
+
 // TLSConfig builds a mutual-TLS configuration from a certificate, key and CA file given by
 // the flags -<prefix>-cert, -key and -ca: it presents the certificate, requires the peer's to
 // come from the CA, and checks a server's against the CA too. All three empty: nil (no TLS);
@@ -33,14 +51,4 @@ func TLSConfig(prefix, certFile, keyFile, caFile string) (*tls.Config, error) {
 	}
 	return &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, ClientCAs: pool,
 		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}, nil
-}
-
-// TLSFlags defines -<prefix>-cert, -<prefix>-key and -<prefix>-ca on fs, for what (said in
-// their help); the returned function builds the configuration (TLSConfig) once the flags are
-// parsed.
-func TLSFlags(fs *flag.FlagSet, prefix, what string) func() (*tls.Config, error) {
-	cert := fs.String(prefix+"-cert", "", what+": the certificate (with -"+prefix+"-key and -"+prefix+"-ca); peers must then present one from the CA")
-	key := fs.String(prefix+"-key", "", what+": the certificate's private key")
-	ca := fs.String(prefix+"-ca", "", what+": the CA peers' certificates must come from")
-	return func() (*tls.Config, error) { return TLSConfig(prefix, *cert, *key, *ca) }
 }
