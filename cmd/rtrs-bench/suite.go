@@ -176,27 +176,22 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer kids.stop()
-	srvOn, err := kids.start("server", "-listen", "127.0.0.1:18601", "-always-invalidate=true")
-	if err != nil {
-		return err
+	s := &suiteRun{ctx: ctx, dur: *dur, out: out}
+	for _, srv := range []struct {
+		cmd  **exec.Cmd
+		args []string
+	}{
+		{&s.on, []string{"-listen", "127.0.0.1:18601", "-always-invalidate=true"}},
+		{&s.off, []string{"-listen", "127.0.0.1:18602", "-always-invalidate=false"}},
+		{&s.big, []string{"-listen", "127.0.0.1:18605", "-chunk-size", "2M", "-queue-depth", "128"}},
+		{&s.bigNull, []string{"-listen", "127.0.0.1:18606", "-chunk-size", "2M", "-queue-depth", "128", "-null"}},
+		{&s.null, []string{"-listen", "127.0.0.1:18604", "-always-invalidate=true", "-null"}},
+	} {
+		if *srv.cmd, err = kids.start(append([]string{"server"}, srv.args...)...); err != nil {
+			return err
+		}
 	}
-	srvOff, err := kids.start("server", "-listen", "127.0.0.1:18602", "-always-invalidate=false")
-	if err != nil {
-		return err
-	}
-	srvBig, err := kids.start("server", "-listen", "127.0.0.1:18605", "-chunk-size", "2M", "-queue-depth", "128")
-	if err != nil {
-		return err
-	}
-	srvBigNull, err := kids.start("server", "-listen", "127.0.0.1:18606", "-chunk-size", "2M", "-queue-depth", "128", "-null")
-	if err != nil {
-		return err
-	}
-	srvNull, err := kids.start("server", "-listen", "127.0.0.1:18604", "-always-invalidate=true", "-null")
-	if err != nil {
-		return err
-	}
-	if _, err := kids.start("tcpserver", "-listen", "127.0.0.1:18603"); err != nil {
+	if _, err := kids.start("tcpserver", "-listen", suiteTCP); err != nil {
 		return err
 	}
 	time.Sleep(500 * time.Millisecond)
@@ -204,15 +199,70 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	host, _ := os.Hostname()
 	fmt.Fprintf(out, "rtrs-bench suite on %s (%d CPUs, %s/%s), %s; runs of %v; GOMAXPROCS %d in every Go process; client and server in two processes over loopback (paths from 127.0.0.1 and 127.0.0.2).\n\n",
 		host, runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02 15:04 UTC"), *dur, runtime.GOMAXPROCS(0))
-	fmt.Fprintln(out, "| workload | always_invalidate | paths | IOPS | MB/s | p50 µs | p99 µs | p99.9 µs | client CPU s | server CPU s |")
-	fmt.Fprintln(out, "|---|---|---|---|---|---|---|---|---|---|")
-	type key struct {
-		rw, bs string
-		qd     int
-		inv    bool
-		paths  int
+	for _, section := range []func() error{s.matrix, s.async, s.nullStore, s.bigChunks, func() error {
+		s.fio = fioBaselines(ctx, *dur, out)
+		return nil
+	}, s.tcpBaselines} {
+		if err := section(); err != nil {
+			return err
+		}
 	}
-	res := map[key]Result{}
+	s.ratios()
+	return nil
+}
+
+// suiteTCP is the raw TCP baseline server's address.
+const suiteTCP = "127.0.0.1:18603"
+
+// suiteKey is a run of the main matrix.
+type suiteKey struct {
+	rw, bs string
+	qd     int
+	inv    bool
+	paths  int
+}
+
+// suiteRun is one run of the suite: its servers, the length of each run, the report, and
+// the results the ratios at its end are made of.
+type suiteRun struct {
+	ctx context.Context
+	dur time.Duration
+	out io.Writer
+	// The servers: always_invalidate on and off (memory store), null store, and with 2 MiB
+	// chunks (memory and null store).
+	on, off, null, big, bigNull *exec.Cmd
+
+	res                       map[suiteKey]Result
+	asyncRes, nullRes, bigRes map[string]Result
+	fio                       map[string]Result
+	rt4kRead, rt4kWrite, strm Result
+}
+
+// measure runs the client as p says against srv for the run's length over a 256 MiB span,
+// and returns its result and the server's CPU seconds meanwhile.
+func (s *suiteRun) measure(srv *exec.Cmd, p clientParams) (Result, float64, error) {
+	cpu0 := procCPU(srv.Process.Pid)
+	runtime.GC()
+	p.dur, p.span = s.dur, "256M"
+	r, err := runClient(s.ctx, p)
+	return r, procCPU(srv.Process.Pid) - cpu0, err
+}
+
+// onOff is the server and port of always_invalidate on or off.
+func (s *suiteRun) onOff(inv bool) (*exec.Cmd, uint16) {
+	if inv {
+		return s.on, 18601
+	}
+	return s.off, 18602
+}
+
+var suitePath = []string{"ip:127.0.0.1@ip:127.0.0.1"}
+
+// matrix: block sizes and queue depths, always_invalidate on and off, one and two paths.
+func (s *suiteRun) matrix() error {
+	fmt.Fprintln(s.out, "| workload | always_invalidate | paths | IOPS | MB/s | p50 µs | p99 µs | p99.9 µs | client CPU s | server CPU s |")
+	fmt.Fprintln(s.out, "|---|---|---|---|---|---|---|---|---|---|")
+	s.res = map[suiteKey]Result{}
 	for _, c := range []struct {
 		rw, bs string
 		qd     int
@@ -220,41 +270,34 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		{"randread", "128K", 8}, {"randwrite", "128K", 8}, {"randread", "1M", 8}, {"randwrite", "1M", 8}} {
 		for _, inv := range []bool{true, false} {
 			for _, np := range []int{1, 2} {
-				port, srv := uint16(18601), srvOn
-				if !inv {
-					port, srv = 18602, srvOff
-				}
+				srv, port := s.onOff(inv)
 				ps := []string{"ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"}[:np]
-				bs := c.bs
-				cpu0 := procCPU(srv.Process.Pid)
-				runtime.GC()
-				r, err := runClient(ctx, clientParams{paths: ps, port: port, bs: bs, qd: c.qd, rw: c.rw, dur: *dur, span: "256M"})
+				r, scpu, err := s.measure(srv, clientParams{paths: ps, port: port, bs: c.bs, qd: c.qd, rw: c.rw})
 				if err != nil {
 					return fmt.Errorf("%s %s qd%d: %w", c.rw, c.bs, c.qd, err)
 				}
-				scpu := procCPU(srv.Process.Pid) - cpu0
-				res[key{c.rw, c.bs, c.qd, inv, np}] = r
-				fmt.Fprintf(out, "| %s %s QD%d | %v | %d | %.0f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n",
-					c.rw, bs, c.qd, inv, np, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec, scpu)
+				s.res[suiteKey{c.rw, c.bs, c.qd, inv, np}] = r
+				fmt.Fprintf(s.out, "| %s %s QD%d | %v | %d | %.0f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n",
+					c.rw, c.bs, c.qd, inv, np, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec, scpu)
 			}
 		}
 	}
-	fmt.Fprintln(out, "\nAsynchronous engine (-async: each of the QD request chains issues its next request from the previous one's completion callback, as fio's async engines do; 1 path, memory store):")
-	fmt.Fprintln(out, "\n| workload | IOPS | MB/s | p50 µs | p99 µs | p99.9 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|---|")
-	asyncRes := map[string]Result{}
+	return nil
+}
+
+// async: the asynchronous engine at 4 KiB.
+func (s *suiteRun) async() error {
+	fmt.Fprintln(s.out, "\nAsynchronous engine (-async: each of the QD request chains issues its next request from the previous one's completion callback, as fio's async engines do; 1 path, memory store):")
+	fmt.Fprintln(s.out, "\n| workload | IOPS | MB/s | p50 µs | p99 µs | p99.9 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|---|")
+	s.asyncRes = map[string]Result{}
 	for _, c := range []struct {
 		rw  string
 		qd  int
 		inv bool
 	}{{"randread", 1, true}, {"randwrite", 1, true}, {"randread", 32, true}, {"randwrite", 32, true},
 		{"randread", 32, false}, {"randwrite", 32, false}} {
-		port, srv := uint16(18601), srvOn
-		if !c.inv {
-			port, srv = 18602, srvOff
-		}
-		cpu0 := procCPU(srv.Process.Pid)
-		runtime.GC()
-		r, err := runClient(ctx, clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: port, bs: "4K", qd: c.qd, rw: c.rw, dur: *dur, span: "256M", async: true})
+		srv, port := s.onOff(c.inv)
+		r, scpu, err := s.measure(srv, clientParams{paths: suitePath, port: port, bs: "4K", qd: c.qd, rw: c.rw, async: true})
 		if err != nil {
 			return err
 		}
@@ -262,92 +305,105 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		if !c.inv {
 			k += " off"
 		}
-		asyncRes[k] = r
-		fmt.Fprintf(out, "| %s 4K QD%d, always_invalidate %v | %.0f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", c.rw, c.qd, c.inv, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec, procCPU(srv.Process.Pid)-cpu0)
+		s.asyncRes[k] = r
+		fmt.Fprintf(s.out, "| %s 4K QD%d, always_invalidate %v | %.0f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", c.rw, c.qd, c.inv, r.IOPS, r.MBps, r.P50us, r.P99us, r.P999us, r.CPUSec, scpu)
 	}
-	fmt.Fprintln(out, "\nThe transport alone: a server that answers without copying data into or out of a store (always_invalidate on, 1 path):")
-	fmt.Fprintln(out, "\n| workload | IOPS | MB/s | p50 µs | p99 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|")
-	nullRes := map[string]Result{}
+	return nil
+}
+
+// nullStore: the transport alone, against a server that keeps no data.
+func (s *suiteRun) nullStore() error {
+	fmt.Fprintln(s.out, "\nThe transport alone: a server that answers without copying data into or out of a store (always_invalidate on, 1 path):")
+	fmt.Fprintln(s.out, "\n| workload | IOPS | MB/s | p50 µs | p99 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|")
+	s.nullRes = map[string]Result{}
 	for _, c := range []struct {
 		rw, bs string
 		qd     int
 	}{{"randread", "4K", 1}, {"randread", "4K", 32}, {"randwrite", "4K", 32}, {"randread", "1M", 8}, {"randwrite", "1M", 8}} {
-		cpu0 := procCPU(srvNull.Process.Pid)
-		runtime.GC()
-		r, err := runClient(ctx, clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: 18604, bs: c.bs, qd: c.qd, rw: c.rw, dur: *dur, span: "256M"})
+		r, scpu, err := s.measure(s.null, clientParams{paths: suitePath, port: 18604, bs: c.bs, qd: c.qd, rw: c.rw})
 		if err != nil {
 			return err
 		}
-		nullRes[fmt.Sprintf("%s %s %d", c.rw, c.bs, c.qd)] = r
-		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", c.rw, c.bs, c.qd, r.IOPS, r.MBps, r.P50us, r.P99us, r.CPUSec, procCPU(srvNull.Process.Pid)-cpu0)
+		s.nullRes[fmt.Sprintf("%s %s %d", c.rw, c.bs, c.qd)] = r
+		fmt.Fprintf(s.out, "| %s %s QD%d | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", c.rw, c.bs, c.qd, r.IOPS, r.MBps, r.P50us, r.P99us, r.CPUSec, scpu)
 	}
-	fmt.Fprintln(out, "\nWith 2 MiB chunks (max_chunk_size 2M, queue depth 128, always_invalidate on, 1 path), a 1 MiB IO is one request:")
-	fmt.Fprintln(out, "\n| workload | store | IOPS | MB/s | p50 µs | p99 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|---|")
-	bigRes := map[string]Result{}
+	return nil
+}
+
+// bigChunks: 1 MiB IOs in one request each, with 2 MiB chunks.
+func (s *suiteRun) bigChunks() error {
+	fmt.Fprintln(s.out, "\nWith 2 MiB chunks (max_chunk_size 2M, queue depth 128, always_invalidate on, 1 path), a 1 MiB IO is one request:")
+	fmt.Fprintln(s.out, "\n| workload | store | IOPS | MB/s | p50 µs | p99 µs | client CPU s | server CPU s |\n|---|---|---|---|---|---|---|---|")
+	s.bigRes = map[string]Result{}
 	for _, srv := range []struct {
 		name string
 		port uint16
 		cmd  *exec.Cmd
-	}{{"memory", 18605, srvBig}, {"null", 18606, srvBigNull}} {
+	}{{"memory", 18605, s.big}, {"null", 18606, s.bigNull}} {
 		for _, rw := range []string{"randread", "randwrite"} {
-			cpu0 := procCPU(srv.cmd.Process.Pid)
-			runtime.GC()
-			r, err := runClient(ctx, clientParams{paths: []string{"ip:127.0.0.1@ip:127.0.0.1"}, port: srv.port, bs: "1M", qd: 8, rw: rw, dur: *dur, span: "256M"})
+			r, scpu, err := s.measure(srv.cmd, clientParams{paths: suitePath, port: srv.port, bs: "1M", qd: 8, rw: rw})
 			if err != nil {
 				return err
 			}
-			bigRes[srv.name+" "+rw] = r
-			fmt.Fprintf(out, "| %s 1M QD8 | %s | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", rw, srv.name, r.IOPS, r.MBps, r.P50us, r.P99us, r.CPUSec, procCPU(srv.cmd.Process.Pid)-cpu0)
+			s.bigRes[srv.name+" "+rw] = r
+			fmt.Fprintf(s.out, "| %s 1M QD8 | %s | %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", rw, srv.name, r.IOPS, r.MBps, r.P50us, r.P99us, r.CPUSec, scpu)
 		}
 	}
-	fio := fioBaselines(ctx, *dur, out)
-	fmt.Fprintln(out, "\nSame-run raw TCP baselines (one process each side, same loopback):")
-	fmt.Fprintln(out, "\n| baseline | IOPS | MB/s | p50 µs | p99 µs |\n|---|---|---|---|---|")
-	tcp := "127.0.0.1:18603"
-	var rt4kRead, rt4kWrite, stream Result
+	return nil
+}
+
+// tcpBaselines: raw TCP round trips and a stream over the same loopback.
+func (s *suiteRun) tcpBaselines() error {
+	fmt.Fprintln(s.out, "\nSame-run raw TCP baselines (one process each side, same loopback):")
+	fmt.Fprintln(s.out, "\n| baseline | IOPS | MB/s | p50 µs | p99 µs |\n|---|---|---|---|---|")
 	for _, b := range []struct {
 		name      string
 		req, resp int
 		qd        int
 		out       *Result
 	}{
-		{"round trip: 8 B out, 4 KiB back (a 4 KiB read)", 8, 4096, 1, &rt4kRead},
-		{"round trip: 4 KiB out, 8 B back (a 4 KiB write)", 4096, 8, 1, &rt4kWrite},
+		{"round trip: 8 B out, 4 KiB back (a 4 KiB read)", 8, 4096, 1, &s.rt4kRead},
+		{"round trip: 4 KiB out, 8 B back (a 4 KiB write)", 4096, 8, 1, &s.rt4kWrite},
 		{"round trips, 32 connections: 8 B out, 4 KiB back", 8, 4096, 32, nil},
 	} {
-		r, err := tcpRR(tcp, b.req, b.resp, b.qd, *dur)
+		r, err := tcpRR(suiteTCP, b.req, b.resp, b.qd, s.dur)
 		if err != nil {
 			return err
 		}
 		if b.out != nil {
 			*b.out = r
 		}
-		fmt.Fprintf(out, "| %s | %.0f | %.1f | %.1f | %.1f |\n", b.name, r.IOPS, r.MBps, r.P50us, r.P99us)
+		fmt.Fprintf(s.out, "| %s | %.0f | %.1f | %.1f | %.1f |\n", b.name, r.IOPS, r.MBps, r.P50us, r.P99us)
 	}
-	stream, err = tcpStream(tcp, 1<<20, *dur)
-	if err != nil {
+	var err error
+	if s.strm, err = tcpStream(suiteTCP, 1<<20, s.dur); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "| stream of 1 MiB writes | %.0f | %.1f | | |\n", stream.IOPS, stream.MBps)
+	fmt.Fprintf(s.out, "| stream of 1 MiB writes | %.0f | %.1f | | |\n", s.strm.IOPS, s.strm.MBps)
+	return nil
+}
 
+// ratios: the figures docs/benchmarks.md compares, from the sections' results.
+func (s *suiteRun) ratios() {
+	out, res := s.out, s.res
 	fmt.Fprintln(out, "\nRatios (always_invalidate on, 1 path unless said):")
-	r1 := res[key{"randread", "4K", 1, true, 1}]
-	w1 := res[key{"randwrite", "4K", 1, true, 1}]
-	fmt.Fprintf(out, "- 4 KiB QD1 p50 / raw TCP round trip: read %.2f, write %.2f (async engine: %.2f, %.2f)\n", r1.P50us/rt4kRead.P50us, w1.P50us/rt4kWrite.P50us,
-		asyncRes["randread 1"].P50us/rt4kRead.P50us, asyncRes["randwrite 1"].P50us/rt4kWrite.P50us)
+	r1 := res[suiteKey{"randread", "4K", 1, true, 1}]
+	w1 := res[suiteKey{"randwrite", "4K", 1, true, 1}]
+	fmt.Fprintf(out, "- 4 KiB QD1 p50 / raw TCP round trip: read %.2f, write %.2f (async engine: %.2f, %.2f)\n", r1.P50us/s.rt4kRead.P50us, w1.P50us/s.rt4kWrite.P50us,
+		s.asyncRes["randread 1"].P50us/s.rt4kRead.P50us, s.asyncRes["randwrite 1"].P50us/s.rt4kWrite.P50us)
 	for _, rw := range []string{"randread", "randwrite"} {
 		fmt.Fprintf(out, "- 1 MiB QD8 %s / TCP stream: %.2f (2 paths: %.2f; null server: %.2f)\n", rw,
-			res[key{rw, "1M", 8, true, 1}].MBps/stream.MBps, res[key{rw, "1M", 8, true, 2}].MBps/stream.MBps,
-			nullRes[rw+" 1M 8"].MBps/stream.MBps)
+			res[suiteKey{rw, "1M", 8, true, 1}].MBps/s.strm.MBps, res[suiteKey{rw, "1M", 8, true, 2}].MBps/s.strm.MBps,
+			s.nullRes[rw+" 1M 8"].MBps/s.strm.MBps)
 	}
 	for _, rw := range []string{"randread", "randwrite"} {
 		fmt.Fprintf(out, "- 1 MiB QD8 %s with 2 MiB chunks / TCP stream: %.2f (null store: %.2f)\n", rw,
-			bigRes["memory "+rw].MBps/stream.MBps, bigRes["null "+rw].MBps/stream.MBps)
+			s.bigRes["memory "+rw].MBps/s.strm.MBps, s.bigRes["null "+rw].MBps/s.strm.MBps)
 	}
 	for _, rw := range []string{"randread", "randwrite"} {
-		if f, ok := fio[rw]; ok {
-			r := res[key{rw, "4K", 32, true, 1}]
-			a := asyncRes[rw+" 32"]
+		if f, ok := s.fio[rw]; ok {
+			r := res[suiteKey{rw, "4K", 32, true, 1}]
+			a := s.asyncRes[rw+" 32"]
 			fmt.Fprintf(out, "- 4 KiB QD32 %s / fio→nbdkit memory over TCP: %.2f (%.0f against %.0f IOPS); async engine: %.2f (%.0f IOPS)\n", rw, r.IOPS/f.IOPS, r.IOPS, f.IOPS, a.IOPS/f.IOPS, a.IOPS)
 		}
 	}
@@ -355,14 +411,13 @@ func suiteCmd(ctx context.Context, args []string, out io.Writer) error {
 		rw, bs string
 		qd     int
 	}{{"randread", "4K", 32}, {"randwrite", "4K", 32}, {"randread", "1M", 8}, {"randwrite", "1M", 8}} {
-		on, off := res[key{c.rw, c.bs, c.qd, true, 1}], res[key{c.rw, c.bs, c.qd, false, 1}]
+		on, off := res[suiteKey{c.rw, c.bs, c.qd, true, 1}], res[suiteKey{c.rw, c.bs, c.qd, false, 1}]
 		extra := ""
-		if a, ok := asyncRes[fmt.Sprintf("%s %d off", c.rw, c.qd)]; ok && c.bs == "4K" {
-			extra = fmt.Sprintf(" (async engine: %.0f%%)", 100*(1-asyncRes[fmt.Sprintf("%s %d", c.rw, c.qd)].IOPS/a.IOPS))
+		if a, ok := s.asyncRes[fmt.Sprintf("%s %d off", c.rw, c.qd)]; ok && c.bs == "4K" {
+			extra = fmt.Sprintf(" (async engine: %.0f%%)", 100*(1-s.asyncRes[fmt.Sprintf("%s %d", c.rw, c.qd)].IOPS/a.IOPS))
 		}
 		fmt.Fprintf(out, "- always_invalidate cost, %s %s QD%d: %.0f%% fewer IOPS than off%s\n", c.rw, c.bs, c.qd, 100*(1-on.IOPS/off.IOPS), extra)
 	}
-	return nil
 }
 
 // fioBaselines runs fio's nbd engine against nbdkit's memory plugin over TCP, 4 KiB QD32 and
