@@ -144,6 +144,55 @@ func parsePaths(specs []string) ([]transport.PathAddrs, error) {
 // blkSuiteCmd measures fio's nbd engine through the NBD front end → RNBD over RTRS → a
 // tmpfs file, against the same shape built from nbdkit: fio → nbdkit nbd plugin (proxy) →
 // TCP → nbdkit memory, in one run with the workloads interleaved.
+// blkJob is one fio job of the block suite.
+type blkJob struct {
+	rw, bs string
+	qd     int
+}
+
+// blkReport prints the block suite's table: per job, the medians of RTRS and of nbdkit.
+func blkReport(out io.Writer, jobs []blkJob, res map[string][]Result, title, chunk string) {
+	fmt.Fprintln(out, title)
+	fmt.Fprintf(out, "RTRS: fio → NBD (unix socket) → rnbd client → RTRS (soft, 1 path, loopback, %s chunks) → rnbd server → tmpfs file\n", chunk)
+	fmt.Fprintln(out, "nbdkit: fio → nbdkit nbd plugin (unix socket) → TCP (loopback) → nbdkit memory")
+	fmt.Fprintln(out, "CPU/IO: CPU time of the whole chain (fio and both servers) per IO, in µs.")
+	fmt.Fprintln(out, "\n| workload | RTRS IOPS | RTRS MB/s | RTRS p50 / p99 µs | RTRS CPU/IO | nbdkit IOPS | nbdkit MB/s | nbdkit p50 / p99 µs | nbdkit CPU/IO | RTRS / nbdkit |\n|---|---|---|---|---|---|---|---|---|---|")
+	for _, j := range jobs {
+		r := medianResult(res[fmt.Sprintf("%s %s %d rtrs", j.rw, j.bs, j.qd)])
+		k := medianResult(res[fmt.Sprintf("%s %s %d nbdkit", j.rw, j.bs, j.qd)])
+		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.1f | %.1f / %.1f | %.1f | %.0f | %.1f | %.1f / %.1f | %.1f | **%.2f×** |\n",
+			j.rw, strings.ToUpper(j.bs), j.qd, r.IOPS, r.MBps, r.P50us, r.P99us, cpuPerIO(r), k.IOPS, k.MBps, k.P50us, k.P99us, cpuPerIO(k), r.IOPS/k.IOPS)
+	}
+}
+
+// fioNBD runs fio's nbd engine on uri for dur and returns its result, with the CPU time of
+// fio and of the processes pids (the servers of the chain) meanwhile.
+func fioNBD(ctx context.Context, uri, rw, bs string, qd int, size int64, dur time.Duration, pids []int) (Result, error) {
+	cpu0 := 0.0
+	for _, pid := range pids {
+		cpu0 += procCPU(pid)
+	}
+	cmd := exec.CommandContext(ctx, "fio", "--name=b", "--ioengine=nbd", "--uri="+uri, "--rw="+rw,
+		"--bs="+bs, fmt.Sprintf("--iodepth=%d", qd), fmt.Sprintf("--size=%d", size),
+		fmt.Sprintf("--runtime=%d", int(dur.Seconds())), "--time_based", "--output-format=json")
+	b, err := cmd.Output()
+	if err != nil {
+		return Result{}, fmt.Errorf("%v: %s", err, b)
+	}
+	r, fioCPU, err := parseFio(b, rw)
+	if err != nil {
+		return Result{}, err
+	}
+	// Every process of the chain, fio included: CPU time is what the two vCPUs share, and
+	// unlike throughput it does not count the time stolen from them.
+	r.CPUSec = fioCPU - cpu0
+	for _, pid := range pids {
+		r.CPUSec += procCPU(pid)
+	}
+	r.Seconds = dur.Seconds()
+	return r, nil
+}
+
 func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("blksuite", flag.ContinueOnError)
 	dur := fs.Duration("duration", 5*time.Second, "length of each fio run")
@@ -215,11 +264,7 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 	if b, err := exec.CommandContext(ctx, "nbdcopy", filepath.Join(dir, "disk"), kitURI).CombinedOutput(); err != nil {
 		return fmt.Errorf("prefill nbdkit: %v: %s", err, b)
 	}
-	type job struct {
-		rw, bs string
-		qd     int
-	}
-	jobs := []job{
+	jobs := []blkJob{
 		{"randread", "4k", 1}, {"randwrite", "4k", 1}, {"randread", "4k", 32}, {"randwrite", "4k", 32},
 		{"read", "128k", 8}, {"write", "128k", 8}, {"read", "1m", 8}, {"write", "1m", 8},
 	}
@@ -230,44 +275,16 @@ func blkSuiteCmd(ctx context.Context, args []string, out io.Writer) error {
 				name, uri string
 				pids      []int
 			}{{"rtrs", rtrsURI, []int{bsrv.Process.Pid, bcli.Process.Pid}}, {"nbdkit", kitURI, []int{mem.Process.Pid, proxy.Process.Pid}}} {
-				cpu0 := 0.0
-				for _, pid := range target.pids {
-					cpu0 += procCPU(pid)
-				}
-				cmd := exec.CommandContext(ctx, "fio", "--name=b", "--ioengine=nbd", "--uri="+target.uri, "--rw="+j.rw,
-					"--bs="+j.bs, fmt.Sprintf("--iodepth=%d", j.qd), fmt.Sprintf("--size=%d", sz),
-					fmt.Sprintf("--runtime=%d", int(dur.Seconds())), "--time_based", "--output-format=json")
-				b, err := cmd.Output()
+				r, err := fioNBD(ctx, target.uri, j.rw, j.bs, j.qd, sz, *dur, target.pids)
 				if err != nil {
-					return fmt.Errorf("fio %s %s QD%d on %s: %v: %s", j.rw, j.bs, j.qd, target.name, err, b)
+					return fmt.Errorf("fio %s %s QD%d on %s: %w", j.rw, j.bs, j.qd, target.name, err)
 				}
-				r, fioCPU, err := parseFio(b, j.rw)
-				if err != nil {
-					return err
-				}
-				// Every process of the chain, fio included: CPU time is what the two vCPUs
-				// share, and unlike throughput it does not count the time stolen from them.
-				r.CPUSec = fioCPU - cpu0
-				for _, pid := range target.pids {
-					r.CPUSec += procCPU(pid)
-				}
-				r.Seconds = dur.Seconds()
 				key := fmt.Sprintf("%s %s %d %s", j.rw, j.bs, j.qd, target.name)
 				res[key] = append(res[key], r)
 			}
 		}
 	}
-	fmt.Fprintf(out, "fio (nbd engine, %v per run, %d interleaved run(s), medians) on a %s prefilled device:\n", *dur, *reps, *sizeStr)
-	fmt.Fprintf(out, "RTRS: fio → NBD (unix socket) → rnbd client → RTRS (soft, 1 path, loopback, %s chunks) → rnbd server → tmpfs file\n", *chunk)
-	fmt.Fprintln(out, "nbdkit: fio → nbdkit nbd plugin (unix socket) → TCP (loopback) → nbdkit memory")
-	fmt.Fprintln(out, "CPU/IO: CPU time of the whole chain (fio and both servers) per IO, in µs.")
-	fmt.Fprintln(out, "\n| workload | RTRS IOPS | RTRS MB/s | RTRS p50 / p99 µs | RTRS CPU/IO | nbdkit IOPS | nbdkit MB/s | nbdkit p50 / p99 µs | nbdkit CPU/IO | RTRS / nbdkit |\n|---|---|---|---|---|---|---|---|---|---|")
-	for _, j := range jobs {
-		r := medianResult(res[fmt.Sprintf("%s %s %d rtrs", j.rw, j.bs, j.qd)])
-		k := medianResult(res[fmt.Sprintf("%s %s %d nbdkit", j.rw, j.bs, j.qd)])
-		fmt.Fprintf(out, "| %s %s QD%d | %.0f | %.1f | %.1f / %.1f | %.1f | %.0f | %.1f | %.1f / %.1f | %.1f | **%.2f×** |\n",
-			j.rw, strings.ToUpper(j.bs), j.qd, r.IOPS, r.MBps, r.P50us, r.P99us, cpuPerIO(r), k.IOPS, k.MBps, k.P50us, k.P99us, cpuPerIO(k), r.IOPS/k.IOPS)
-	}
+	blkReport(out, jobs, res, fmt.Sprintf("fio (nbd engine, %v per run, %d interleaved run(s), medians) on a %s prefilled device:", *dur, *reps, *sizeStr), *chunk)
 	return nil
 }
 
