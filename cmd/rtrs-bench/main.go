@@ -297,6 +297,13 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 		}
 		return runAsync(ctx, sess, cp, bs, blocks, random, readPct, len(pas))
 	}
+	return runSync(ctx, sess, cp, bs, blocks, random, readPct, len(pas))
+}
+
+// runSync is the synchronous engine: cp.qd workers, each sending its next request when the
+// last one completed, over blocks blocks of bs bytes, for cp.dur; with cp.verify, reads of
+// written blocks are compared with what was written.
+func runSync(ctx context.Context, sess *transport.Session, cp clientParams, bs, blocks int, random bool, readPct, npaths int) (Result, error) {
 	written := make([]atomic.Bool, blocks)
 	busy := make([]atomic.Bool, blocks)
 	lats := make([][]time.Duration, cp.qd)
@@ -363,7 +370,7 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 		return Result{}, err
 	}
 	n := ops.Load()
-	r := Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: len(pas), Ops: n, Seconds: el.Seconds(),
+	r := Result{RW: cp.rw, BS: bs, QD: cp.qd, Paths: npaths, Ops: n, Seconds: el.Seconds(),
 		IOPS: float64(n) / el.Seconds(), MBps: float64(n) * float64(bs) / el.Seconds() / 1e6,
 		CPUSec: cpuSeconds() - cpu0, Verified: verified.Load()}
 	r.P50us, r.P99us, r.P999us, _ = percentiles(lats)
