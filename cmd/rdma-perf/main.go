@@ -418,101 +418,131 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 	if err != nil {
 		return Result{}, err
 	}
-	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
-	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
-	// Room for every sample up front; with a count, no more than that (8 MiB would start a
-	// GC cycle, whose worker takes a CPU, as the measurement starts).
-	lat := make([]time.Duration, 0, 1<<20)
+	pp := &pinger{s: s, iters: iters, dur: dur,
+		recv: []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}},
+		send: []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}},
+		// Room for every sample up front; with a count, no more than that (8 MiB would
+		// start a GC cycle, whose worker takes a CPU, as the measurement starts).
+		lat: make([]time.Duration, 0, 1<<20)}
 	if iters > 0 {
-		lat = make([]time.Duration, 0, iters)
+		pp.lat = make([]time.Duration, 0, iters)
 	}
-	var t0 time.Time
-	start := time.Now()
-	more := func(i int) bool { // (i round trips are done)
-		if iters > 0 {
-			return i < iters
-		}
-		return time.Since(start) < dur
+	pp.start = time.Now()
+	if mode == "handler" {
+		err = pp.fromHandler(ctx)
+	} else {
+		err = pp.loop(ctx, mode == "poll")
 	}
-	ping := func(i int) error {
-		if _, err := s.qp.PostRecv(recv); err != nil {
-			return err
-		}
-		t0 = time.Now()
-		send[0].Imm = uint32(i)
-		// Every 32nd SEND is signaled: an unsignaled request keeps its send queue slot until
-		// a later one completes (as on an HCA; perftest does the same).
-		send[0].Flags = 0
-		if i%32 == 0 {
-			send[0].Flags = rdma.SendSignaled
-		}
-		_, err := s.qp.PostSend(send)
+	if err != nil {
+		return Result{}, err
+	}
+	return latResult(p, pp.lat, time.Since(pp.start), mode), nil
+}
+
+// pinger is send_lat's side that measures: it sends a ping (SEND with the round's number as
+// immediate) and times the round until the echo comes back.
+type pinger struct {
+	s         *side
+	recv      []rdma.RecvWR
+	send      []rdma.SendWR
+	iters     int           // rounds; 0: for dur
+	dur       time.Duration // with iters 0
+	start, t0 time.Time
+	lat       []time.Duration
+}
+
+// more says whether round i is to run (i rounds are done).
+func (pp *pinger) more(i int) bool {
+	if pp.iters > 0 {
+		return i < pp.iters
+	}
+	return time.Since(pp.start) < pp.dur
+}
+
+// ping posts the receive of the echo and sends round i's ping.
+func (pp *pinger) ping(i int) error {
+	if _, err := pp.s.qp.PostRecv(pp.recv); err != nil {
 		return err
 	}
-	if mode == "handler" {
-		// The next ping leaves from the handler that took the pong.
-		done := make(chan error, 1)
-		var wc [16]rdma.WC
-		i := 0
-		s.cq.SetHandler(func() {
-			for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
-				for _, w := range wc[:n] {
-					if w.Status != rdma.WCSuccess {
-						done <- fmt.Errorf("completion %v: %v", w.Opcode, w.Status)
-						return
-					}
-					if w.Opcode != rdma.WCRecv {
-						continue
-					}
-					lat = append(lat, time.Since(t0))
-					if w.Imm != uint32(i) {
-						done <- fmt.Errorf("echo %d for %d", w.Imm, i)
-						return
-					}
-					if i++; !more(i) {
-						done <- nil
-						return
-					}
-					if err := ping(i); err != nil {
-						done <- err
-						return
-					}
-				}
-			}
-		})
-		if err := ping(0); err != nil {
-			return Result{}, err
-		}
-		select {
-		case err = <-done:
-		case <-ctx.Done():
-			err = ctx.Err()
-		}
-		s.cq.SetHandler(nil)
-		if err != nil {
-			return Result{}, err
-		}
-		return latResult(p, lat, time.Since(start), mode), nil
+	pp.t0 = time.Now()
+	pp.send[0].Imm = uint32(i)
+	// Every 32nd SEND is signaled: an unsignaled request keeps its send queue slot until a
+	// later one completes (as on an HCA; perftest does the same).
+	pp.send[0].Flags = 0
+	if i%32 == 0 {
+		pp.send[0].Flags = rdma.SendSignaled
 	}
-	for i := 0; more(i); i++ {
-		if err := ping(i); err != nil {
-			return Result{}, err
+	_, err := pp.s.qp.PostSend(pp.send)
+	return err
+}
+
+// loop runs the rounds from this goroutine, waiting for each echo by polling or by the
+// completion channel.
+func (pp *pinger) loop(ctx context.Context, poll bool) error {
+	for i := 0; pp.more(i); i++ {
+		if err := pp.ping(i); err != nil {
+			return err
 		}
 		for {
-			wc, err := s.next(ctx, mode == "poll")
+			wc, err := pp.s.next(ctx, poll)
 			if err != nil {
-				return Result{}, err
+				return err
 			}
 			if wc.Opcode == rdma.WCRecv {
 				if wc.Imm != uint32(i) {
-					return Result{}, fmt.Errorf("echo %d for %d", wc.Imm, i)
+					return fmt.Errorf("echo %d for %d", wc.Imm, i)
 				}
 				break
 			}
 		}
-		lat = append(lat, time.Since(t0))
+		pp.lat = append(pp.lat, time.Since(pp.t0))
 	}
-	return latResult(p, lat, time.Since(start), mode), nil
+	return nil
+}
+
+// fromHandler runs the rounds from the completion handler: the next ping leaves from the
+// handler that took the echo.
+func (pp *pinger) fromHandler(ctx context.Context) error {
+	done := make(chan error, 1)
+	var wc [16]rdma.WC
+	i := 0
+	cq := pp.s.cq
+	cq.SetHandler(func() {
+		for n := cq.Poll(wc[:]); n > 0; n = cq.Poll(wc[:]) {
+			for _, w := range wc[:n] {
+				if w.Status != rdma.WCSuccess {
+					done <- fmt.Errorf("completion %v: %v", w.Opcode, w.Status)
+					return
+				}
+				if w.Opcode != rdma.WCRecv {
+					continue
+				}
+				pp.lat = append(pp.lat, time.Since(pp.t0))
+				if w.Imm != uint32(i) {
+					done <- fmt.Errorf("echo %d for %d", w.Imm, i)
+					return
+				}
+				if i++; !pp.more(i) {
+					done <- nil
+					return
+				}
+				if err := pp.ping(i); err != nil {
+					done <- err
+					return
+				}
+			}
+		}
+	})
+	defer cq.SetHandler(nil)
+	if err := pp.ping(0); err != nil {
+		return err
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 func bandwidth(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p params, dur time.Duration) (Result, error) {
