@@ -35,11 +35,7 @@ func suite(ctx context.Context, ap netip.AddrPort, reps int, dur time.Duration, 
 		return err
 	}
 
-	type key struct {
-		test string
-		size int
-	}
-	results := map[key][]Result{}
+	results := map[suiteKey][]Result{}
 	runOne := func(test string, size int, mode string) error {
 		p := params{Test: test, Size: size, Depth: 16}
 		// Each run starts from a collected heap, so one run's garbage does not bill the next.
@@ -62,7 +58,7 @@ func suite(ctx context.Context, ap netip.AddrPort, reps int, dur time.Duration, 
 		if err != nil {
 			return fmt.Errorf("%s %d: %w", test, size, err)
 		}
-		results[key{test, size}] = append(results[key{test, size}], r)
+		results[suiteKey{test, size}] = append(results[suiteKey{test, size}], r)
 		return nil
 	}
 	sizes := []int{4 << 10, 128 << 10, 1 << 20}
@@ -86,38 +82,7 @@ func suite(ctx context.Context, ap netip.AddrPort, reps int, dur time.Duration, 
 			}
 		}
 	}
-	median := func(rs []Result, f func(Result) float64) float64 {
-		v := make([]float64, len(rs))
-		for i, r := range rs {
-			v[i] = f(r)
-		}
-		sort.Float64s(v)
-		return v[len(v)/2]
-	}
-	mbps := func(r Result) float64 { return r.MBps }
-	host, _ := os.Hostname()
-	fmt.Fprintf(out, "Run of `rdma-perf -suite` on %s (%d CPUs, %s/%s), %s, %d repetitions of %v each,\n",
-		host, runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02 15:04 UTC"), reps, dur)
-	fmt.Fprintf(out, "client and server in two processes over 127.0.0.1; medians.\n\n")
-	fmt.Fprintf(out, "| size | RDMA_WRITE MB/s | RDMA_READ MB/s | TCP stream MB/s | WRITE/TCP | READ/TCP |\n|---|---|---|---|---|---|\n")
-	for _, sz := range sizes {
-		w := median(results[key{"write_bw", sz}], mbps)
-		r := median(results[key{"read_bw", sz}], mbps)
-		tc := median(results[key{"tcp_bw", sz}], mbps)
-		fmt.Fprintf(out, "| %s | %.0f | %.0f | %.0f | %.2f | %.2f |\n", sizeName(sz), w, r, tc, w/tc, r/tc)
-	}
-	fmt.Fprintf(out, "\n| 64-byte ping-pong | p50 µs | p99 µs | p50 / TCP |\n|---|---|---|---|\n")
-	tcp := median(results[key{"tcp_lat", 64}], func(r Result) float64 { return r.P50us })
-	for _, row := range []struct{ name, k string }{
-		{"SEND_WITH_IMM, completions in the CQ handler", "send_lat/handler"},
-		{"SEND_WITH_IMM, completions by CQ.Wait", "send_lat/wait"},
-		{"raw TCP (write, read)", "tcp_lat"},
-	} {
-		rs := results[key{row.k, 64}]
-		p50 := median(rs, func(r Result) float64 { return r.P50us })
-		p99 := median(rs, func(r Result) float64 { return r.P99us })
-		fmt.Fprintf(out, "| %s | %.1f | %.1f | %.2f |\n", row.name, p50, p99, p50/tcp)
-	}
+	suiteReport(out, results, sizes, reps, dur)
 	return nil
 }
 
@@ -129,4 +94,48 @@ func sizeName(n int) string {
 		return fmt.Sprintf("%d KiB", n>>10)
 	}
 	return strings.TrimSpace(fmt.Sprintf("%d B", n))
+}
+
+// suiteKey is a test and its message size.
+type suiteKey struct {
+	test string
+	size int
+}
+
+// median is the median of f over rs.
+func median(rs []Result, f func(Result) float64) float64 {
+	v := make([]float64, len(rs))
+	for i, r := range rs {
+		v[i] = f(r)
+	}
+	sort.Float64s(v)
+	return v[len(v)/2]
+}
+
+// suiteReport prints the suite's two tables, medians of the repetitions.
+func suiteReport(out io.Writer, results map[suiteKey][]Result, sizes []int, reps int, dur time.Duration) {
+	mbps := func(r Result) float64 { return r.MBps }
+	host, _ := os.Hostname()
+	fmt.Fprintf(out, "Run of `rdma-perf -suite` on %s (%d CPUs, %s/%s), %s, %d repetitions of %v each,\n",
+		host, runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02 15:04 UTC"), reps, dur)
+	fmt.Fprintf(out, "client and server in two processes over 127.0.0.1; medians.\n\n")
+	fmt.Fprintf(out, "| size | RDMA_WRITE MB/s | RDMA_READ MB/s | TCP stream MB/s | WRITE/TCP | READ/TCP |\n|---|---|---|---|---|---|\n")
+	for _, sz := range sizes {
+		w := median(results[suiteKey{"write_bw", sz}], mbps)
+		r := median(results[suiteKey{"read_bw", sz}], mbps)
+		tc := median(results[suiteKey{"tcp_bw", sz}], mbps)
+		fmt.Fprintf(out, "| %s | %.0f | %.0f | %.0f | %.2f | %.2f |\n", sizeName(sz), w, r, tc, w/tc, r/tc)
+	}
+	fmt.Fprintf(out, "\n| 64-byte ping-pong | p50 µs | p99 µs | p50 / TCP |\n|---|---|---|---|\n")
+	tcp := median(results[suiteKey{"tcp_lat", 64}], func(r Result) float64 { return r.P50us })
+	for _, row := range []struct{ name, k string }{
+		{"SEND_WITH_IMM, completions in the CQ handler", "send_lat/handler"},
+		{"SEND_WITH_IMM, completions by CQ.Wait", "send_lat/wait"},
+		{"raw TCP (write, read)", "tcp_lat"},
+	} {
+		rs := results[suiteKey{row.k, 64}]
+		p50 := median(rs, func(r Result) float64 { return r.P50us })
+		p99 := median(rs, func(r Result) float64 { return r.P99us })
+		fmt.Fprintf(out, "| %s | %.1f | %.1f | %.2f |\n", row.name, p50, p99, p50/tcp)
+	}
 }
