@@ -200,61 +200,21 @@ build:
 			}
 		}
 		q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))] = sent{id: wr.ID, op: wcOf[wr.Opcode]}
-		switch wr.Opcode {
-		case rdma.OpRegMR:
-			m, ok := wr.MR.(*mr)
-			if !ok || m.pd != q.pd || m.mw == nil {
-				verr, n = fmt.Errorf("%w: REG_MR of a region that is not a fast-reg region of this PD", rdma.ErrInvalid), i
-				break build
-			}
-			if wr.Access&^accessAll != 0 {
-				verr, n = fmt.Errorf("%w: REG_MR access %#x", rdma.ErrInvalid, uint32(wr.Access)), i
-				break build
-			}
-			m.mu.Lock()
-			buf, under, old, mw := m.buf, m.base, m.key.Load(), m.mw
-			m.mu.Unlock()
-			if under == nil || m.valid.Load() {
-				verr, n = fmt.Errorf("%w: REG_MR of a region that is not mapped, or still valid", rdma.ErrInvalid), i
-				break build
-			}
-			if wr.Key>>8 != old>>8 || !m.type2 && wr.Key != rdma.IncKey(old) {
-				// A type 1 window's next key is the library's: the low byte plus one.
-				verr, n = fmt.Errorf("%w: REG_MR key %#x for a window keyed %#x", rdma.ErrInvalid, wr.Key, old), i
-				break build
-			}
-			x.mw, x.mr = mw, under.mr
-			x.addr = C.uint64_t(uintptr(unsafe.Pointer(&buf[0])))
-			x.length = C.uint64_t(len(buf))
-			// Local write is the underlying region's; a window grants remote rights.
-			x.access = C.uint32_t(ibvAccess(wr.Access &^ rdma.AccessLocalWrite))
-			x.new_key = C.uint32_t(wr.Key)
-			changes = append(changes, windowChange{idx: i, m: m, old: old, key: wr.Key, valid: true})
-			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
-		case rdma.OpLocalInv:
-			m := q.pd.window(wr.InvRKey)
-			if m == nil {
-				verr, n = fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey), i
-				break build
-			}
-			m.mu.Lock()
-			under, mw := m.base, m.mw
-			m.mu.Unlock()
-			if !m.valid.Load() || under == nil {
-				// Invalidating a window that is not bound is an error on an HCA (and has
-				// crashed rxe): refused here.
-				verr, n = fmt.Errorf("%w: LOCAL_INV of key %#x, which is not valid", rdma.ErrInvalid, wr.InvRKey), i
-				break build
-			}
-			if !m.type2 {
-				// Unbinding a type 1 window is a bind of length 0, and moves its key on.
-				// (rxe's library reads the region of the bind even when its length is 0.)
-				x.mw, x.mr = mw, under.mr
-				changes = append(changes, windowChange{idx: i, m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)})
+		if wr.Opcode == rdma.OpRegMR || wr.Opcode == rdma.OpLocalInv {
+			var c windowChange
+			var err error
+			if wr.Opcode == rdma.OpRegMR {
+				c, err = q.regMRWR(x, wr)
 			} else {
-				changes = append(changes, windowChange{idx: i, m: m, old: wr.InvRKey, key: wr.InvRKey})
+				c, err = q.localInvWR(x, wr)
 			}
-			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = m
+			if err != nil {
+				verr, n = err, i
+				break build
+			}
+			c.idx = i
+			changes = append(changes, c)
+			q.sq[(q.sqHead+uint64(i))%uint64(len(q.sq))].mw = c.m
 		}
 	}
 	// A PD-wide (type 1) window serves every QP of the PD, so its new state is taken before
@@ -275,6 +235,75 @@ build:
 	if rc != 0 {
 		posted = int(*q.bad)
 	}
+	keyErr := q.settleWindows(changes, posted, g)
+	q.changes = changes[:0]
+	q.sqHead += uint64(posted)
+	if rc != 0 {
+		return base + posted, fmt.Errorf("verbs: ibv_post_send: %w", errnoOf(rc))
+	}
+	if verr != nil {
+		return base + posted, verr
+	}
+	return base + posted, keyErr
+}
+
+// regMRWR fills x for a REG_MR of wr's fast-reg region (a window bind) and returns what it
+// will do to the window, or why wr is refused.
+func (q *qp) regMRWR(x *C.struct_gwr, wr *rdma.SendWR) (windowChange, error) {
+	m, ok := wr.MR.(*mr)
+	if !ok || m.pd != q.pd || m.mw == nil {
+		return windowChange{}, fmt.Errorf("%w: REG_MR of a region that is not a fast-reg region of this PD", rdma.ErrInvalid)
+	}
+	if wr.Access&^accessAll != 0 {
+		return windowChange{}, fmt.Errorf("%w: REG_MR access %#x", rdma.ErrInvalid, uint32(wr.Access))
+	}
+	m.mu.Lock()
+	buf, under, old, mw := m.buf, m.base, m.key.Load(), m.mw
+	m.mu.Unlock()
+	if under == nil || m.valid.Load() {
+		return windowChange{}, fmt.Errorf("%w: REG_MR of a region that is not mapped, or still valid", rdma.ErrInvalid)
+	}
+	if wr.Key>>8 != old>>8 || !m.type2 && wr.Key != rdma.IncKey(old) {
+		// A type 1 window's next key is the library's: the low byte plus one.
+		return windowChange{}, fmt.Errorf("%w: REG_MR key %#x for a window keyed %#x", rdma.ErrInvalid, wr.Key, old)
+	}
+	x.mw, x.mr = mw, under.mr
+	x.addr = C.uint64_t(uintptr(unsafe.Pointer(&buf[0])))
+	x.length = C.uint64_t(len(buf))
+	// Local write is the underlying region's; a window grants remote rights.
+	x.access = C.uint32_t(ibvAccess(wr.Access &^ rdma.AccessLocalWrite))
+	x.new_key = C.uint32_t(wr.Key)
+	return windowChange{m: m, old: old, key: wr.Key, valid: true}, nil
+}
+
+// localInvWR fills x for a LOCAL_INV of the window wr.InvRKey names and returns what it
+// will do to the window, or why wr is refused.
+func (q *qp) localInvWR(x *C.struct_gwr, wr *rdma.SendWR) (windowChange, error) {
+	m := q.pd.window(wr.InvRKey)
+	if m == nil {
+		return windowChange{}, fmt.Errorf("%w: LOCAL_INV of key %#x, which names no fast-reg region of this PD (registered regions keep their keys on verbs)", rdma.ErrInvalid, wr.InvRKey)
+	}
+	m.mu.Lock()
+	under, mw := m.base, m.mw
+	m.mu.Unlock()
+	if !m.valid.Load() || under == nil {
+		// Invalidating a window that is not bound is an error on an HCA (and has crashed
+		// rxe): refused here.
+		return windowChange{}, fmt.Errorf("%w: LOCAL_INV of key %#x, which is not valid", rdma.ErrInvalid, wr.InvRKey)
+	}
+	if !m.type2 {
+		// Unbinding a type 1 window is a bind of length 0, and moves its key on. (rxe's
+		// library reads the region of the bind even when its length is 0.)
+		x.mw, x.mr = mw, under.mr
+		return windowChange{m: m, old: wr.InvRKey, key: rdma.IncKey(wr.InvRKey)}, nil
+	}
+	return windowChange{m: m, old: wr.InvRKey, key: wr.InvRKey}, nil
+}
+
+// settleWindows brings the windows the requests changed to their state once posted requests
+// are known: type 1 changes not posted are put back, type 1 keys the library chose are
+// taken, type 2 windows follow their posted binds. An error says a library key differed.
+func (q *qp) settleWindows(changes []windowChange, posted int, g []C.struct_gwr) error {
 	var keyErr error
 	for _, c := range changes {
 		switch {
@@ -300,15 +329,7 @@ build:
 			c.m.setState(q.pd, c.valid, c.old, c.key, bound)
 		}
 	}
-	q.changes = changes[:0]
-	q.sqHead += uint64(posted)
-	if rc != 0 {
-		return base + posted, fmt.Errorf("verbs: ibv_post_send: %w", errnoOf(rc))
-	}
-	if verr != nil {
-		return base + posted, verr
-	}
-	return base + posted, keyErr
+	return keyErr
 }
 
 func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
