@@ -1,24 +1,25 @@
 # shellcheck shell=bash
 # Interoperation with the kernel's RTRS/RNBD (issue 12), both directions over verbs on two rxe
-# paths:
-# - the kernel's rnbd-client maps a file exported by our rtrs-serverd, with the server's
-#   always_invalidate on and off: fio verifies (crc32c) random 4 KiB and sequential 1 MiB IO
-#   on /dev/rnbd0, a file system holds files; with always_invalidate on, fio keeps verifying
-#   while a path is disconnected from the kernel client's tree and another from our server's
-#   tree, then our server is killed and restarted and the kernel client reconnects to it (its
-#   paths' reconnect files run the attempts at once instead of after its fixed 30 s delay);
+# paths, each with always_invalidate on and off (every check below runs in both passes but
+# mpath_policy and the tree dumps, which run in the first):
+# - the kernel's rnbd-client maps a file exported by our rtrs-serverd: fio verifies (crc32c)
+#   random 4 KiB and sequential 1 MiB IO on /dev/rnbd0, a file system holds files; fio keeps
+#   verifying while a path is disconnected from the kernel client's tree and another from our
+#   server's tree, then our server is killed and restarted and the kernel client reconnects to
+#   it (its paths' reconnect files run the attempts at once instead of after its fixed 30 s
+#   delay);
 # - our rtrs-clientd maps a loop device from the kernel's rnbd-server (rtrs-server loaded with
 #   always_invalidate Y, then N): fio verifies through the device file and through our NBD
-#   export; with Y, fio keeps verifying while a path is disconnected from our tree and another
-#   from the kernel server's tree, and while the kernel's modules are removed and loaded
-#   again (our client reconnects on its own, after -reconnect-delay 2s); mpath_policy is
+#   export; fio keeps verifying while a path is disconnected from our tree and another from
+#   the kernel server's tree, and while the kernel's modules are removed and loaded again (our
+#   client reconnects on its own, after -reconnect-delay 2s); in the Y pass, mpath_policy is
 #   switched under load and each policy's split shows in stats/rdma;
-# - RNBD 2.2 (issue 20), always_invalidate off, both directions (kc_rnbd22, ks_rnbd22): ext4 with
-#   its journal (mkfs, files, fsck -n, remount), fio verify with fsync=1 and fdatasync=1,
-#   fstrim, blkdiscard, blkdiscard -z, fallocate --zero-range and --punch-hole on the block
-#   device, no IO error in dmesg; what arrived is asserted per kernel (6.1, 6.12, 7.2: rnbd_rules)
-#   from our server's counters or from the kernel server's loop device, what it did from the
-#   backing file's allocation. One matrix line per check (results/interop-matrix.md);
+# - RNBD 2.2 (issue 20), both directions (kc_rnbd22, ks_rnbd22): ext4 with its journal (mkfs,
+#   files, fsck -n, remount), fio verify with fsync=1 and fdatasync=1, fstrim, blkdiscard,
+#   blkdiscard -z, fallocate --zero-range and --punch-hole on the block device, no IO error in
+#   dmesg; what arrived is asserted per kernel (6.1, 6.12, 7.2: rnbd_rules) from our server's
+#   counters or from the kernel server's loop device, what it did from the backing file's
+#   allocation. One matrix line per check (results/interop-matrix.md);
 # - force_close both ways: in our rnbd-server tree with the kernel's client on it, and in the
 #   kernel's /sys/class/rnbd-server with our client on it (kc_force_close, ks_force_close);
 # - the kernel's trees and ours are listed file by file and compared (compare_trees);
@@ -58,10 +59,10 @@ guest() {
 	for m in mbcache jbd2 crc16 crc32c_generic ext4; do
 		vm_insmod "$RTRS_VM_WORK/kmod/$m.ko"
 	done
-	timed kernel_client_our_server true faults
+	timed kernel_client_our_server true first
 	timed kernel_client_our_server false
 	# Now the kernel's server takes port 1234.
-	timed our_client_kernel_server Y faults
+	timed our_client_kernel_server Y first
 	timed our_client_kernel_server N
 	compare_trees
 	local t0
@@ -144,10 +145,10 @@ fio_background() {
 # ---------------------------------------------------------------------------------------------
 # Kernel client, our server
 
-# kernel_client_our_server INV [faults]: the kernel's rnbd-client against rtrs-serverd
+# kernel_client_our_server INV [first]: the kernel's rnbd-client against rtrs-serverd
 # -always-invalidate=INV.
 kernel_client_our_server() {
-	local inv=$1 faults=${2:-} A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 T=/tmp/kc-$1 s=kc-$1 f p
+	local inv=$1 first=${2:-} A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 T=/tmp/kc-$1 s=kc-$1 f p
 	echo "== kernel rnbd-client → rtrs-serverd -provider verbs -always-invalidate=$inv"
 	mkdir -p "$T"/exports "$T"/srv "$T"/mnt
 	truncate -s 256M "$T"/exports/disk
@@ -172,9 +173,7 @@ kernel_client_our_server() {
 	head -c 16M "$T"/exports/disk >"$T"/exp
 	cmp "$T"/pat "$T"/exp
 	fio_verify "kc-$inv" /dev/rnbd0
-	if [ -n "$faults" ]; then
-		kc_faults "$T" "$s" "$inv"
-	fi
+	kc_faults "$T" "$s" "$inv"
 	# Counted from here on both sides (a reconnected path starts new counts on the server).
 	reset_rdma "$K"
 	reset_rdma "$T/srv/$s"
@@ -189,14 +188,12 @@ kernel_client_our_server() {
 	[ "$(seq 1 20000 | md5sum)" = "$(md5sum <"$T"/mnt/d/seq)" ]
 	umount "$T"/mnt
 	same_io "$K" "$T/srv/$s"
-	if [ -n "$faults" ]; then
+	if [ -n "$first" ]; then
 		dump_tree "$K" "$R"/trees/kernel-client
 		dump_tree "$T/srv/$s" "$R"/trees/our-server
 	fi
-	if [ -z "$faults" ]; then
-		kc_rnbd22 "$T" "$inv"
-		kc_force_close "$T" "$s"
-	fi
+	kc_rnbd22 "$T" "$inv"
+	kc_force_close "$T" "$s"
 	echo normal >/sys/block/rnbd0/rnbd/unmap_device
 	vm_wait 10 test ! -e /dev/rnbd0
 	kill "$SRV_PID"
@@ -288,10 +285,10 @@ kc_faults() {
 # ---------------------------------------------------------------------------------------------
 # Our client, kernel server
 
-# our_client_kernel_server INV [faults]: rtrs-clientd against rnbd-server over rtrs-server
+# our_client_kernel_server INV [first]: rtrs-clientd against rnbd-server over rtrs-server
 # loaded with always_invalidate=INV (a module parameter: read at load).
 our_client_kernel_server() {
-	local inv=$1 faults=${2:-} A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 T=/tmp/ks-$1 s=ks-$1 f
+	local inv=$1 first=${2:-} A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 T=/tmp/ks-$1 s=ks-$1 f
 	echo "== rtrs-clientd -provider verbs → kernel rnbd-server, rtrs-server always_invalidate=$inv"
 	vm_insmod "$RTRS_VM_WORK/kmod/rtrs-server.ko" always_invalidate="$inv"
 	vm_insmod "$RTRS_VM_WORK/kmod/rnbd-server.ko"
@@ -329,8 +326,8 @@ our_client_kernel_server() {
 	fio_verify "ks-$inv-file" "$dev"
 	# Through our NBD export (fio's libnbd engine).
 	fio_verify "ks-$inv-nbd" "" --ioengine=nbd --uri="nbd+unix:///$s/$name?socket=$T/nbd.sock" --direct=0
-	if [ -n "$faults" ]; then
-		ks_faults "$T" "$s" "$inv" "$dev"
+	ks_faults "$T" "$s" "$inv" "$dev"
+	if [ -n "$first" ]; then
 		policies "$T" "$loop"
 	fi
 	# The kernel's rtrs-server on rxe sometimes closes a path on its own ("REG MR failed: local
@@ -343,14 +340,12 @@ our_client_kernel_server() {
 	dd if="$dev" of="$T"/back bs=1M skip=32 count=16 status=none
 	cmp "$T"/pat "$T"/back
 	same_io "$T/cli/$s" "/sys/class/rtrs-server/$s"
-	if [ -n "$faults" ]; then
+	if [ -n "$first" ]; then
 		dump_tree "/sys/class/rtrs-server/$s" "$R"/trees/kernel-server
 		dump_tree "$T/cli/$s" "$R"/trees/our-client
 	fi
-	if [ -z "$faults" ]; then
-		ks_rnbd22 "$T" "$s" "$inv"
-		ks_force_close "$T" "$s" "$loop" "$dev"
-	fi
+	ks_rnbd22 "$T" "$s" "$inv"
+	ks_force_close "$T" "$s" "$loop" "$dev"
 	echo "sessname=$s device_path=$loop" >"$T"/dev/ctl/unmap_device
 	echo "$s" >"$T"/cli/ctl/close_session
 	kill $cpid
