@@ -17,8 +17,6 @@ package main
 import (
 	"context"
 	"crypto/tls"
-	"errors"
-	"flag"
 	"fmt"
 	"net"
 	"os"
@@ -37,14 +35,7 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
-func main() {
-	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) {
-		os.Exit(0) // -h: the usage went to stderr
-	} else if err != nil {
-		fmt.Fprintln(os.Stderr, "rtrs-clientd:", err)
-		os.Exit(1)
-	}
-}
+func main() { daemon.Main("rtrs-clientd", run) }
 
 type clientd struct {
 	cfgPath string

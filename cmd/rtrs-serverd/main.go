@@ -11,10 +11,7 @@ package main
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
-	"os"
 	"sync/atomic"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
@@ -25,14 +22,7 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
-func main() {
-	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) {
-		os.Exit(0) // -h: the usage went to stderr
-	} else if err != nil {
-		fmt.Fprintln(os.Stderr, "rtrs-serverd:", err)
-		os.Exit(1)
-	}
-}
+func main() { daemon.Main("rtrs-serverd", run) }
 
 func run(parent context.Context, args []string) error {
 	var reload atomic.Pointer[func()] // set once the server runs; SIGHUP before that is a no-op

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"net/netip"
+	"os"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/fsview"
@@ -15,6 +16,17 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
+
+// Main runs a daemon: run with the process's arguments, then exit 0 after -h (the usage went
+// to stderr), 1 with the error said on stderr as "name: error", 0 otherwise.
+func Main(name string, run func(ctx context.Context, args []string) error) {
+	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	} else if err != nil {
+		fmt.Fprintln(os.Stderr, name+":", err)
+		os.Exit(1)
+	}
+}
 
 // Settings is a daemon's typed configuration: a struct whose defaults its constructor sets,
 // with a flag per field.
