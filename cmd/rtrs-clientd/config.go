@@ -28,6 +28,9 @@ type config struct {
 	NBDAttach         string
 	NBDConns          int
 	NBDTimeout        time.Duration
+	UblkAttach        string
+	UblkQueues        string
+	UblkDepth         int
 	IOTimeout         time.Duration
 	ReconnectDelay    time.Duration
 	HeartbeatInterval time.Duration
@@ -39,7 +42,7 @@ func newConfig() *config {
 	return &config{
 		Common: daemon.NewCommon("/etc/rtrs/rtrs-clientd.conf"),
 		Mount:  "/run/rtrs/rtrs-client", DevMount: "/run/rtrs/dev", NBDSocket: "/run/rtrs/nbd.sock",
-		NBDAttach: "none", IOTimeout: rnbd.DefaultReconnectTimeout, MaxChunkMemory: "256M",
+		NBDAttach: "none", UblkAttach: "none", UblkQueues: "cpus", UblkDepth: 128, IOTimeout: rnbd.DefaultReconnectTimeout, MaxChunkMemory: "256M",
 	}
 }
 
@@ -58,6 +61,9 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.NBDAttach, "nbd-attach", c.NBDAttach, "attach mappings without an nbd= token to the kernel's /dev/nbdX: none or auto")
 	fs.IntVar(&c.NBDConns, "nbd-conns", c.NBDConns, "sockets per attached /dev/nbdX (0: the CPUs, at most 4)")
 	fs.DurationVar(&c.NBDTimeout, "nbd-timeout", c.NBDTimeout, "the kernel's request timeout on an attached /dev/nbdX (0: -io-timeout plus one minute)")
+	fs.StringVar(&c.UblkAttach, "ublk-attach", c.UblkAttach, "attach mappings without a ublk= token to /dev/ublkbN: none or auto")
+	fs.StringVar(&c.UblkQueues, "ublk-queues", c.UblkQueues, "queues of a /dev/ublkbN: cpus (one per CPU), paths (one per path of its session) or a number")
+	fs.IntVar(&c.UblkDepth, "ublk-depth", c.UblkDepth, "requests in flight per ublk queue (1 to 4096)")
 	fs.DurationVar(&c.IOTimeout, "io-timeout", c.IOTimeout, "how long IO waits for a session that lost every path before it fails with EIO")
 	fs.DurationVar(&c.ReconnectDelay, "reconnect-delay", c.ReconnectDelay, "how long a disconnected path waits before each reconnect attempt, plus 0–7 ms so paths do not reconnect in step (0: 30 s, what RNBD asks of the kernel's RTRS)")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is reconnected (0: 5 s, as the kernel)")
@@ -68,6 +74,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 // resolved is what the settings say once parsed and checked.
 type resolved struct {
 	attachDefault control.Attach
+	ublkDefault   control.Attach
 	nbdTimeout    time.Duration
 	chunkMemory   int64
 }
@@ -77,6 +84,15 @@ func (c *config) resolve() (*resolved, error) {
 	var err error
 	if r.attachDefault, err = parseNBDDefault(c.NBDAttach); err != nil {
 		return nil, err
+	}
+	if r.ublkDefault, err = parseNBDDefault(c.UblkAttach); err != nil {
+		return nil, fmt.Errorf("-ublk-attach %q: none or auto", c.UblkAttach)
+	}
+	if err := parseUblkQueues(c.UblkQueues); err != nil {
+		return nil, err
+	}
+	if c.UblkDepth < 1 || c.UblkDepth > 4096 {
+		return nil, fmt.Errorf("-ublk-depth %d: 1 to 4096", c.UblkDepth)
 	}
 	if c.NBDConns < 0 || c.NBDConns > 64 {
 		return nil, fmt.Errorf("-nbd-conns %d: 0 to 64", c.NBDConns)

@@ -1,11 +1,13 @@
 // Command rtrs-clientd is the RTRS client daemon: it opens RTRS sessions to rtrs-serverd,
 // maps remote devices over them (RNBD), and shows them in three places: the rtrs-client tree
 // (/sys/class/rtrs-client's files) and the device view over FUSE, and an NBD socket; a
-// mapping may also be attached to the kernel's /dev/nbdX (map_device's nbd= token).
+// mapping may also be attached to the kernel's /dev/nbdX (map_device's nbd= token) and to
+// a ublk device, /dev/ublkbX (ublk=).
 //
 //	rtrs-clientd [-config /etc/rtrs/rtrs-clientd.conf] [-mount /run/rtrs/rtrs-client]
 //	             [-dev-mount /run/rtrs/dev] [-nbd-socket /run/rtrs/nbd.sock] [-nbd-tcp ADDR]
 //	             [-nbd-attach none|auto] [-nbd-conns N] [-nbd-timeout D]
+//	             [-ublk-attach none|auto] [-ublk-queues cpus|paths|N] [-ublk-depth N]
 //	             [-io-timeout 30s] [-reconnect-delay 30s] [-log-level info] [-log-json]
 //	rtrs-clientd -cleanup      (detach stale mounts and NBD devices left by a crash, then exit)
 //
@@ -33,6 +35,7 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
+	"github.com/rtrs-go/rtrs/pkg/ublk"
 )
 
 func main() { daemon.Main("rtrs-clientd", run) }
@@ -43,6 +46,7 @@ type clientd struct {
 	c       *rnbd.Client
 	ctl     *control.Client
 	nbd     *nbdAttacher
+	ublk    *ublkAttacher
 	lg      *log.Entry
 
 	mu           sync.Mutex      // the config file and the fields below
@@ -122,7 +126,16 @@ func run(parent context.Context, args []string) error {
 		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]control.Attach{}}
 	// Before the NBD server closes (defers run last first): the kernel is told first.
 	defer d.nbd.detachAll()
-	d.ctl = &control.Client{RNBD: rc, Attacher: d.nbd, OnChange: d.writeBack}
+	d.ublk = &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg,
+		paths: func(dev *rnbd.Device) int {
+			if s := rc.Session(dev.Session()); s != nil {
+				return len(s.Paths())
+			}
+			return 1
+		},
+		devs: map[*rnbd.Device]*ublk.Device{}, tokens: map[*rnbd.Device]control.Attach{}}
+	defer d.ublk.detachAll()
+	d.ctl = &control.Client{RNBD: rc, Attacher: d.nbd, Ublk: d.ublk, OnChange: d.writeBack}
 	for _, m := range []struct {
 		dir, name string
 		tree      fsview.Dir
@@ -216,6 +229,9 @@ func (d *clientd) status() string {
 	st := fmt.Sprintf("%d sessions, %d/%d paths connected, %d devices mapped", sess, up, all, len(d.c.Devices()))
 	if n := d.nbd.count(); n > 0 {
 		st += fmt.Sprintf(", %d attached to /dev/nbd*", n)
+	}
+	if n := d.ublk.count(); n > 0 {
+		st += fmt.Sprintf(", %d to /dev/ublkb*", n)
 	}
 	return st
 }

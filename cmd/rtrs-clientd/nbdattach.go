@@ -120,13 +120,23 @@ func (n *nbdAttacher) watch(d *rnbd.Device, a *nbd.Attachment) {
 	}
 }
 
-func (n *nbdAttacher) Detach(ctx context.Context, d *rnbd.Device) error {
+func (n *nbdAttacher) Busy(d *rnbd.Device) error {
 	n.mu.Lock()
 	a := n.devs[d]
 	n.mu.Unlock()
 	if a != nil && a.Busy() {
 		return fmt.Errorf("%s is in use (mounted?): %w", a.Device(), syscall.EBUSY)
 	}
+	return nil
+}
+
+func (n *nbdAttacher) Detach(ctx context.Context, d *rnbd.Device) error {
+	if err := n.Busy(d); err != nil {
+		return err
+	}
+	n.mu.Lock()
+	a := n.devs[d]
+	n.mu.Unlock()
 	n.mu.Lock()
 	if n.devs[d] != a {
 		n.mu.Unlock()

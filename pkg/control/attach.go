@@ -9,11 +9,12 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 )
 
-// Attach is map_device's nbd= token, an extension of ours: whether and where a mapping is
-// attached to a kernel block device by the attach front end.
+// Attach is map_device's nbd= or ublk= token, extensions of ours: whether and where a
+// mapping is attached to a kernel block device by that attach front end.
 type Attach int
 
-// Values of Attach besides an index (>= 0: nbd=<index>, /dev/nbd<index>).
+// Values of Attach besides an index (>= 0: nbd=<index> is /dev/nbd<index>, ublk=<index>
+// /dev/ublkb<index>).
 const (
 	AttachDefault Attach = -3 // no nbd= token: the front end's default
 	AttachNone    Attach = -2 // nbd=none
@@ -23,7 +24,7 @@ const (
 // attachMaxIndex is the largest index nbd= takes (MINORMASK; the kernel may refuse less).
 const attachMaxIndex = 1<<20 - 1
 
-// ParseAttach reads nbd='s value: auto, none, or a device index (no leading zeros).
+// ParseAttach reads nbd='s or ublk='s value: auto, none, or a device index (no leading zeros).
 func ParseAttach(v string) (Attach, error) {
 	switch v {
 	case "auto":
@@ -33,7 +34,7 @@ func ParseAttach(v string) (Attach, error) {
 	}
 	n, err := strconv.ParseUint(v, 10, 32)
 	if err != nil || n > attachMaxIndex || (len(v) > 1 && v[0] == '0') {
-		return AttachNone, fmt.Errorf("nbd=%q: auto, none or an index 0..%d: %w", v, attachMaxIndex, syscall.EINVAL)
+		return AttachNone, fmt.Errorf("%q: auto, none or an index 0..%d: %w", v, attachMaxIndex, syscall.EINVAL)
 	}
 	return Attach(n), nil
 }
@@ -52,17 +53,20 @@ func (a Attach) String() string {
 }
 
 // Attacher is an attach front end: it gives mapped devices a kernel block device (NBD's
-// /dev/nbdX today; ublk's next). The control layer owns this interface; rtrs-clientd plugs
-// its front end in.
+// /dev/nbdX, ublk's /dev/ublkbX). The control layer owns this interface; rtrs-clientd plugs
+// its front ends in.
 type Attacher interface {
 	// Attach attaches d as at says (AttachDefault: as the front end's default is;
 	// AttachNone: not) and remembers at; on error nothing of the attach is left.
 	Attach(ctx context.Context, d *rnbd.Device, at Attach) error
-	// Detach detaches d if it is attached; while the kernel's device is in use (mounted)
-	// it fails with EBUSY and d stays attached.
+	// Busy is an EBUSY error naming d's kernel device while it is in use, else nil.
+	Busy(d *rnbd.Device) error
+	// Detach detaches d if it is attached; while the kernel's device is in use it fails
+	// with EBUSY and d stays attached.
 	Detach(ctx context.Context, d *rnbd.Device) error
-	// Attached is d's kernel device ("/dev/nbd0"), or "".
+	// Attached is d's kernel device ("/dev/nbd0", "/dev/ublkb0"), or "".
 	Attached(d *rnbd.Device) string
-	// Token is at as map_device gave it for d, for the write-back (AttachDefault when none).
+	// Token is what the write-back records for d: at as map_device gave it (AttachDefault
+	// when none), or the device it got where a restart must find that one again (ublk).
 	Token(d *rnbd.Device) Attach
 }

@@ -20,8 +20,10 @@ import (
 // Client controls an RNBD client: its sessions, their paths, and its devices.
 type Client struct {
 	RNBD *rnbd.Client
-	// Attacher gives mapped devices a kernel block device; nil refuses nbd= other than none.
+	// Attacher gives mapped devices a kernel /dev/nbdX; nil refuses nbd= other than none.
 	Attacher Attacher
+	// Ublk gives them a /dev/ublkbX; nil refuses ublk= other than none.
+	Ublk Attacher
 	// OnChange, if set, is called after a change of the declared sessions or devices (the
 	// daemon writes its config back).
 	OnChange func()
@@ -91,9 +93,9 @@ func (c *Client) SetMaxReconnectAttempts(s *transport.Session, n int) error {
 	return nil
 }
 
-// Map maps r and attaches it as r.Attach says (map_device). When the attach fails the
-// device is unmapped again (the session goes with it if the mapping opened it) and the
-// attach's error returned: a failed map_device leaves nothing behind.
+// Map maps r and attaches it as r.Attach and r.Ublk say (map_device). When an attach fails
+// the device is detached and unmapped again (the session goes with it if the mapping opened
+// it) and the attach's error returned: a failed map_device leaves nothing behind.
 func (c *Client) Map(ctx context.Context, r MapRequest) (*rnbd.Device, error) {
 	d, err := c.mapAttach(ctx, r)
 	if err == nil {
@@ -102,36 +104,70 @@ func (c *Client) Map(ctx context.Context, r MapRequest) (*rnbd.Device, error) {
 	return d, err
 }
 
+// frontEnd is an attach front end with its token in a map_device line.
+type frontEnd struct {
+	name string
+	a    Attacher
+	at   Attach
+}
+
+func (c *Client) frontEnds(r MapRequest) []frontEnd {
+	return []frontEnd{{"nbd", c.Attacher, r.Attach}, {"ublk", c.Ublk, r.Ublk}}
+}
+
 func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, error) {
-	if c.Attacher == nil && r.Attach != AttachDefault && r.Attach != AttachNone {
-		return nil, fmt.Errorf("nbd=%v: no attach front end here: %w", r.Attach, syscall.EINVAL)
+	fes := c.frontEnds(r)
+	for _, fe := range fes {
+		if fe.a == nil && fe.at != AttachDefault && fe.at != AttachNone {
+			return nil, fmt.Errorf("%s=%v: no such front end here: %w", fe.name, fe.at, syscall.EINVAL)
+		}
 	}
 	d, err := c.RNBD.Map(ctx, r.MapOptions)
-	if err != nil || c.Attacher == nil {
+	if err != nil {
 		return d, err
 	}
-	if err := c.Attacher.Attach(ctx, d, r.Attach); err != nil {
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-		defer cancel()
-		if uerr := d.Unmap(uctx); uerr != nil {
-			err = fmt.Errorf("%w (unmapping %s again: %v)", err, r.DevicePath, uerr)
+	for i, fe := range fes {
+		if fe.a == nil {
+			continue
 		}
-		return nil, err
+		if err := fe.a.Attach(ctx, d, fe.at); err != nil {
+			uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+			defer cancel()
+			for _, prev := range fes[:i] {
+				if prev.a != nil {
+					_ = prev.a.Detach(uctx, d)
+				}
+			}
+			if uerr := d.Unmap(uctx); uerr != nil {
+				err = fmt.Errorf("%w (unmapping %s again: %v)", err, r.DevicePath, uerr)
+			}
+			return nil, err
+		}
 	}
 	return d, nil
 }
 
 // Unmap detaches and unmaps the device u names (unmap_device): by its path or by its file
-// name in the device view. While its kernel device is in use the detach fails (EBUSY) and
-// nothing changes.
+// name in the device view. While one of its kernel devices is in use the unmap fails
+// (EBUSY) and nothing changes.
 func (c *Client) Unmap(ctx context.Context, u UnmapRequest) error {
 	for _, d := range c.RNBD.Devices() {
 		if d.Session() != u.SessName || (d.Path() != u.DevicePath && DeviceFileName(d.Path()) != u.DevicePath) {
 			continue
 		}
-		if c.Attacher != nil {
-			if err := c.Attacher.Detach(ctx, d); err != nil {
-				return err
+		fes := c.frontEnds(MapRequest{})
+		for _, fe := range fes {
+			if fe.a != nil {
+				if err := fe.a.Busy(d); err != nil {
+					return err
+				}
+			}
+		}
+		for _, fe := range fes {
+			if fe.a != nil {
+				if err := fe.a.Detach(ctx, d); err != nil {
+					return err
+				}
 			}
 		}
 		err := d.Unmap(ctx)
@@ -203,7 +239,7 @@ func (c *Client) Apply(ctx context.Context, line string) (done bool, err error) 
 
 // Declarations renders the sessions and devices of now as config declarations, which Apply
 // takes back: a session with its live paths, port, policy and reconnect attempts, then each
-// mapped device with its access mode and nbd= as it was given.
+// mapped device with its access mode, nbd= and ublk= (see Attacher.Token).
 func (c *Client) Declarations() []string {
 	var out []string
 	for _, name := range c.RNBD.SessionNames() {
@@ -223,9 +259,12 @@ func (c *Client) Declarations() []string {
 	}
 	for _, d := range c.Mapped() {
 		r := MapRequest{MapOptions: rnbd.MapOptions{SessName: d.Session(), DevicePath: d.Path(),
-			AccessMode: d.AccessMode(), Port: transport.DefaultPort}, Attach: AttachDefault}
+			AccessMode: d.AccessMode(), Port: transport.DefaultPort}, Attach: AttachDefault, Ublk: AttachDefault}
 		if c.Attacher != nil {
 			r.Attach = c.Attacher.Token(d)
+		}
+		if c.Ublk != nil {
+			r.Ublk = c.Ublk.Token(d)
 		}
 		out = append(out, VerbMapDevice+" "+r.String())
 	}

@@ -88,39 +88,47 @@ func (o OpenSession) MapOptions() rnbd.MapOptions {
 	return rnbd.MapOptions{SessName: o.SessName, Paths: o.Paths, Port: o.Port}
 }
 
-// MapRequest is a map_device line: the kernel's tokens and our nbd=.
+// MapRequest is a map_device line: the kernel's tokens and ours, nbd= and ublk=.
 type MapRequest struct {
 	rnbd.MapOptions
-	Attach Attach
+	Attach Attach // nbd=: /dev/nbdX
+	Ublk   Attach // ublk=: /dev/ublkbX
 }
 
 // ParseMapRequest reads map_device's tokens as RNBD does: sessname= and device_path= are
 // required (≤ 255 bytes); path= up to 6 times (a 7th is ENOMEM); dest_port= applies to the
 // path= tokens after it; access_mode= ro, rw (default) or migration; nr_poll_queues= is
-// accepted and has no effect here; and ours, nbd=<auto|none|index> at most once (without it
-// Attach is AttachDefault). An unknown token or a missing one is EINVAL.
+// accepted and has no effect here; and ours, nbd=<auto|none|index> and
+// ublk=<auto|none|index>, each at most once (without it, Attach or Ublk is AttachDefault).
+// An unknown token or a missing one is EINVAL.
 func ParseMapRequest(v string) (MapRequest, error) { return parseMap(v, true) }
 
 // ParseMapDevice reads map_device's tokens as the kernel's RNBD client takes them: those of
-// ParseMapRequest but nbd=.
+// ParseMapRequest but nbd= and ublk=.
 func ParseMapDevice(v string) (rnbd.MapOptions, error) {
 	r, err := parseMap(v, false)
 	return r.MapOptions, err
 }
 
 func parseMap(v string, withAttach bool) (MapRequest, error) {
-	r := MapRequest{MapOptions: rnbd.MapOptions{AccessMode: rnbd.AccessRW}, Attach: AttachDefault}
+	r := MapRequest{MapOptions: rnbd.MapOptions{AccessMode: rnbd.AccessRW}, Attach: AttachDefault, Ublk: AttachDefault}
 	pp := newPathParser()
 	err := eachToken(v, func(tok, k, val string) (err error) {
 		switch k {
-		case "nbd":
+		case "nbd", "ublk":
+			at := &r.Attach
+			if k == "ublk" {
+				at = &r.Ublk
+			}
 			switch {
 			case !withAttach:
 				err = fmt.Errorf("token %q: %w", tok, syscall.EINVAL)
-			case r.Attach != AttachDefault:
-				err = fmt.Errorf("nbd= twice: %w", syscall.EINVAL)
+			case *at != AttachDefault:
+				err = fmt.Errorf("%s= twice: %w", k, syscall.EINVAL)
 			default:
-				r.Attach, err = ParseAttach(val)
+				if *at, err = ParseAttach(val); err != nil {
+					err = fmt.Errorf("%s=%w", k, err)
+				}
 			}
 		case "sessname":
 			if len(val) > names.Max {
@@ -171,6 +179,9 @@ func (r MapRequest) String() string {
 	fmt.Fprintf(&b, " access_mode=%v", r.AccessMode)
 	if r.Attach != AttachDefault {
 		fmt.Fprintf(&b, " nbd=%v", r.Attach)
+	}
+	if r.Ublk != AttachDefault {
+		fmt.Fprintf(&b, " ublk=%v", r.Ublk)
 	}
 	return b.String()
 }

@@ -15,8 +15,9 @@ const (
 	unmapUsage = "Usage: echo \"sessname=<name> device_path=<path>\" > unmap_device\n"
 )
 
-// DevTree is the device view: ctl/map_device and ctl/unmap_device, ctl/nbd_devices, and a
-// file per mapped device under its session's directory, usable by dd, fio or losetup.
+// DevTree is the device view: ctl/map_device and ctl/unmap_device, ctl/nbd_devices and
+// ctl/ublk_devices, and a file per mapped device under its session's directory, usable by
+// dd, fio or losetup.
 type DevTree struct {
 	Ctl *control.Client
 	// Timeout bounds map_device and unmap_device.
@@ -58,7 +59,8 @@ func (t *DevTree) ctl() []Entry {
 			return err
 		}}},
 		{Name: "devices", Attr: &Attr{Mode: 0o444, Show: t.devices}},
-		{Name: "nbd_devices", Attr: &Attr{Mode: 0o444, Show: t.nbdDevices}},
+		{Name: "nbd_devices", Attr: &Attr{Mode: 0o444, Show: func() string { return t.attached(t.Ctl.Attacher) }}},
+		{Name: "ublk_devices", Attr: &Attr{Mode: 0o444, Show: func() string { return t.attached(t.Ctl.Ublk) }}},
 		{Name: "unmap_device", Attr: &Attr{Mode: 0o644, Show: usage(unmapUsage), Store: func(v string) error {
 			u, err := control.ParseUnmapRequest(v)
 			if err != nil {
@@ -82,14 +84,15 @@ func (t *DevTree) devices() string {
 	return b.String()
 }
 
-// nbdDevices lists the attached mappings, "<session>/<device file> /dev/nbdN" a line.
-func (t *DevTree) nbdDevices() string {
-	if t.Ctl.Attacher == nil {
+// attached lists the mappings a front end attached, "<session>/<device file> /dev/nbdN"
+// (ctl/nbd_devices) or "… /dev/ublkbN" (ctl/ublk_devices) a line.
+func (t *DevTree) attached(a control.Attacher) string {
+	if a == nil {
 		return ""
 	}
 	var b strings.Builder
 	for _, d := range t.Ctl.RNBD.Devices() {
-		if dev := t.Ctl.Attacher.Attached(d); dev != "" && d.State() != rnbd.StateUnmapped {
+		if dev := a.Attached(d); dev != "" && d.State() != rnbd.StateUnmapped {
 			fmt.Fprintf(&b, "%s/%s %s\n", d.Session(), control.DeviceFileName(d.Path()), dev)
 		}
 	}

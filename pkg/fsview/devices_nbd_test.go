@@ -45,13 +45,20 @@ func (f *fakeAttacher) Attach(_ context.Context, d *rnbd.Device, at control.Atta
 	return nil
 }
 
+func (f *fakeAttacher) Busy(d *rnbd.Device) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.busy && f.devs[d] != "" {
+		f.actions = append(f.actions, "busy "+d.Path())
+		return fmt.Errorf("%s is in use: %w", f.devs[d], syscall.EBUSY)
+	}
+	return nil
+}
+
 func (f *fakeAttacher) Detach(_ context.Context, d *rnbd.Device) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.actions = append(f.actions, "detach "+d.Path())
-	if f.busy && f.devs[d] != "" {
-		return fmt.Errorf("%s is in use: %w", f.devs[d], syscall.EBUSY)
-	}
 	delete(f.devs, d)
 	return nil
 }
@@ -122,7 +129,7 @@ func TestDeviceViewNBD(t *testing.T) {
 	}
 	fa.set(nil, false)
 	mustSh(t, "echo 'sessname=n device_path=disk' > "+dev+"/ctl/unmap_device")
-	if got := fa.log(); got != "detach disk; detach disk" {
+	if got := fa.log(); got != "busy disk; detach disk" {
 		t.Errorf("attacher: %s", got)
 	}
 	if got := mustSh(t, "cat "+dev+"/ctl/nbd_devices; ls "+dev); got != "ctl\n" {

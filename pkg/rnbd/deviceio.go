@@ -92,9 +92,9 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 	}
 }
 
-// maxIO is the largest IO one request carries: the session's and the device's limit, in
+// MaxIO is the largest IO one request carries: the session's and the device's limit, in
 // whole blocks.
-func (d *Device) maxIO() int {
+func (d *Device) MaxIO() int {
 	d.mu.Lock()
 	lbs, hw := int(d.geo.LogicalBlockSize), int(d.geo.MaxHWSectors)*SectorSize
 	d.mu.Unlock()
@@ -149,7 +149,7 @@ func (d *Device) ReadAtContext(ctx context.Context, p []byte, off int64) error {
 	if err := d.check(off, int64(len(p))); err != nil {
 		return err
 	}
-	return split(off, int64(len(p)), d.maxIO(), func(o int64, n int) error {
+	return split(off, int64(len(p)), d.MaxIO(), func(o int64, n int) error {
 		b := p[o-off : o-off+int64(n)]
 		return d.submit(ctx, OpRead, 0, o, n, b)
 	})
@@ -167,7 +167,7 @@ func (d *Device) WriteAtContext(ctx context.Context, p []byte, off int64, fua bo
 	if fua {
 		flags = FlagFUA | FlagSync
 	}
-	return split(off, int64(len(p)), d.maxIO(), func(o int64, n int) error {
+	return split(off, int64(len(p)), d.MaxIO(), func(o int64, n int) error {
 		return d.submit(ctx, OpWrite, flags, o, n, p[o-off:o-off+int64(n)])
 	})
 }
@@ -206,7 +206,7 @@ func (d *Device) WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) er
 	if err := d.check(off, n); err != nil {
 		return err
 	}
-	zero := make([]byte, min(n, int64(d.maxIO())))
+	zero := make([]byte, min(n, int64(d.MaxIO())))
 	// At most zeroWindow requests at once, however long the range (NBD's may be 4 GiB).
 	for n > 0 {
 		w := min(n, int64(len(zero))*zeroWindow)
@@ -329,7 +329,7 @@ func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []
 		d.sess.c.runHooks()
 		return
 	}
-	max := d.maxIO()
+	max := d.MaxIO()
 	if len(p) <= max {
 		d.asyncOne(ctx, op, flags, off, p, done)
 		return

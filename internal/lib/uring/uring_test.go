@@ -1,0 +1,150 @@
+package uring
+
+import (
+	"bytes"
+	"encoding/binary"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+func newRing(t *testing.T, entries, flags uint32) *Ring {
+	t.Helper()
+	r, err := New(entries, flags)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	return r
+}
+
+// wait collects n completions, failing after a generous limit.
+func wait(t *testing.T, r *Ring, n int) []CQE {
+	t.Helper()
+	var got []CQE
+	deadline := time.Now().Add(10 * time.Second)
+	for len(got) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d completions", len(got), n)
+		}
+		if _, err := r.Submit(uint32(n-len(got)), time.Second); err != nil {
+			t.Fatal(err)
+		}
+		r.Completions(func(c CQE) { got = append(got, c) })
+	}
+	return got
+}
+
+func TestLayout(t *testing.T) {
+	if s := unsafe.Sizeof(SQE{}); s != 64 {
+		t.Errorf("SQE is %d bytes", s)
+	}
+	if s := unsafe.Sizeof(params{}); s != 120 {
+		t.Errorf("io_uring_params is %d bytes", s)
+	}
+	if s := unsafe.Sizeof(getEventsArg{}); s != 24 {
+		t.Errorf("io_uring_getevents_arg is %d bytes", s)
+	}
+	if o := unsafe.Offsetof(SQE{}.UserData); o != 32 {
+		t.Errorf("user_data at %d", o)
+	}
+	if o := unsafe.Offsetof(SQE{}.Addr3); o != 48 {
+		t.Errorf("cmd at %d", o)
+	}
+}
+
+func TestNopsInOrderAndFull(t *testing.T) {
+	for _, flags := range []uint32{0, SetupSQE128} {
+		r := newRing(t, 8, flags)
+		if r.Entries() != 8 {
+			t.Fatalf("entries %d", r.Entries())
+		}
+		if n := len(r.Cmd(r.GetSQE())); (flags == 0 && n != 16) || (flags != 0 && n != 80) {
+			t.Errorf("flags %#x: command area %d bytes", flags, n)
+		}
+		for i := 1; i < 8; i++ {
+			r.GetSQE().UserData = uint64(i)
+		}
+		if r.GetSQE() != nil || r.Free() != 0 {
+			t.Fatal("a ninth entry out of eight")
+		}
+		got := wait(t, r, 8)
+		for i, c := range got {
+			if c.UserData != uint64(i) || c.Res != 0 {
+				t.Errorf("completion %d: %+v", i, c)
+			}
+		}
+		if r.Free() != 8 {
+			t.Errorf("%d free after the submit", r.Free())
+		}
+	}
+}
+
+func TestReadWrite(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "f"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	r := newRing(t, 4, 0)
+	out := bytes.Repeat([]byte("rtrs"), 1024)
+	s := r.GetSQE()
+	s.Opcode, s.Fd, s.Off, s.Addr, s.Len, s.UserData = OpWrite, int32(f.Fd()), 4096, uint64(uintptr(unsafe.Pointer(&out[0]))), uint32(len(out)), 1
+	if c := wait(t, r, 1)[0]; c.Res != int32(len(out)) {
+		t.Fatalf("write: %d (%v)", c.Res, Errno(c.Res))
+	}
+	in := make([]byte, len(out))
+	s = r.GetSQE()
+	s.Opcode, s.Fd, s.Off, s.Addr, s.Len, s.UserData = OpRead, int32(f.Fd()), 4096, uint64(uintptr(unsafe.Pointer(&in[0]))), uint32(len(in)), 2
+	if c := wait(t, r, 1)[0]; c.Res != int32(len(in)) || !bytes.Equal(in, out) {
+		t.Fatalf("read: %d (%v), equal %v", c.Res, Errno(c.Res), bytes.Equal(in, out))
+	}
+	// An error comes back as a negative errno.
+	s = r.GetSQE()
+	s.Opcode, s.Fd, s.Addr, s.Len = OpRead, -1, uint64(uintptr(unsafe.Pointer(&in[0]))), 1
+	if c := wait(t, r, 1)[0]; Errno(c.Res) != syscall.EBADF {
+		t.Fatalf("read of fd -1: %d", c.Res)
+	}
+}
+
+// A wait ends at its timeout with nothing there, and a write to an eventfd another
+// goroutine makes ends it early: how ublk's queue loops learn of finished IO.
+func TestWaitTimeoutAndWake(t *testing.T) {
+	r := newRing(t, 4, 0)
+	t0 := time.Now()
+	if n, err := r.Submit(1, 50*time.Millisecond); err != nil || n != 0 {
+		t.Fatalf("empty wait: %d, %v", n, err)
+	}
+	if d := time.Since(t0); d < 50*time.Millisecond {
+		t.Fatalf("returned after %v", d)
+	}
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(efd)
+	var buf [8]byte
+	s := r.GetSQE()
+	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = OpRead, int32(efd), uint64(uintptr(unsafe.Pointer(&buf[0]))), 8, 7
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		var one [8]byte
+		binary.LittleEndian.PutUint64(one[:], 1)
+		_, _ = unix.Write(efd, one[:])
+	}()
+	c := wait(t, r, 1)[0]
+	if c.UserData != 7 || c.Res != 8 || binary.LittleEndian.Uint64(buf[:]) != 1 {
+		t.Fatalf("eventfd read: %+v, %x", c, buf)
+	}
+}
+
+func TestBadSetup(t *testing.T) {
+	if _, err := New(0, 0); err == nil {
+		t.Fatal("a ring of 0 entries")
+	}
+}

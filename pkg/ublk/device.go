@@ -1,0 +1,231 @@
+package ublk
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Options describe a device to add.
+type Options struct {
+	// ID is the device number wanted (/dev/ublkb<ID>), or -1 for any free one.
+	ID int
+	// Queues and Depth: hardware queues, each with Depth requests in flight at most.
+	Queues, Depth int
+	// MaxIO is the largest request in bytes (a multiple of 4096).
+	MaxIO int
+	// Params are the device's limits and attributes; Basic.MaxSectors defaults to MaxIO.
+	Params Params
+	// SrvFlags are kept by the driver for the server (ublksrv_flags): a mark a later
+	// process finds in DevInfo, to know the device for its own before it recovers it.
+	SrvFlags uint64
+}
+
+// Device is a started ublk device this process serves.
+type Device struct {
+	ctrl   *Ctrl
+	id     uint32
+	info   DevInfo
+	cdev   *os.File
+	queues []*queue
+	wg     sync.WaitGroup
+
+	stopOnce sync.Once
+	stopErr  error
+}
+
+// Create adds a device, sets its parameters, starts a queue loop per queue serving
+// requests with h, and starts the device; /dev/ublkb<ID> then exists. The device has user
+// recovery with reissue: if this process dies, the device and its waiting IO stay until
+// Recover takes it over (or it is deleted).
+func Create(ctrl *Ctrl, o Options, h Handler) (*Device, error) {
+	if o.Queues < 1 || o.Queues > 64 || o.Depth < 1 || o.Depth > maxQueueDepth || o.MaxIO < 4096 || o.MaxIO%4096 != 0 || o.MaxIO > 1<<20 {
+		return nil, fmt.Errorf("ublk: %d queues × %d, max IO %d: out of range: %w", o.Queues, o.Depth, o.MaxIO, syscall.EINVAL)
+	}
+	id := ^uint32(0)
+	if o.ID >= 0 {
+		id = uint32(o.ID)
+	}
+	info, err := ctrl.AddDev(DevInfo{NrHWQueues: uint16(o.Queues), QueueDepth: uint16(o.Depth), MaxIOBufBytes: uint32(o.MaxIO),
+		DevID: id, SrvFlags: o.SrvFlags, Flags: FlagUserRecovery | FlagUserRecoveryReissue | FlagCmdIoctlEncode})
+	if err != nil {
+		if o.ID >= 0 && errors.Is(err, syscall.EEXIST) {
+			return nil, fmt.Errorf("ublk device %d exists already: %w", o.ID, syscall.EEXIST)
+		}
+		return nil, fmt.Errorf("ublk ADD_DEV: %w", err)
+	}
+	d := &Device{ctrl: ctrl, id: info.DevID, info: info}
+	p := o.Params
+	p.Types |= ParamTypeBasic
+	if p.Basic.MaxSectors == 0 {
+		p.Basic.MaxSectors = uint32(o.MaxIO >> 9)
+	}
+	if err := ctrl.SetParams(d.id, p); err != nil {
+		d.delete()
+		return nil, fmt.Errorf("ublk SET_PARAMS on %d: %w", d.id, err)
+	}
+	if err := d.start(h, ctrl.StartDev); err != nil {
+		d.delete()
+		return nil, fmt.Errorf("ublk START_DEV on %d: %w", d.id, err)
+	}
+	return d, nil
+}
+
+// Recover takes over device id, whose server died: it waits up to wait for the driver to
+// have quiesced it, then starts queue loops serving h and ends the recovery; the requests
+// that waited go to h (those the dead server had taken are issued again).
+func Recover(ctrl *Ctrl, id int, h Handler, wait time.Duration) (*Device, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		info, err := ctrl.DevInfo(uint32(id))
+		if err != nil {
+			return nil, fmt.Errorf("ublk device %d: %w", id, err)
+		}
+		if info.State == stateLive && info.SrvPID > 0 && !processGone(int(info.SrvPID)) {
+			return nil, fmt.Errorf("ublk device %d is served by live process %d: %w", id, info.SrvPID, syscall.EBUSY)
+		}
+		if info.State == stateQuiesced {
+			// EBUSY while the dead server's char device is not yet released.
+			err = ctrl.StartUserRecovery(uint32(id))
+			if err == nil {
+				break
+			}
+			if !errors.Is(err, syscall.EBUSY) {
+				return nil, fmt.Errorf("ublk START_USER_RECOVERY on %d: %w", id, err)
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("ublk device %d is %v and cannot be recovered after %v (%v): %w", id, info.State, wait, err, syscall.EBUSY)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	info, err := ctrl.DevInfo(uint32(id))
+	if err != nil {
+		return nil, err
+	}
+	d := &Device{ctrl: ctrl, id: uint32(id), info: info}
+	if err := d.start(h, ctrl.EndUserRecovery); err != nil {
+		return nil, fmt.Errorf("ublk END_USER_RECOVERY on %d: %w", id, err)
+	}
+	return d, nil
+}
+
+func processGone(pid int) bool {
+	_, err := os.Stat("/proc/" + strconv.Itoa(pid))
+	return errors.Is(err, os.ErrNotExist)
+}
+
+// start opens the char device, starts the queue loops, and once each has fetched its
+// requests runs final (START_DEV or END_USER_RECOVERY), which waits for exactly that.
+func (d *Device) start(h Handler, final func(uint32) error) error {
+	path := "/dev/ublkc" + strconv.Itoa(int(d.id))
+	var err error
+	// devtmpfs makes the node as the driver registers it; udev may be slower.
+	for t0 := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+		d.cdev, err = os.OpenFile(path, os.O_RDWR, 0)
+		if err == nil || !errors.Is(err, os.ErrNotExist) || time.Since(t0) > 5*time.Second {
+			break
+		}
+	}
+	if err != nil {
+		return err
+	}
+	ready := make(chan error, d.info.NrHWQueues)
+	for i := 0; i < int(d.info.NrHWQueues); i++ {
+		q, err := newQueue(d, i, h)
+		if err != nil {
+			d.abort()
+			return err
+		}
+		d.queues = append(d.queues, q)
+		d.wg.Add(1)
+		go q.run(ready)
+	}
+	for range d.queues {
+		if err := <-ready; err != nil {
+			d.abort()
+			return err
+		}
+	}
+	if err := final(d.id); err != nil {
+		d.abort()
+		return err
+	}
+	return nil
+}
+
+// abort ends the queue loops without the driver's help (closing a ring cancels its
+// fetches) and closes the char device.
+func (d *Device) abort() {
+	for _, q := range d.queues {
+		q.quit.Store(true)
+		q.wake()
+	}
+	d.wg.Wait()
+	for _, q := range d.queues {
+		q.release()
+	}
+	d.queues = nil
+	if d.cdev != nil {
+		d.cdev.Close()
+		d.cdev = nil
+	}
+}
+
+// stopTimeout bounds how long Stop waits for the driver to abort every fetch.
+const stopTimeout = 30 * time.Second
+
+// loopsEnd waits up to timeout for the queue loops to end by themselves.
+func (d *Device) loopsEnd(timeout time.Duration) bool {
+	ended := make(chan struct{})
+	go func() {
+		d.wg.Wait()
+		close(ended)
+	}()
+	select {
+	case <-ended:
+		return true
+	case <-time.After(timeout):
+		return false
+	}
+}
+
+// delete deletes the device from the driver, logging nothing: for failed setups.
+func (d *Device) delete() { _ = d.ctrl.DelDev(d.id) }
+
+// ID is the device number.
+func (d *Device) ID() int { return int(d.id) }
+
+// BlockPath is the block device, /dev/ublkb<ID>.
+func (d *Device) BlockPath() string { return "/dev/ublkb" + strconv.Itoa(int(d.id)) }
+
+// Info is the device's info as the driver gave it at start.
+func (d *Device) Info() DevInfo { return d.info }
+
+// Busy says whether the block device is held exclusively (mounted, or a holder such as
+// device-mapper) or open in some process.
+func (d *Device) Busy() bool { return BlockBusy(d.BlockPath()) }
+
+// Stop stops and deletes the device: the disk goes, requests still queued fail, the queue
+// loops end. A second Stop returns the first's result.
+func (d *Device) Stop() error {
+	d.stopOnce.Do(func() {
+		err := d.ctrl.StopDev(d.id)
+		if err == nil && !d.loopsEnd(stopTimeout) {
+			err = fmt.Errorf("queues still running %v after STOP_DEV: %w", stopTimeout, syscall.ETIMEDOUT)
+		}
+		// On error the loops would wait for aborts that may never come.
+		d.abort()
+		if derr := d.ctrl.DelDev(d.id); derr != nil && err == nil {
+			err = derr
+		}
+		if err != nil {
+			d.stopErr = fmt.Errorf("ublk: stopping device %d: %w", d.id, err)
+		}
+	})
+	return d.stopErr
+}

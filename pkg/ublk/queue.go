@@ -1,0 +1,262 @@
+package ublk
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/internal/lib/errno"
+	"github.com/rtrs-go/rtrs/internal/lib/uring"
+)
+
+// Handler serves a device's requests. Serve runs on the queue's loop and must not block
+// on the request: it starts it and returns, and the request's Done is called once, from
+// any goroutine, when it is over.
+type Handler interface {
+	Serve(r *Request)
+}
+
+// Request is one block request: an op (OpRead, OpWrite, OpFlush, OpDiscard,
+// OpWriteZeroes) on Len bytes at Off, with its UBLK_IO_F_* flags. Buf holds the data of a
+// read (to fill) or a write (to send). A Request is reused once Done is called.
+type Request struct {
+	Op    uint8
+	Flags uint32
+	Off   int64
+	Len   int
+	Buf   []byte
+	Queue int
+
+	q   *queue
+	tag uint16
+}
+
+// Done completes the request: err nil, or an error whose errno the block layer gets.
+func (r *Request) Done(err error) {
+	res := int32(0)
+	if err != nil {
+		res = int32(errno.Neg(err))
+	} else if r.Op == OpRead || r.Op == OpWrite {
+		res = int32(r.Len)
+	}
+	r.q.complete(r.tag, res)
+}
+
+// user_data of the queue's ring entries: the tag, or the wake-up read.
+const udWake = 1 << 32
+
+// waitSlice bounds one wait of a queue loop so it notices a quit.
+const waitSlice = time.Second
+
+type completion struct {
+	tag uint16
+	res int32
+}
+
+// queue is one hardware queue: its ring, its descriptor array (shared with the driver) and
+// a buffer per tag, served by one goroutine locked to its thread (the driver takes a
+// queue's commands from one task only).
+type queue struct {
+	d     *Device
+	id    int
+	depth int
+	maxIO int
+	h     Handler
+	descs []byte // mmap of /dev/ublkc<n>: IODesc per tag
+	bufs  []byte // anonymous mmap: maxIO per tag
+	reqs  []Request
+	efd   int
+	wbuf  [8]byte // the wake-up read's target (the loop's only writer is the kernel)
+
+	mu       sync.Mutex
+	done     []completion
+	sleeping atomic.Bool
+	quit     atomic.Bool
+
+	// Only the loop touches these.
+	aborted, inflight int
+	ring              *uring.Ring
+	leakBufs          bool // drain gave up: a handler may still write to bufs
+}
+
+func newQueue(d *Device, id int, h Handler) (*queue, error) {
+	depth, maxIO := int(d.info.QueueDepth), int(d.info.MaxIOBufBytes)
+	q := &queue{d: d, id: id, depth: depth, maxIO: maxIO, h: h, efd: -1}
+	page := os.Getpagesize()
+	stride := roundUp(maxQueueDepth*ioDescSize, page)
+	var err error
+	q.descs, err = unix.Mmap(int(d.cdev.Fd()), ioDescBufOffset+int64(id*stride), roundUp(depth*ioDescSize, page),
+		unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		return nil, fmt.Errorf("ublk queue %d: mmap of the descriptors: %w", id, err)
+	}
+	q.bufs, err = unix.Mmap(-1, 0, depth*maxIO, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		q.release()
+		return nil, fmt.Errorf("ublk queue %d: buffers: %w", id, err)
+	}
+	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+		q.release()
+		return nil, fmt.Errorf("ublk queue %d: eventfd: %w", id, err)
+	}
+	q.reqs = make([]Request, depth)
+	for i := range q.reqs {
+		q.reqs[i] = Request{Queue: id, q: q, tag: uint16(i)}
+	}
+	return q, nil
+}
+
+func roundUp(n, to int) int { return (n + to - 1) / to * to }
+
+// release frees what newQueue took; the loop has ended.
+func (q *queue) release() {
+	if q.descs != nil {
+		_ = unix.Munmap(q.descs)
+		q.descs = nil
+	}
+	if q.bufs != nil && !q.leakBufs {
+		_ = unix.Munmap(q.bufs)
+		q.bufs = nil
+	}
+	if q.efd >= 0 {
+		unix.Close(q.efd)
+		q.efd = -1
+	}
+}
+
+// complete hands a finished request to the loop, waking it if it sleeps.
+func (q *queue) complete(tag uint16, res int32) {
+	q.mu.Lock()
+	q.done = append(q.done, completion{tag, res})
+	q.mu.Unlock()
+	// The loop stores sleeping before it looks at done: one of the two sees the other.
+	if q.sleeping.Swap(false) {
+		q.wake()
+	}
+}
+
+func (q *queue) wake() {
+	var one [8]byte
+	binary.LittleEndian.PutUint64(one[:], 1)
+	_, _ = unix.Write(q.efd, one[:])
+}
+
+// run is the queue's loop: fetch every tag, then serve requests and commit their results
+// until the driver aborts every fetch (the device stopped) or quit is set.
+func (q *queue) run(ready chan<- error) {
+	defer q.d.wg.Done()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	ring, err := uring.New(uint32(q.depth+1), uring.SetupCoopTaskrun)
+	if err != nil {
+		ready <- fmt.Errorf("ublk queue %d: %w", q.id, err)
+		return
+	}
+	q.ring = ring
+	defer ring.Close()
+	for tag := range q.depth {
+		q.cmd(ioFetchReq, uint16(tag), 0)
+	}
+	q.armWake()
+	if _, err := ring.Submit(0, 0); err != nil {
+		ready <- fmt.Errorf("ublk queue %d: submitting the fetches: %w", q.id, err)
+		return
+	}
+	ready <- nil
+	for !q.quit.Load() && (q.aborted < q.depth || q.inflight > 0) {
+		wait := uint32(0)
+		if !q.commit() {
+			q.sleeping.Store(true)
+			if q.commit() {
+				q.sleeping.Store(false)
+			} else {
+				wait = 1
+			}
+		}
+		if _, err := ring.Submit(wait, waitSlice); err != nil {
+			q.quit.Store(true)
+			break
+		}
+		q.sleeping.Store(false)
+		ring.Completions(q.completion)
+	}
+	q.drain()
+}
+
+// drainTimeout bounds how long a queue that quits waits for its requests' handlers.
+const drainTimeout = 30 * time.Second
+
+// drain waits for the handlers of requests still in flight (they write to the buffers):
+// the buffers are kept, not unmapped, if some never finish.
+func (q *queue) drain() {
+	for t0 := time.Now(); q.inflight > 0; time.Sleep(10 * time.Millisecond) {
+		q.mu.Lock()
+		q.inflight -= len(q.done)
+		q.done = nil
+		q.mu.Unlock()
+		if q.inflight > 0 && time.Since(t0) > drainTimeout {
+			q.leakBufs = true
+			return
+		}
+	}
+}
+
+// commit queues a COMMIT_AND_FETCH for every finished request; false if there were none.
+func (q *queue) commit() bool {
+	q.mu.Lock()
+	done := q.done
+	q.done = nil
+	q.mu.Unlock()
+	for _, c := range done {
+		q.inflight--
+		q.cmd(ioCommitAndFetchReq, c.tag, c.res)
+	}
+	return len(done) > 0
+}
+
+// cmd queues an IO command for tag; there is always room (one entry per tag, one for the
+// wake-up read).
+func (q *queue) cmd(op uint32, tag uint16, res int32) {
+	s := q.ring.GetSQE()
+	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(q.d.cdev.Fd()), uint64(ioOp(op)), uint64(tag)
+	*(*ioCmd)(unsafe.Pointer(&q.ring.Cmd(s)[0])) = ioCmd{QID: uint16(q.id), Tag: tag, Result: res,
+		Addr: uint64(uintptr(unsafe.Pointer(&q.bufs[int(tag)*q.maxIO])))}
+}
+
+func (q *queue) armWake() {
+	s := q.ring.GetSQE()
+	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = uring.OpRead, int32(q.efd), uint64(uintptr(unsafe.Pointer(&q.wbuf[0]))), 8, udWake
+}
+
+// completion handles one completion of the ring: a request fetched, a fetch aborted, or
+// the wake-up read.
+func (q *queue) completion(c uring.CQE) {
+	if c.UserData == udWake {
+		q.armWake()
+		return
+	}
+	tag := uint16(c.UserData)
+	if c.Res != 0 {
+		// UBLK_IO_RES_ABORT: the device is stopping; anything else: the driver refused the
+		// command, and the tag is lost to this queue all the same.
+		q.aborted++
+		return
+	}
+	desc := (*IODesc)(unsafe.Pointer(&q.descs[int(tag)*ioDescSize]))
+	r := &q.reqs[tag]
+	r.Op, r.Flags = uint8(desc.OpFlags), desc.OpFlags&^0xff
+	r.Off, r.Len = int64(desc.StartSector)<<9, int(desc.NrSectors)<<9
+	r.Buf = nil
+	if (r.Op == OpRead || r.Op == OpWrite) && r.Len <= q.maxIO {
+		r.Buf = q.bufs[int(tag)*q.maxIO : int(tag)*q.maxIO+r.Len]
+	}
+	q.inflight++
+	q.h.Serve(r)
+}

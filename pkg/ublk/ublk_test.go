@@ -1,0 +1,274 @@
+package ublk
+
+import (
+	"bytes"
+	"errors"
+	"math/rand"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The block layer's ioctls the tests issue (linux/fs.h).
+const (
+	blkDiscard = 0x1277 // BLKDISCARD
+	blkZeroOut = 0x127f // BLKZEROOUT
+)
+
+// memHandler serves requests from memory, each in its own goroutine, counting ops.
+type memHandler struct {
+	mu   sync.Mutex
+	mem  []byte
+	ops  map[uint8]int
+	fua  int
+	hold chan struct{} // non-nil: requests wait for it to close
+}
+
+func newMem(size int) *memHandler { return &memHandler{mem: make([]byte, size), ops: map[uint8]int{}} }
+
+func (m *memHandler) Serve(r *Request) {
+	go func() {
+		if m.hold != nil {
+			<-m.hold
+		}
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		m.ops[r.Op]++
+		if r.Flags&IOFlagFUA != 0 {
+			m.fua++
+		}
+		if r.Off < 0 || r.Off+int64(r.Len) > int64(len(m.mem)) {
+			r.Done(syscall.EIO)
+			return
+		}
+		switch r.Op {
+		case OpRead:
+			copy(r.Buf, m.mem[r.Off:])
+		case OpWrite:
+			copy(m.mem[r.Off:], r.Buf)
+		case OpDiscard, OpWriteZeroes:
+			clear(m.mem[r.Off : r.Off+int64(r.Len)])
+		case OpFlush:
+		default:
+			r.Done(syscall.EOPNOTSUPP)
+			return
+		}
+		r.Done(nil)
+	}()
+}
+
+func (m *memHandler) count(op uint8) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.ops[op]
+}
+
+// ctrlOrSkip opens the control device; without the driver (the host, Debian's 6.1) the
+// tests skip, saying so, and the VM suite that runs them on 6.12 and 7.2 fails on a skip.
+func ctrlOrSkip(t *testing.T) *Ctrl {
+	t.Helper()
+	c, err := OpenCtrl()
+	if errors.Is(err, ErrNoDriver) {
+		t.Skip(err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+const testSize = 64 << 20
+
+func testOptions() Options {
+	return Options{ID: -1, Queues: 2, Depth: 32, MaxIO: 128 << 10, Params: Params{
+		Types: ParamTypeBasic | ParamTypeDiscard,
+		Basic: ParamBasic{Attrs: AttrVolatileCache | AttrFUA, LogicalBSShift: 9, PhysicalBSShift: 12,
+			IOMinShift: 9, IOOptShift: 12, DevSectors: testSize >> 9},
+		Discard: ParamDiscard{DiscardGranularity: 4096, MaxDiscardSectors: 2048, MaxWriteZeroesSectors: 2048, MaxDiscardSegments: 1},
+	}}
+}
+
+func sysfs(t *testing.T, d *Device, attr string) string {
+	t.Helper()
+	b, err := os.ReadFile("/sys/block/ublkb" + strconv.Itoa(d.ID()) + "/" + attr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func openDirect(t *testing.T, d *Device) *os.File {
+	t.Helper()
+	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|syscall.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// aligned is a buffer O_DIRECT takes.
+func aligned(n int) []byte {
+	b := make([]byte, n+4096)
+	off := int(-uintptr(unsafe.Pointer(&b[0])) & 4095)
+	return b[off : off+n]
+}
+
+func rangeIoctl(f *os.File, req uint, off, n uint64) error {
+	r := [2]uint64{off, n}
+	_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), uintptr(unsafe.Pointer(&r)))
+	if e != 0 {
+		return e
+	}
+	return nil
+}
+
+// TestDeviceIO: a device with two queues takes reads and writes of every size up to its
+// limit, flush (fsync), FUA, discard and write-zeroes, shows its limits in sysfs, counts
+// as busy while open, and is gone after Stop.
+func TestDeviceIO(t *testing.T) {
+	c := ctrlOrSkip(t)
+	m := newMem(testSize)
+	d, err := Create(c, testOptions(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+	for attr, want := range map[string]string{"size": strconv.Itoa(testSize >> 9), "queue/logical_block_size": "512",
+		"queue/physical_block_size": "4096", "queue/discard_granularity": "4096", "queue/write_cache": "write back",
+		"queue/fua": "1", "queue/max_hw_sectors_kb": "128", "queue/write_zeroes_max_bytes": strconv.Itoa(2048 << 9)} {
+		if got := sysfs(t, d, attr); got != want {
+			t.Errorf("%s: %q, want %q", attr, got, want)
+		}
+	}
+	f := openDirect(t, d)
+	if !d.Busy() {
+		t.Error("not busy while open")
+	}
+	rng := rand.New(rand.NewSource(1))
+	for i := 0; i < 64; i++ {
+		n := (1 + rng.Intn(256)) * 4096 // up to 1 MiB: the block layer splits at 128 KiB
+		off := int64(rng.Intn((testSize-n)/4096)) * 4096
+		p := aligned(n)
+		rng.Read(p)
+		if _, err := f.WriteAt(p, off); err != nil {
+			t.Fatal(err)
+		}
+		q := aligned(n)
+		if _, err := f.ReadAt(q, off); err != nil || !bytes.Equal(p, q) {
+			t.Fatalf("read back %d at %d: %v, equal %v", n, off, err, bytes.Equal(p, q))
+		}
+		if !bytes.Equal(m.mem[off:off+int64(n)], p) {
+			t.Fatalf("the handler's memory differs at %d", off)
+		}
+	}
+	if err := f.Sync(); err != nil || m.count(OpFlush) == 0 {
+		t.Errorf("fsync: %v, %d flushes", err, m.count(OpFlush))
+	}
+	if err := rangeIoctl(f, blkDiscard, 1<<20, 1<<20); err != nil || m.count(OpDiscard) == 0 {
+		t.Errorf("BLKDISCARD: %v, %d discards", err, m.count(OpDiscard))
+	}
+	if err := rangeIoctl(f, blkZeroOut, 4<<20, 1<<20); err != nil || m.count(OpWriteZeroes) == 0 {
+		t.Errorf("BLKZEROOUT: %v, %d write-zeroes", err, m.count(OpWriteZeroes))
+	}
+	if !bytes.Equal(m.mem[4<<20:5<<20], make([]byte, 1<<20)) {
+		t.Error("BLKZEROOUT left data")
+	}
+	// A write past the end is refused by the block layer; one the handler fails gives EIO.
+	g, err := os.OpenFile(d.BlockPath(), os.O_RDWR|syscall.O_DIRECT|syscall.O_DSYNC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := g.WriteAt(aligned(4096), 0); err != nil || m.fua == 0 && m.count(OpFlush) < 2 {
+		t.Errorf("O_DSYNC write: %v, FUA %d", err, m.fua)
+	}
+	g.Close()
+	f.Close()
+	if d.Busy() {
+		t.Error("busy once closed")
+	}
+	id := d.ID()
+	if err := d.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(d.BlockPath()); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after Stop: %v", d.BlockPath(), err)
+	}
+	if _, err := c.DevInfo(uint32(id)); !errors.Is(err, syscall.ENODEV) {
+		t.Errorf("GET_DEV_INFO after Stop: %v", err)
+	}
+}
+
+// TestRecover: a device whose server went away (its rings and char device closed, as at a
+// crash) keeps its data path waiting; Recover takes it over, and a read that waited meanwhile
+// completes with the right data.
+func TestRecover(t *testing.T) {
+	c := ctrlOrSkip(t)
+	m := newMem(testSize)
+	d, err := Create(c, testOptions(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := openDirect(t, d)
+	defer f.Close()
+	p := aligned(64 << 10)
+	rand.New(rand.NewSource(2)).Read(p)
+	if _, err := f.WriteAt(p, 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	d.abort() // the server "dies"
+	done := make(chan error, 1)
+	q := aligned(64 << 10)
+	go func() {
+		_, err := f.ReadAt(q, 8<<20)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("a read completed with no server: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	d2, err := Recover(c, d.ID(), m, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d2.Stop()
+	select {
+	case err := <-done:
+		if err != nil || !bytes.Equal(p, q) {
+			t.Fatalf("the waiting read: %v, equal %v", err, bytes.Equal(p, q))
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the waiting read never completed")
+	}
+	if _, err := Recover(c, d2.ID(), m, time.Second); !errors.Is(err, syscall.EBUSY) {
+		t.Errorf("recovering a live device: %v", err)
+	}
+}
+
+// TestCreateErrors: a taken id and bad options are refused with nothing left behind.
+func TestCreateErrors(t *testing.T) {
+	c := ctrlOrSkip(t)
+	o := testOptions()
+	o.Depth = 0
+	if _, err := Create(c, o, newMem(testSize)); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("depth 0: %v", err)
+	}
+	d, err := Create(c, testOptions(), newMem(testSize))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+	o = testOptions()
+	o.ID = d.ID()
+	if _, err := Create(c, o, newMem(testSize)); !errors.Is(err, syscall.EEXIST) {
+		t.Errorf("a second device %d: %v", d.ID(), err)
+	}
+}
