@@ -207,8 +207,8 @@ done
 # ---- initramfs: busybox, /init and the modules, in dependency order -------------------------
 # What the guest needs; each module's dependencies (its depends= field) are added before it.
 # A name ending in "?" is left out where the kernel has no such module (7.2: rxe computes its
-# CRC with the kernel's built-in crc32 library, and crc32_generic is gone).
-want=(virtio_pci 9pnet_virtio 9p crc32_generic? ib_core ib_uverbs udp_tunnel ip6_udp_tunnel
+# CRC with the kernel's built-in crc32 library, and crc32_generic is gone; 6.1 has no ublk_drv).
+want=(virtio_pci 9pnet_virtio 9p crc32_generic? ib_core ib_uverbs udp_tunnel ip6_udp_tunnel ublk_drv?
 	rdma_rxe ib_cm iw_cm configfs rdma_cm rdma_ucm veth nbd fuse loop)
 mdir=$(vm_kernel_moddir)
 declare -A modfile=() seen=()

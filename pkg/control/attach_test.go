@@ -27,9 +27,30 @@ func TestParseMapRequestAttach(t *testing.T) {
 			t.Errorf("%q: %v", v, err)
 		}
 	}
-	// The kernel's parser (ParseMapDevice) knows no nbd=.
-	if _, err := ParseMapDevice(base + "nbd=auto"); !errors.Is(err, syscall.EINVAL) {
-		t.Errorf("ParseMapDevice took nbd=: %v", err)
+	// The kernel's parser (ParseMapDevice) knows no nbd= or ublk=.
+	for _, v := range []string{"nbd=auto", "ublk=auto"} {
+		if _, err := ParseMapDevice(base + v); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("ParseMapDevice took %s: %v", v, err)
+		}
+	}
+	// ublk= is read as nbd= is, on its own, and both may be given.
+	for v, want := range map[string][2]Attach{
+		"": {AttachDefault, AttachDefault}, "ublk=auto": {AttachDefault, AttachAuto}, "ublk=none": {AttachDefault, AttachNone},
+		"ublk=7 nbd=3": {3, 7}, "nbd=none ublk=auto": {AttachNone, AttachAuto},
+	} {
+		r, err := ParseMapRequest(base + v)
+		if err != nil || r.Attach != want[0] || r.Ublk != want[1] {
+			t.Errorf("%q: nbd %v ublk %v, %v", v, r.Attach, r.Ublk, err)
+			continue
+		}
+		if back, err := ParseMapRequest(r.String()); err != nil || back.Attach != r.Attach || back.Ublk != r.Ublk {
+			t.Errorf("%q: %q reads back as %+v, %v", v, r.String(), back, err)
+		}
+	}
+	for _, v := range []string{"ublk=", "ublk=-1", "ublk=x", "ublk=auto ublk=none", "ublk=/dev/ublkb0", "ublk=01"} {
+		if _, err := ParseMapRequest(base + v); !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), "ublk=") {
+			t.Errorf("%q: %v", v, err)
+		}
 	}
 	// The kernel's tokens are unchanged.
 	o, err := ParseMapDevice("sessname=s device_path=/dev/x dest_port=11 path=ip:10.0.0.1 access_mode=ro nr_poll_queues=2")

@@ -21,6 +21,7 @@ type fakeAttacher struct {
 	fail    error
 	busy    bool
 	next    int
+	prefix  string // "/dev/nbd" when empty
 	devs    map[*rnbd.Device]string
 	actions []string
 }
@@ -35,12 +36,16 @@ func (f *fakeAttacher) Attach(_ context.Context, d *rnbd.Device, at control.Atta
 	if f.fail != nil {
 		return f.fail
 	}
+	prefix := f.prefix
+	if prefix == "" {
+		prefix = "/dev/nbd"
+	}
 	switch {
 	case at == control.AttachAuto:
-		f.devs[d] = fmt.Sprintf("/dev/nbd%d", f.next)
+		f.devs[d] = fmt.Sprintf("%s%d", prefix, f.next)
 		f.next++
 	case at >= 0:
-		f.devs[d] = fmt.Sprintf("/dev/nbd%d", at)
+		f.devs[d] = fmt.Sprintf("%s%d", prefix, at)
 	}
 	return nil
 }
@@ -148,4 +153,46 @@ func TestDeviceViewNBD(t *testing.T) {
 		t.Errorf("no attacher: %q", got)
 	}
 	mustSh(t, "echo 'sessname=n device_path=disk' > "+tr.dev+"/ctl/unmap_device")
+}
+
+// TestDeviceViewTwoFrontEnds: nbd= and ublk= each reach their front end; when the second
+// attach fails the first is detached and nothing stays mapped; a busy ublk device keeps
+// unmap from touching either front end.
+func TestDeviceViewTwoFrontEnds(t *testing.T) {
+	leakcheck.Check(t)
+	tr := mountTrees(t)
+	fa := &fakeAttacher{def: control.AttachNone, devs: map[*rnbd.Device]string{}}
+	fu := &fakeAttacher{def: control.AttachNone, prefix: "/dev/ublkb", devs: map[*rnbd.Device]string{}}
+	dev := mount(t, &DevTree{Ctl: &control.Client{RNBD: tr.client, Attacher: fa, Ublk: fu}, Timeout: 20 * time.Second})
+	mapLine := fmt.Sprintf("sessname=n device_path=disk dest_port=%d path=ip:127.0.0.1@ip:127.0.0.1 nbd=auto ublk=auto", tr.port)
+
+	fu.set(fmt.Errorf("no ublk here: %w", syscall.ENODEV), false)
+	shErr(t, "echo '"+mapLine+"' > "+dev+"/ctl/map_device", "No such device")
+	if got := fa.log() + " | " + fu.log(); got != `attach disk "auto"; detach disk | attach disk "auto"` {
+		t.Errorf("front ends: %s", got)
+	}
+	if got := mustSh(t, "ls "+dev+"; cat "+dev+"/ctl/nbd_devices "+dev+"/ctl/ublk_devices"); got != "ctl\n" || len(tr.client.Devices()) != 0 {
+		t.Fatalf("after a failed ublk attach: %q, %d devices", got, len(tr.client.Devices()))
+	}
+
+	fu.set(nil, false)
+	mustSh(t, "echo '"+mapLine+"' > "+dev+"/ctl/map_device")
+	if got := mustSh(t, "cat "+dev+"/ctl/nbd_devices "+dev+"/ctl/ublk_devices"); got != "n/disk /dev/nbd1\nn/disk /dev/ublkb0\n" { // nbd0 went with the failed map
+		t.Errorf("nbd_devices and ublk_devices: %q", got)
+	}
+	fa.log()
+	fu.log()
+	fu.set(nil, true)
+	shErr(t, "echo 'sessname=n device_path=disk' > "+dev+"/ctl/unmap_device", "Device or resource busy")
+	if got := fa.log() + " | " + fu.log(); got != " | busy disk" || len(tr.client.Devices()) != 1 {
+		t.Errorf("a busy unmap: %s, %d devices", got, len(tr.client.Devices()))
+	}
+	fu.set(nil, false)
+	mustSh(t, "echo 'sessname=n device_path=disk' > "+dev+"/ctl/unmap_device")
+	if got := fa.log() + " | " + fu.log(); got != "detach disk | detach disk" {
+		t.Errorf("unmap: %s", got)
+	}
+	if got := mustSh(t, "cat "+dev+"/ctl/nbd_devices "+dev+"/ctl/ublk_devices"); got != "" {
+		t.Errorf("after unmap: %q", got)
+	}
 }

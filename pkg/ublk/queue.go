@@ -152,9 +152,11 @@ func (q *queue) wake() {
 // until the driver aborts every fetch (the device stopped) or quit is set.
 func (q *queue) run(ready chan<- error) {
 	defer q.d.wg.Done()
+	// The thread is the queue's daemon task for the driver, and it ends with the loop
+	// (never unlocked): a task that exits runs what io_uring still had queued for it, so
+	// the char device is released at once even when the loop quit on its own.
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	ring, err := uring.New(uint32(q.depth+1), uring.SetupCoopTaskrun)
+	ring, err := uring.New(uint32(q.depth+1), 0)
 	if err != nil {
 		ready <- fmt.Errorf("ublk queue %d: %w", q.id, err)
 		return
@@ -253,6 +255,9 @@ func (q *queue) completion(c uring.CQE) {
 	r := &q.reqs[tag]
 	r.Op, r.Flags = uint8(desc.OpFlags), desc.OpFlags&^0xff
 	r.Off, r.Len = int64(desc.StartSector)<<9, int(desc.NrSectors)<<9
+	if r.Op == OpFlush {
+		r.Off = 0 // the block layer's flush requests have no sector (it shows as -1)
+	}
 	r.Buf = nil
 	if (r.Op == OpRead || r.Op == OpWrite) && r.Len <= q.maxIO {
 		r.Buf = q.bufs[int(tag)*q.maxIO : int(tag)*q.maxIO+r.Len]

@@ -44,7 +44,7 @@ func (m *memHandler) Serve(r *Request) {
 		if r.Flags&IOFlagFUA != 0 {
 			m.fua++
 		}
-		if r.Off < 0 || r.Off+int64(r.Len) > int64(len(m.mem)) {
+		if r.Off < 0 || r.Off+int64(r.Len) > int64(len(m.mem)) || (r.Op == OpFlush && (r.Off != 0 || r.Len != 0)) {
 			r.Done(syscall.EIO)
 			return
 		}
@@ -216,6 +216,14 @@ func TestRecover(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Should the recovery fail, the device goes, failing the read that waits on it (the
+	// test process could not exit with a read stuck in the kernel).
+	t.Cleanup(func() {
+		if t.Failed() {
+			_ = c.StopDev(uint32(d.ID()))
+			_ = c.DelDev(uint32(d.ID()))
+		}
+	})
 	f := openDirect(t, d)
 	defer f.Close()
 	p := aligned(64 << 10)
@@ -235,16 +243,31 @@ func TestRecover(t *testing.T) {
 		t.Fatalf("a read completed with no server: %v", err)
 	case <-time.After(500 * time.Millisecond):
 	}
-	d2, err := Recover(c, d.ID(), m, 30*time.Second)
+	t0 := time.Now()
+	for {
+		info, err := c.DevInfo(uint32(d.ID()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State == stateQuiesced || time.Since(t0) > 30*time.Second {
+			t.Logf("%v after %v", info.State, time.Since(t0))
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t1 := time.Now()
+	d2, err := Recover(c, d.ID(), m, 60*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d2.Stop()
+	t.Logf("recovered in %v", time.Since(t1))
 	select {
 	case err := <-done:
 		if err != nil || !bytes.Equal(p, q) {
 			t.Fatalf("the waiting read: %v, equal %v", err, bytes.Equal(p, q))
 		}
+		t.Logf("the waiting read completed %v after the recovery began", time.Since(t1))
 	case <-time.After(30 * time.Second):
 		t.Fatal("the waiting read never completed")
 	}

@@ -1,0 +1,258 @@
+# shellcheck shell=bash
+# rtrs-clientd's ublk front end (map_device … ublk=), on kernels that have ublk_drv (6.12,
+# 7.2); on 6.1, which has none, that ublk= is refused with a clear error and nothing left.
+# - pkg/ublk's own tests against the driver (device IO and limits, recovery, errors);
+# - over rxe, rtrs-clientd → rtrs-serverd and rtrs-clientd → the kernel's rnbd-server:
+#   ext4 over /dev/ublkbN, fsck clean, files read back;
+# - blkdiscard and blkdiscard -z;
+# - fio verify while a path is disconnected and reconnected mid-IO;
+# - unmap_device while fio has the device open: EBUSY at once, fio unharmed;
+# - rtrs-clientd killed with SIGKILL under fio verify and started again: it takes its
+#   /dev/ublkbN back (user recovery), the IO that waited resumes, fio finds no error;
+# - SIGTERM: the daemon stops its ublk devices.
+
+# shellcheck disable=SC2034 # read by vmtest.sh
+SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio util-linux"
+
+host() {
+	vm_build_kernel_rtrs
+	vm_kernel_module fs/mbcache fs/jbd2/jbd2 lib/crc16 crypto/crc32c_generic fs/ext4/ext4
+	mkdir -p "$RTRS_VM_WORK/bin"
+	(
+		cd "$RTRS_VM_REPO" || exit
+		go test -c -o "$RTRS_VM_WORK/bin/ublk.test" ./pkg/ublk
+		go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd
+	)
+}
+
+guest() {
+	export PATH=$RTRS_VM_WORK/bin:$PATH
+	local failed=() m
+	part() {
+		local name=$1
+		shift
+		echo "== $name"
+		"$@" &
+		if ! wait $!; then
+			echo "== $name: FAILED"
+			failed+=("$name")
+		fi
+	}
+	for m in mbcache jbd2 crc16 crc32c_generic ext4; do
+		vm_insmod "$RTRS_VM_WORK/kmod/$m.ko"
+	done
+	if [ ! -e /dev/ublk-control ]; then
+		part "no ublk driver on $(uname -r): ublk= refused" no_driver
+	else
+		part "pkg/ublk against ublk_drv" unit
+		part "rtrs-clientd ublk → rtrs-serverd" ours
+		part "rtrs-clientd ublk → the kernel's rnbd-server" kernel_server
+	fi
+	if [ ${#failed[@]} -gt 0 ]; then
+		for m in "$RTRS_VM_WORK"/results/ublk-*.log; do
+			[ -f "$m" ] || continue
+			echo "--- $m"
+			tail -40 "$m"
+		done
+		echo "failed: ${failed[*]}"
+		return 1
+	fi
+}
+
+unit() {
+	local tests=(TestDeviceIO TestRecover TestCreateErrors)
+	ublk.test -test.v -test.count 1 -test.timeout 600s 2>&1 | tee /tmp/ublk-unit.out
+	vm_require_tests /tmp/ublk-unit.out "${tests[@]}"
+}
+
+# Our server's port: the kernel's rtrs-server, loaded by other suites, holds 1234.
+PORT=1235
+
+# The daemons' logs go to the results (kept on the host): T's last part names them.
+logs() { echo "$RTRS_VM_WORK/results/ublk-${1##*/}"; }
+
+# start_server T: rtrs-serverd over verbs exporting T/exports.
+start_server() {
+	rtrs-serverd -provider verbs -config /dev/null -listen "$RTRS_VM_ADDR1:$PORT" \
+		-dev-search-path "$1"/exports -mount "$1"/srv -rnbd-mount "$1"/rnbd -names-file "$1"/names.json \
+		>>"$(logs "$1")-serverd.log" 2>&1 &
+	SRV_PID=$!
+	vm_wait 30 mountpoint -q "$1"/srv || {
+		cat "$(logs "$1")-serverd.log"
+		return 1
+	}
+}
+
+# start_client T: rtrs-clientd over verbs with T/clientd.conf (written back); sets CLI_PID.
+start_client() {
+	DAEMON_LOGS="$(logs "$1")-clientd.log"
+	rtrs-clientd -provider verbs -config "$1"/clientd.conf -mount "$1"/cli -dev-mount "$1"/dev \
+		-nbd-socket "" -io-timeout 120s -reconnect-delay 2s >>"$DAEMON_LOGS" 2>&1 &
+	CLI_PID=$!
+	vm_wait 30 mountpoint -q "$1"/dev || {
+		cat "$DAEMON_LOGS"
+		return 1
+	}
+}
+
+# holds_open DEV: some process has DEV open.
+holds_open() { [ -n "$(find /proc/[0-9]*/fd -lname "$1" 2>/dev/null)" ]; }
+
+# ublk_of T: the /dev/ublkbN of the one mapping in T's device view.
+ublk_of() { awk 'NR == 1 { print $2 }' "$1"/dev/ctl/ublk_devices; }
+
+no_driver() {
+	local T=/tmp/ub-none err
+	case $(uname -r) in 6.1.*) ;; *)
+		echo "$(uname -r) should have ublk_drv and has no /dev/ublk-control"
+		return 1
+		;;
+	esac
+	mkdir -p "$T"/exports "$T"/srv "$T"/rnbd "$T"/cli "$T"/dev
+	truncate -s 64M "$T"/exports/disk
+	: >"$T"/clientd.conf
+	start_server "$T"
+	start_client "$T"
+	if err=$({ echo "sessname=u device_path=disk dest_port=$PORT path=ip:$RTRS_VM_ADDR1@ip:$RTRS_VM_ADDR1 ublk=auto" >"$T"/dev/ctl/map_device; } 2>&1); then
+		echo "map_device ublk=auto succeeded without a ublk driver"
+		return 1
+	fi
+	echo "map_device ublk=auto: $err"
+	grep 'no ublk driver' "$DAEMON_LOGS"
+	case $err in *"No such device"*) ;; *) return 1 ;; esac
+	# Nothing left: no device, no session, nothing written back.
+	[ -z "$(cat "$T"/dev/ctl/devices)" ] && [ -z "$(find "$T"/cli -mindepth 1 -maxdepth 1 ! -name ctl)" ] &&
+		! grep map_device "$T"/clientd.conf
+	kill "$CLI_PID" "$SRV_PID"
+	wait "$CLI_PID" "$SRV_PID"
+}
+
+# fio_job NAME DEV ARGS...: fio with crc32c verify, direct libaio; fails on any error.
+fio_job() {
+	local n=$1 f=$2
+	shift 2
+	if ! fio --name="$n" --filename="$f" --ioengine=libaio --direct=1 --verify=crc32c --verify_fatal=1 \
+		--verify_state_save=0 --output-format=terse --terse-version=3 "$@" >/tmp/fio-"$n".out 2>&1; then
+		echo "fio $n failed:"
+		tail -20 /tmp/fio-"$n".out
+		tail -30 "$DAEMON_LOGS"
+		return 1
+	fi
+	awk -F';' -v n="$n" '/^3;/ { printf "fio %s: error %s, read %d KiB, write %d KiB\n", n, $5, $6, $47 }' /tmp/fio-"$n".out
+}
+
+# ext4_on DEV: a file system made, written, checked clean and read back.
+ext4_on() {
+	local B=$1 mnt=/tmp/mnt
+	mkdir -p "$mnt"
+	head -c 8M /dev/urandom >/tmp/pat
+	mkfs.ext4 -q -F "$B"
+	mount "$B" "$mnt"
+	cp /tmp/pat "$mnt"/pat
+	mkdir "$mnt"/d && for i in $(seq 1 50); do echo "$i" >"$mnt/d/$i"; done
+	umount "$mnt"
+	fsck.ext4 -fn "$B"
+	mount "$B" "$mnt"
+	cmp /tmp/pat "$mnt"/pat
+	[ "$(cat "$mnt"/d/50)" = 50 ]
+	umount "$mnt"
+	echo "ext4 on $B: made, fsck clean, read back"
+}
+
+ours() {
+	local T=/tmp/ub A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 B C pb err t0 id
+	mkdir -p "$T"/exports "$T"/srv "$T"/rnbd "$T"/cli "$T"/dev
+	truncate -s 256M "$T"/exports/disk
+	: >"$T"/clientd.conf
+	start_server "$T"
+	start_client "$T"
+	echo "sessname=u device_path=disk dest_port=$PORT path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 ublk=auto" >"$T"/dev/ctl/map_device
+	cat "$T"/dev/ctl/ublk_devices
+	B=$(ublk_of "$T")
+	[ -b "$B" ]
+	id=${B#/dev/ublkb}
+	# The write-back records the device's number, so a restart recovers that one.
+	grep "map_device .* ublk=$id\$" "$T"/clientd.conf
+	local sb=/sys/block/${B#/dev/}
+	echo "$B: $(cat "$sb"/size) sectors, $(find "$sb"/mq -mindepth 1 -maxdepth 1 | wc -l) queues, write cache $(cat "$sb"/queue/write_cache)"
+	ext4_on "$B"
+
+	echo "-- blkdiscard and blkdiscard -z"
+	head -c 1M /dev/urandom >/tmp/mb
+	dd if=/tmp/mb of="$B" bs=1M oflag=direct status=none
+	blkdiscard -o 0 -l 1M "$B"
+	dd if=/tmp/mb of="$B" bs=1M seek=1 oflag=direct status=none
+	blkdiscard -z -o 1M -l 1M "$B"
+	cmp -n 2097152 "$B" /dev/zero
+	echo "discarded and zeroed ranges read back as zeros"
+
+	echo "-- fio verify while a path is disconnected and reconnected"
+	C=$T/cli/u
+	pb=$(basename "$(find "$C"/paths -mindepth 1 -maxdepth 1 | sort | tail -1)")
+	fio_job ub-faults "$B" --rw=randwrite --bs=4k --iodepth=32 --size=32m --time_based --runtime=15 --verify_backlog=128 &
+	local fpid=$!
+	sleep 4
+	echo 1 >"$C/paths/$pb/disconnect"
+	vm_wait 10 grep -qx disconnected "$C/paths/$pb/state"
+	sleep 2
+	echo 1 >"$C/paths/$pb/reconnect"
+	vm_wait 30 grep -qx connected "$C/paths/$pb/state"
+	wait "$fpid"
+
+	echo "-- unmap_device while fio has $B open"
+	fio_job ub-open "$B" --rw=randread --bs=4k --iodepth=8 --size=32m --time_based --runtime=10 --verify=0 &
+	fpid=$!
+	vm_wait 20 holds_open "$B"
+	t0=$(vm_now)
+	if err=$({ timeout 20 bash -c "echo 'sessname=u device_path=disk' >$T/dev/ctl/unmap_device"; } 2>&1); then
+		echo "unmap_device succeeded while fio had $B open"
+		return 1
+	fi
+	echo "unmap_device: $err ($(vm_since "$t0") s)"
+	case $err in *"Device or resource busy"*) ;; *) return 1 ;; esac
+	grep -q "$B" "$T"/dev/ctl/ublk_devices
+	wait "$fpid"
+
+	echo "-- rtrs-clientd killed with SIGKILL under fio verify, started again"
+	fio_job ub-restart "$B" --rw=randwrite --bs=4k --iodepth=32 --size=32m --time_based --runtime=20 --verify_backlog=128 &
+	fpid=$!
+	sleep 4
+	kill -9 "$CLI_PID"
+	wait "$CLI_PID" 2>/dev/null || true
+	umount "$T"/cli "$T"/dev 2>/dev/null || rtrs-clientd -cleanup -mount "$T"/cli -dev-mount "$T"/dev
+	t0=$(vm_now)
+	start_client "$T"
+	vm_wait 60 grep -q "$B" "$T"/dev/ctl/ublk_devices
+	grep "recovered $B" "$DAEMON_LOGS"
+	echo "$B recovered $(vm_since "$t0") s after the restart"
+	wait "$fpid"
+	fio_job ub-after "$B" --rw=randwrite --bs=64k --iodepth=8 --size=32m
+
+	echo "-- SIGTERM stops the ublk device"
+	kill "$CLI_PID"
+	wait "$CLI_PID"
+	[ ! -e "$B" ] && [ ! -e "/dev/ublkc$id" ]
+	echo "$B and /dev/ublkc$id gone after SIGTERM"
+	kill "$SRV_PID"
+	wait "$SRV_PID"
+}
+
+kernel_server() {
+	local T=/tmp/ubk A1=$RTRS_VM_ADDR1 B loop
+	vm_load_kernel_rtrs rtrs-core rtrs-server rnbd-server
+	mkdir -p "$T"/cli "$T"/dev
+	truncate -s 256M "$T"/disk
+	loop=$(losetup -f --show "$T"/disk)
+	: >"$T"/clientd.conf
+	start_client "$T"
+	echo "sessname=k device_path=$loop path=ip:$A1@ip:$A1 path=ip:$RTRS_VM_ADDR2@ip:$A1 ublk=auto" >"$T"/dev/ctl/map_device
+	B=$(ublk_of "$T")
+	[ -b "$B" ]
+	ext4_on "$B"
+	fio_job ubk-verify "$B" --rw=randwrite --bs=4k --iodepth=32 --size=32m
+	echo "sessname=k device_path=$loop" >"$T"/dev/ctl/unmap_device
+	[ ! -e "$B" ]
+	kill "$CLI_PID"
+	wait "$CLI_PID"
+	losetup -d "$loop"
+}
