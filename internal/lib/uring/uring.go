@@ -16,12 +16,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Setup flags (io_uring_setup(2)) this package knows.
-const (
-	SetupCoopTaskrun  = 1 << 8  // IORING_SETUP_COOP_TASKRUN
-	SetupSQE128       = 1 << 10 // IORING_SETUP_SQE128: 128-byte entries (80 bytes of command)
-	SetupSingleIssuer = 1 << 12 // IORING_SETUP_SINGLE_ISSUER
-)
+// SetupSQE128 is io_uring_setup(2)'s IORING_SETUP_SQE128: 128-byte entries, with 80 bytes
+// of command (ublk's control commands need 32).
+const SetupSQE128 = 1 << 10
 
 // Opcodes this package's users issue.
 const (
