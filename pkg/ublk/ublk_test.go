@@ -14,6 +14,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 )
 
 // The block layer's ioctls the tests issue (linux/fs.h).
@@ -134,6 +136,7 @@ func rangeIoctl(f *os.File, req uint, off, n uint64) error {
 // limit, flush (fsync), FUA, discard and write-zeroes, shows its limits in sysfs, counts
 // as busy while open, and is gone after Stop.
 func TestDeviceIO(t *testing.T) {
+	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
 	m := newMem(testSize)
 	d, err := Create(c, testOptions(), m)
@@ -210,6 +213,7 @@ func TestDeviceIO(t *testing.T) {
 // crash) keeps its data path waiting; Recover takes it over, and a read that waited meanwhile
 // completes with the right data.
 func TestRecover(t *testing.T) {
+	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
 	m := newMem(testSize)
 	d, err := Create(c, testOptions(), m)
@@ -278,6 +282,7 @@ func TestRecover(t *testing.T) {
 
 // TestCreateErrors: a taken id and bad options are refused with nothing left behind.
 func TestCreateErrors(t *testing.T) {
+	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
 	o := testOptions()
 	o.Depth = 0
