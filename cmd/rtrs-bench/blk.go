@@ -31,9 +31,11 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs export without a copy (off: never)")
 	provName := fs.String("provider", "auto", pick.Usage)
+	prof := fs.String("profile-dir", "", "SIGUSR1 starts a CPU profile into this directory, SIGUSR2 stops it (blkserver.pprof, blkserver.sched)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	profileOnSignal(ctx, *prof, "blkserver")
 	cs, err := size.Parse(*chunk)
 	if err != nil {
 		return err
@@ -80,9 +82,11 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	tcp := fs.String("tcp", "", "TCP address to serve NBD on too")
 	cons := fs.Int("con-per-path", 0, "connections per path (0: CPUs + 1)")
 	provName := fs.String("provider", "auto", pick.Usage)
+	prof := fs.String("profile-dir", "", "SIGUSR1 starts a CPU profile into this directory, SIGUSR2 stops it (nbdclient.pprof, nbdclient.sched)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	profileOnSignal(ctx, *prof, "nbdclient")
 	pa, err := parsePaths(paths)
 	if err != nil {
 		return err
