@@ -450,6 +450,21 @@ vm_load_kernel_rtrs() {
 	done
 }
 
+# vm_part NAME CMD...: one part of a suite. Says "== NAME" and runs CMD in the background,
+# so that errexit holds inside it (it would not in a condition) while its failure does not end
+# the suite; on failure says "== NAME: FAILED" and adds NAME to the caller's array `failed`.
+# Each part runs even when one before it failed: one VM run shows everything.
+vm_part() {
+	local name=$1
+	shift
+	echo "== $name"
+	"$@" &
+	if ! wait $!; then
+		echo "== $name: FAILED"
+		failed+=("$name")
+	fi
+}
+
 # vm_require_tests LOG NAME...: LOG (a Go test binary's -test.v output) shows every NAME as
 # "--- PASS: NAME", no test skipped and no "no tests to run": a -test.run selection whose name
 # no longer matches (a renamed or removed test), or a test that skips, fails the caller

@@ -28,25 +28,15 @@ host() {
 guest() {
 	export PATH=$RTRS_VM_WORK/bin:$PATH
 	local failed=() m
-	part() {
-		local name=$1
-		shift
-		echo "== $name"
-		"$@" &
-		if ! wait $!; then
-			echo "== $name: FAILED"
-			failed+=("$name")
-		fi
-	}
 	for m in mbcache jbd2 crc16 crc32c_generic ext4; do
 		vm_insmod "$RTRS_VM_WORK/kmod/$m.ko"
 	done
 	if [ ! -e /dev/ublk-control ]; then
-		part "no ublk driver on $(uname -r): ublk= refused" no_driver
+		vm_part "no ublk driver on $(uname -r): ublk= refused" no_driver
 	else
-		part "pkg/ublk against ublk_drv" unit
-		part "rtrs-clientd ublk → rtrs-serverd" ours
-		part "rtrs-clientd ublk → the kernel's rnbd-server" kernel_server
+		vm_part "pkg/ublk against ublk_drv" unit
+		vm_part "rtrs-clientd ublk → rtrs-serverd" ours
+		vm_part "rtrs-clientd ublk → the kernel's rnbd-server" kernel_server
 	fi
 	if [ ${#failed[@]} -gt 0 ]; then
 		for m in "$RTRS_VM_WORK"/results/ublk-*.log; do

@@ -24,25 +24,12 @@ host() {
 guest() {
 	local A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 D=$RTRS_VM_DEV B=$RTRS_VM_WORK/bin failed=()
 	export PATH=$B:$PATH
-	# Each part runs even when one before it failed (one VM run shows everything); the suite
-	# fails if any did.
-	part() {
-		local name=$1
-		shift
-		echo "== $name"
-		# In the background, so that errexit holds inside the part (it would not in a
-		# condition) while a failure does not end the suite here.
-		"$@" &
-		if ! wait $!; then
-			echo "== $name: FAILED"
-			failed+=("$name")
-		fi
-	}
-	part "conformance over verbs ($D)" conformance "$A1" "$A2" "$D"
-	part "provider choice" pick.test -test.v -test.count 1
-	part "transport engine tests over verbs" transport_tests "$A1" "$A2"
-	part "daemons with -provider verbs" daemons "$A1" "$A2" "$D"
-	part "rdma-perf beside perftest on $D" perf "$A1" "$D"
+	# The suite fails if any part did.
+	vm_part "conformance over verbs ($D)" conformance "$A1" "$A2" "$D"
+	vm_part "provider choice" pick.test -test.v -test.count 1
+	vm_part "transport engine tests over verbs" transport_tests "$A1" "$A2"
+	vm_part "daemons with -provider verbs" daemons "$A1" "$A2" "$D"
+	vm_part "rdma-perf beside perftest on $D" perf "$A1" "$D"
 	if [ ${#failed[@]} -gt 0 ]; then
 		echo "failed: ${failed[*]}"
 		return 1
