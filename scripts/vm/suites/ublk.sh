@@ -12,7 +12,7 @@
 # - SIGTERM: the daemon stops its ublk devices.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
-SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio util-linux"
+SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio util-linux curl"
 
 host() {
 	vm_build_kernel_rtrs
@@ -57,6 +57,8 @@ unit() {
 
 # Our server's port: the kernel's rtrs-server, loaded by other suites, holds 1234.
 PORT=1235
+# Our server's metrics: the RNBD requests by operation and flag that reached it.
+METRICS_ADDR=127.0.0.1:9861
 
 # The daemons' logs go to the results (kept on the host): T's last part names them.
 logs() { echo "$RTRS_VM_WORK/results/ublk-${1##*/}"; }
@@ -65,7 +67,7 @@ logs() { echo "$RTRS_VM_WORK/results/ublk-${1##*/}"; }
 start_server() {
 	rtrs-serverd -provider verbs -config /dev/null -listen "$RTRS_VM_ADDR1:$PORT" \
 		-dev-search-path "$1"/exports -mount "$1"/srv -rnbd-mount "$1"/rnbd -names-file "$1"/names.json \
-		>>"$(logs "$1")-serverd.log" 2>&1 &
+		-metrics "$METRICS_ADDR" >>"$(logs "$1")-serverd.log" 2>&1 &
 	SRV_PID=$!
 	vm_wait 30 mountpoint -q "$1"/srv || {
 		cat "$(logs "$1")-serverd.log"
@@ -115,6 +117,22 @@ no_driver() {
 		! grep map_device "$T"/clientd.conf
 	kill "$CLI_PID" "$SRV_PID"
 	wait "$CLI_PID" "$SRV_PID"
+}
+
+# ops_arrived: what the block layer sent through /dev/ublkbN reached our server as RNBD asks:
+# flushes (ext4's journal, blkdiscard's end), FUA writes (O_DSYNC on a device with a volatile
+# cache and FUA), discards and write-zeroes, and no request failed.
+ops_arrived() {
+	curl -sf --max-time 10 "http://$METRICS_ADDR/metrics" | awk '
+		/^rtrs_rnbd_server_requests_total\{/ { match($0, /op="[^"]*"/); n[substr($0, RSTART + 4, RLENGTH - 5)] = $NF }
+		/^rtrs_rnbd_server_fua_writes_total / { n["fua_writes"] = $NF }
+		/^rtrs_rnbd_server_errors_total / { n["errors"] = $NF }
+		END {
+			printf "our server'"'"'s RNBD requests:"
+			for (k in n) printf " %s=%d", k, n[k]
+			print ""
+			exit !(n["flush"] > 0 && n["discard"] > 0 && n["write_zeroes"] > 0 && n["fua_writes"] > 0 && ("errors" in n) && n["errors"] == 0)
+		}'
 }
 
 # fio_job NAME DEV ARGS...: fio with crc32c verify, direct libaio; fails on any error.
@@ -175,6 +193,8 @@ ours() {
 	blkdiscard -z -o 1M -l 1M "$B"
 	cmp -n 2097152 "$B" /dev/zero
 	echo "discarded and zeroed ranges read back as zeros"
+	dd if=/tmp/mb of="$B" bs=4k count=16 oflag=direct,dsync status=none
+	ops_arrived
 
 	echo "-- fio verify while a path is disconnected and reconnected"
 	C=$T/cli/u
