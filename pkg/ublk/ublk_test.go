@@ -264,7 +264,13 @@ func TestRecover(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d2.Stop()
+	defer func() {
+		t2 := time.Now()
+		if err := d2.Stop(); err != nil {
+			t.Errorf("stopping the recovered device: %v", err)
+		}
+		t.Logf("stopped in %v", time.Since(t2))
+	}()
 	t.Logf("recovered in %v", time.Since(t1))
 	select {
 	case err := <-done:
