@@ -170,8 +170,17 @@ func (c *Ctrl) StartDev(id uint32) error { return c.simple(cmdStartDev, id) }
 // UBLK_IO_RES_ABORT (or, for a device with user recovery, IO waits for a new server).
 func (c *Ctrl) StopDev(id uint32) error { return c.simple(cmdStopDev, id) }
 
-// DelDev deletes a stopped device.
-func (c *Ctrl) DelDev(id uint32) error { return c.simple(cmdDelDev, id) }
+// DelDev deletes a stopped device without waiting for its last opener (DEL_DEV_ASYNC):
+// DEL_DEV would block until every process that has /dev/ublkb<id> open closes it, and a
+// daemon stopping under a mounted file system must not. The number is free again once the
+// last opener is gone. Kernels before 6.11 know only DEL_DEV, which is used there.
+func (c *Ctrl) DelDev(id uint32) error {
+	err := c.simple(cmdDelDevAsync, id)
+	if errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.EOPNOTSUPP) {
+		err = c.simple(cmdDelDev, id)
+	}
+	return err
+}
 
 // StartUserRecovery begins taking over a device whose server died (state quiesced).
 func (c *Ctrl) StartUserRecovery(id uint32) error { return c.simple(cmdStartUserRecovery, id) }

@@ -25,6 +25,7 @@ const (
 	cmdStartUserRecovery       = 0x10
 	cmdEndUserRecovery         = 0x11
 	cmdGetFeatures             = 0x13
+	cmdDelDevAsync             = 0x14 // Linux 6.11 and later
 	ioFetchReq                 = 0x20 // UBLK_IO_FETCH_REQ
 	ioCommitAndFetchReq        = 0x21 // UBLK_IO_COMMIT_AND_FETCH_REQ
 	ioctlRead                  = 2
@@ -43,7 +44,7 @@ func ioc(dir, nr, size uint32) uint32 { return dir<<30 | size<<16 | ioctlType<<8
 
 func ctrlOp(nr uint32) uint32 {
 	switch nr {
-	case cmdGetDevInfo, cmdGetParams, cmdGetFeatures:
+	case cmdGetDevInfo, cmdGetParams, cmdGetFeatures, cmdDelDevAsync:
 		return ioc(ioctlRead, nr, ctrlCmdSize)
 	}
 	return ioc(ioctlReadWrite, nr, ctrlCmdSize)

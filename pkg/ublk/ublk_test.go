@@ -211,7 +211,8 @@ func TestDeviceIO(t *testing.T) {
 
 // TestRecover: a device whose server went away (its rings and char device closed, as at a
 // crash) keeps its data path waiting; Recover takes it over, and a read that waited meanwhile
-// completes with the right data.
+// completes with the right data. The recovered device then stops while the test still has
+// it open (DEL_DEV would wait for that close; Stop must not).
 func TestRecover(t *testing.T) {
 	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
