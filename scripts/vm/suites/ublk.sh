@@ -9,7 +9,7 @@
 # - unmap_device while fio has the device open: EBUSY at once, fio unharmed;
 # - rtrs-clientd killed with SIGKILL under fio verify and started again: it takes its
 #   /dev/ublkbN back (user recovery), the IO that waited resumes, fio finds no error;
-# - SIGTERM: the daemon stops its ublk devices.
+# - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio util-linux curl"
@@ -86,6 +86,9 @@ start_client() {
 		return 1
 	}
 }
+
+# gone PID: the process has exited.
+gone() { ! kill -0 "$1" 2>/dev/null; }
 
 # holds_open DEV: some process has DEV open.
 holds_open() { [ -n "$(find /proc/[0-9]*/fd -lname "$1" 2>/dev/null)" ]; }
@@ -238,11 +241,18 @@ ours() {
 	wait "$fpid"
 	fio_job ub-after "$B" --rw=randwrite --bs=64k --iodepth=8 --size=32m
 
-	echo "-- SIGTERM stops the ublk device"
+	echo "-- SIGTERM with ext4 mounted on $B: the daemon stops its ublk device all the same"
+	mkfs.ext4 -q -F "$B"
+	mkdir -p /tmp/mnt
+	mount "$B" /tmp/mnt
+	t0=$(vm_now)
 	kill "$CLI_PID"
+	vm_wait 60 gone "$CLI_PID"
 	wait "$CLI_PID"
+	echo "rtrs-clientd exited $(vm_since "$t0") s after SIGTERM"
 	[ ! -e "$B" ] && [ ! -e "/dev/ublkc$id" ]
-	echo "$B and /dev/ublkc$id gone after SIGTERM"
+	umount /tmp/mnt 2>/dev/null || umount -l /tmp/mnt
+	echo "$B and /dev/ublkc$id gone after SIGTERM, the mount left behind unmounted"
 	kill "$SRV_PID"
 	wait "$SRV_PID"
 }
