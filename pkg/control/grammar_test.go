@@ -30,6 +30,9 @@ var (
 		"sessname=s1 device_path=x nr_poll_queues=4 nbd=none",
 		"sessname=s1 device_path=x nbd=0",
 		"sessname=s1 device_path=x dest_port=1 nbd=1048575",
+		"sessname=s1 device_path=x ublk=auto",
+		"sessname=s1 device_path=x ublk=7 nbd=none",
+		"sessname=s1 device_path=x nbd=auto ublk=none",
 	}
 	unmapLines = []string{"sessname=s1 device_path=/dev/sda", "device_path=dev!sda sessname=s1"}
 )
