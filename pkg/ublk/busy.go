@@ -3,6 +3,7 @@ package ublk
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -31,12 +32,8 @@ func Openers(path string) []int {
 			continue
 		}
 		pid := filepath.Base(filepath.Dir(filepath.Dir(fd)))
-		if !seen[pid] {
+		if n, err := strconv.Atoi(pid); err == nil && !seen[pid] {
 			seen[pid] = true
-			var n int
-			for _, c := range pid {
-				n = n*10 + int(c-'0')
-			}
 			out = append(out, n)
 		}
 	}
