@@ -35,7 +35,6 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/transport"
-	"github.com/rtrs-go/rtrs/pkg/ublk"
 )
 
 func main() { daemon.Main("rtrs-clientd", run) }
@@ -126,14 +125,7 @@ func run(parent context.Context, args []string) error {
 		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]control.Attach{}}
 	// Before the NBD server closes (defers run last first): the kernel is told first.
 	defer d.nbd.detachAll()
-	d.ublk = &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg,
-		paths: func(dev *rnbd.Device) int {
-			if s := rc.Session(dev.Session()); s != nil {
-				return len(s.Paths())
-			}
-			return 1
-		},
-		devs: map[*rnbd.Device]*ublk.Device{}, tokens: map[*rnbd.Device]control.Attach{}}
+	d.ublk = newUblkAttacher(ctx, c, r, rc, lg)
 	defer d.ublk.detachAll()
 	d.ctl = &control.Client{RNBD: rc, Attacher: d.nbd, Ublk: d.ublk, OnChange: d.writeBack}
 	for _, m := range []struct {

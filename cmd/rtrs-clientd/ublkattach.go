@@ -44,6 +44,19 @@ type ublkAttacher struct {
 	tokens map[*rnbd.Device]control.Attach
 }
 
+// newUblkAttacher is the daemon's ublk front end as its settings say; IO of its devices ends
+// with ctx.
+func newUblkAttacher(ctx context.Context, c *config, r *resolved, rc *rnbd.Client, lg *log.Entry) *ublkAttacher {
+	return &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg,
+		paths: func(dev *rnbd.Device) int {
+			if s := rc.Session(dev.Session()); s != nil {
+				return len(s.Paths())
+			}
+			return 1
+		},
+		devs: map[*rnbd.Device]*ublk.Device{}, tokens: map[*rnbd.Device]control.Attach{}}
+}
+
 func parseUblkQueues(v string) error {
 	if v == "cpus" || v == "paths" {
 		return nil
