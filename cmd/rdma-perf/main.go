@@ -267,8 +267,17 @@ func serve(ctx context.Context, prov rdma.Provider, ap netip.AddrPort) error {
 	}
 }
 
-// echoRing is how many receives the send_lat server keeps posted.
+// echoRing is how many receives each side of send_lat keeps posted, half of them at least.
 const echoRing = 32
+
+// recvBatch is half a ring of receives into the first size bytes of mr, posted at once.
+func recvBatch(mr rdma.MR, size int) []rdma.RecvWR {
+	b := make([]rdma.RecvWR, echoRing/2)
+	for i := range b {
+		b[i] = rdma.RecvWR{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, size)}}
+	}
+	return b
+}
 
 func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	p, err := decodeParams(req.PrivateData)
@@ -289,20 +298,10 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 	var info [12]byte
 	binary.LittleEndian.PutUint64(info[0:], mr.Addr())
 	binary.LittleEndian.PutUint32(info[8:], mr.RKey())
-	recv := []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
-	if p.Test == "send_lat" {
-		// A ring of receives, as perftest's server posts its rx_depth: each echo's SEND then
-		// leaves before the receive it used is replaced.
-		for range echoRing {
-			if _, err := s.qp.PostRecv(recv); err != nil {
-				return err
-			}
-		}
-	}
-	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: info[:], RNRRetryCount: 7}); err != nil {
-		return err
-	}
 	if p.Test != "send_lat" {
+		if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: info[:], RNRRetryCount: 7}); err != nil {
+			return err
+		}
 		// One-sided tests need nothing from the server but its presence.
 		select {
 		case <-s.id.Events():
@@ -310,31 +309,46 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 		}
 		return nil
 	}
-	// Echo from the completion handler: the message is answered on the goroutine that
-	// received it, as a TCP echo server answers from the goroutine that read.
+	// A ring of receives, as perftest's server posts its rx_depth: each echo's SEND then
+	// leaves before the receive it used is replaced. They are replaced half a ring at a time,
+	// in one post: on verbs each post is a call into C, which under an emulated CPU costs as
+	// much as the rest of an echo.
+	refill := recvBatch(mr, p.Size)
+	for range 2 {
+		if _, err := s.qp.PostRecv(refill); err != nil {
+			return err
+		}
+	}
+	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: info[:], RNRRetryCount: 7}); err != nil {
+		return err
+	}
+	// Echoes are answered on the goroutine that received them, as a TCP echo server answers
+	// from the goroutine that read.
 	send := []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}}
 	var wc [16]rdma.WC
-	echoes := 0
-	drain := func() {
-		for n := s.poll(wc[:], p.Poll); n > 0; n = s.cq.Poll(wc[:]) {
-			for _, w := range wc[:n] {
-				if w.Status != rdma.WCSuccess || w.Opcode != rdma.WCRecv {
-					continue
-				}
-				send[0].Imm = w.Imm
-				// Every 32nd echo is signaled, so that the send queue's slots come back.
-				send[0].Flags = 0
-				if echoes%32 == 0 {
-					send[0].Flags = rdma.SendSignaled
-				}
-				echoes++
-				_, _ = s.qp.PostSend(send)
-				_, _ = s.qp.PostRecv(recv)
+	echoes, used := 0, 0
+	echo := func(n int) {
+		for _, w := range wc[:n] {
+			if w.Status != rdma.WCSuccess || w.Opcode != rdma.WCRecv {
+				continue
+			}
+			send[0].Imm = w.Imm
+			// Every 32nd echo is signaled, so that the send queue's slots come back.
+			send[0].Flags = 0
+			if echoes%32 == 0 {
+				send[0].Flags = rdma.SendSignaled
+			}
+			echoes++
+			_, _ = s.qp.PostSend(send)
+			if used++; used == len(refill) {
+				_, _ = s.qp.PostRecv(refill)
+				used = 0
 			}
 		}
 	}
 	if p.Poll {
-		// Busy polling, one core, until the client goes (looked at now and then).
+		// Busy polling, one core, until the client goes (looked at now and then). Each
+		// batch is answered and the spin goes on: no second, empty poll after it.
 		for spins := 0; ; spins++ {
 			if spins%1024 == 0 {
 				select {
@@ -345,7 +359,14 @@ func serveRDMA(ctx context.Context, req *rdma.ConnRequest) error {
 				default:
 				}
 			}
-			drain()
+			if n := s.poll(wc[:], true); n > 0 {
+				echo(n)
+			}
+		}
+	}
+	drain := func() {
+		for n := s.cq.Poll(wc[:]); n > 0; n = s.cq.Poll(wc[:]) {
+			echo(n)
 		}
 	}
 	s.cq.SetHandler(drain)
@@ -419,7 +440,7 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 		return Result{}, err
 	}
 	pp := &pinger{s: s, iters: iters, dur: dur,
-		recv: []rdma.RecvWR{{SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}},
+		recv: recvBatch(mr, p.Size),
 		send: []rdma.SendWR{{Opcode: rdma.OpSendWithImm, SGList: []rdma.SGE{rdma.SGEOf(mr, 0, p.Size)}}},
 		// Room for every sample up front; with a count, no more than that (8 MiB would
 		// start a GC cycle, whose worker takes a CPU, as the measurement starts).
@@ -443,7 +464,8 @@ func sendLat(ctx context.Context, prov rdma.Provider, ap netip.AddrPort, p param
 // immediate) and times the round until the echo comes back.
 type pinger struct {
 	s         *side
-	recv      []rdma.RecvWR
+	recv      []rdma.RecvWR // half a ring, posted whenever the receives posted run out
+	posted    int           // receives posted and not yet used
 	send      []rdma.SendWR
 	iters     int           // rounds; 0: for dur
 	dur       time.Duration // with iters 0
@@ -459,11 +481,16 @@ func (pp *pinger) more(i int) bool {
 	return time.Since(pp.start) < pp.dur
 }
 
-// ping posts the receive of the echo and sends round i's ping.
+// ping makes sure a receive waits for the echo and sends round i's ping.
 func (pp *pinger) ping(i int) error {
-	if _, err := pp.s.qp.PostRecv(pp.recv); err != nil {
-		return err
+	if pp.posted == 0 {
+		// Half a ring at once: one call into C on verbs for that many rounds.
+		if _, err := pp.s.qp.PostRecv(pp.recv); err != nil {
+			return err
+		}
+		pp.posted = len(pp.recv)
 	}
+	pp.posted--
 	pp.t0 = time.Now()
 	pp.send[0].Imm = uint32(i)
 	// Every 32nd SEND is signaled: an unsignaled request keeps its send queue slot until a
