@@ -83,6 +83,9 @@ type Result struct {
 	P50us   float64 `json:"p50_us,omitempty"`
 	P99us   float64 `json:"p99_us,omitempty"`
 	Mode    string  `json:"mode,omitempty"`
+	// CCallsPerOp is this side's calls into C per operation (a round trip for send_lat), with
+	// a provider that counts them (rdma.CallCounter: verbs).
+	CCallsPerOp float64 `json:"c_calls_per_op,omitempty"`
 }
 
 func run(ctx context.Context, args []string, out io.Writer) error {
@@ -139,6 +142,11 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	p := params{Test: *test, Size: sz, Depth: *depth, Poll: *mode == "poll"}
+	cc, counts := prov.(rdma.CallCounter)
+	var calls0 uint64
+	if counts {
+		calls0 = cc.DataPathCalls()
+	}
 	var r Result
 	switch *test {
 	case "send_lat":
@@ -157,11 +165,18 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if counts && r.Ops > 0 {
+		r.CCallsPerOp = float64(cc.DataPathCalls()-calls0) / float64(r.Ops)
+	}
 	if *asJSON {
 		return json.NewEncoder(out).Encode(r)
 	}
-	fmt.Fprintf(out, "%-9s size %8d depth %3d ops %8d  %9.1f MB/s  p50 %7.2f us  p99 %7.2f us\n",
+	fmt.Fprintf(out, "%-9s size %8d depth %3d ops %8d  %9.1f MB/s  p50 %7.2f us  p99 %7.2f us",
 		r.Test, r.Size, r.Depth, r.Ops, r.MBps, r.P50us, r.P99us)
+	if r.CCallsPerOp > 0 {
+		fmt.Fprintf(out, "  calls into C %.2f/op", r.CCallsPerOp)
+	}
+	fmt.Fprintln(out)
 	return nil
 }
 

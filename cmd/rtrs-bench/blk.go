@@ -35,7 +35,6 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	profileOnSignal(ctx, *prof, "blkserver")
 	cs, err := size.Parse(*chunk)
 	if err != nil {
 		return err
@@ -58,6 +57,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "rtrs-bench blkserver: provider %s\n", why)
+	profileOnSignal(ctx, *prof, "blkserver", prov)
 	o.Provider, o.Handler, o.AlwaysInvalidate, o.ChunkSize = prov, rs, *inv, int(cs)
 	o.Limits.MaxChunkMemory = daemon.DefaultChunkMemory()
 	srv, err := transport.NewServer(o)
@@ -86,7 +86,6 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	profileOnSignal(ctx, *prof, "nbdclient")
 	pa, err := parsePaths(paths)
 	if err != nil {
 		return err
@@ -95,6 +94,7 @@ func nbdClientCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	profileOnSignal(ctx, *prof, "nbdclient", prov)
 	c := rnbd.NewClient(rnbd.ClientOptions{Session: transport.ClientOptions{Provider: prov, MaxReconnectAttempts: -1, ConPerPath: *cons}})
 	defer c.Close(context.Background())
 	mctx, cancel := context.WithTimeout(ctx, 30*time.Second)

@@ -182,6 +182,9 @@ type Result struct {
 	CPUSec       float64 `json:"client_cpu_s"`
 	ServerCPUSec float64 `json:"server_cpu_s,omitempty"`
 	Verified     int64   `json:"verified_reads,omitempty"`
+	// CCallsPerIO is the client's calls into C per IO, with a provider that counts them
+	// (rdma.CallCounter: verbs).
+	CCallsPerIO float64 `json:"c_calls_per_io,omitempty"`
 }
 
 type pathList []string
@@ -237,6 +240,9 @@ func clientCmd(ctx context.Context, args []string, out io.Writer) error {
 	if *serverPid > 0 {
 		fmt.Fprintf(out, "  server cpu %.2f s", r.ServerCPUSec)
 	}
+	if r.CCallsPerIO > 0 {
+		fmt.Fprintf(out, "  calls into C %.2f/IO", r.CCallsPerIO)
+	}
 	fmt.Fprintln(out)
 	return nil
 }
@@ -291,13 +297,23 @@ func runClient(ctx context.Context, cp clientParams) (Result, error) {
 	if _, ok := map[string]bool{"read": true, "randread": true, "write": true, "randwrite": true, "randrw": true}[cp.rw]; !ok {
 		return Result{}, fmt.Errorf("unknown -rw %q", cp.rw)
 	}
-	if cp.async {
-		if cp.verify || bs > sess.MaxIOSize() {
-			return Result{}, errors.New("-async needs blocks within the max IO size and no -verify")
-		}
-		return runAsync(ctx, sess, cp, bs, blocks, random, readPct, len(pas))
+	if cp.async && (cp.verify || bs > sess.MaxIOSize()) {
+		return Result{}, errors.New("-async needs blocks within the max IO size and no -verify")
 	}
-	return runSync(ctx, sess, cp, bs, blocks, random, readPct, len(pas))
+	cc, counts := prov.(rdma.CallCounter)
+	var calls0 uint64
+	if counts {
+		calls0 = cc.DataPathCalls()
+	}
+	run := runSync
+	if cp.async {
+		run = runAsync
+	}
+	r, err := run(ctx, sess, cp, bs, blocks, random, readPct, len(pas))
+	if err == nil && counts && r.Ops > 0 {
+		r.CCallsPerIO = float64(cc.DataPathCalls()-calls0) / float64(r.Ops)
+	}
+	return r, err
 }
 
 // runSync is the synchronous engine: cp.qd workers, each sending its next request when the

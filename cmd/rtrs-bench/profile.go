@@ -9,24 +9,32 @@ import (
 	"runtime/metrics"
 	"runtime/pprof"
 	"syscall"
+
+	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
 // profileOnSignal lets another process choose the window a bench process is profiled over
 // (scripts/profile-blk.sh: the length of one fio run). SIGUSR1 starts a CPU profile into
 // dir/name.pprof; SIGUSR2 stops it and writes dir/name.sched: the goroutine wake-ups and the
-// GC cycles over the window. The runtime times one in eight of a goroutine's moves from
+// GC cycles over the window, and the provider's calls into C when it counts them
+// (rdma.CallCounter: verbs). The runtime times one in eight of a goroutine's moves from
 // runnable to running (runtime/metrics' /sched/latencies:seconds), so the wake-ups written
 // are that count times eight: an estimate. Nothing when dir is "".
-func profileOnSignal(ctx context.Context, dir, name string) {
+func profileOnSignal(ctx context.Context, dir, name string, prov rdma.Provider) {
 	if dir == "" {
 		return
+	}
+	calls := func() uint64 { return 0 }
+	cc, counts := prov.(rdma.CallCounter)
+	if counts {
+		calls = cc.DataPathCalls
 	}
 	sig := make(chan os.Signal, 2)
 	signal.Notify(sig, syscall.SIGUSR1, syscall.SIGUSR2)
 	go func() {
 		defer signal.Stop(sig)
 		var f *os.File
-		var wake0, gc0 uint64
+		var wake0, gc0, calls0 uint64
 		for {
 			select {
 			case <-ctx.Done():
@@ -45,12 +53,17 @@ func profileOnSignal(ctx context.Context, dir, name string) {
 					}
 					_ = pprof.StartCPUProfile(f)
 					wake0, gc0 = schedCounts()
+					calls0 = calls()
 				case s == syscall.SIGUSR2 && f != nil:
 					pprof.StopCPUProfile()
 					f.Close()
 					f = nil
 					wake, gc := schedCounts()
-					_ = os.WriteFile(filepath.Join(dir, name+".sched"), fmt.Appendf(nil, "wakeups %d\ngc %d\n", 8*(wake-wake0), gc-gc0), 0o644)
+					b := fmt.Appendf(nil, "wakeups %d\ngc %d\n", 8*(wake-wake0), gc-gc0)
+					if counts {
+						b = fmt.Appendf(b, "ccalls %d\n", calls()-calls0)
+					}
+					_ = os.WriteFile(filepath.Join(dir, name+".sched"), b, 0o644)
 				}
 			}
 		}

@@ -362,6 +362,15 @@ type CQ interface {
 	Destroy() error
 }
 
+// CallCounter is a provider that calls into a foreign library on the data path (the verbs
+// provider, through cgo, whose every call costs a stack switch and, under an emulated CPU, as
+// much as the verb itself). DataPathCalls is how many such calls its posts, polls and
+// completion events have made so far, over all its devices; a benchmark divides the
+// difference of two readings by the operations between them.
+type CallCounter interface {
+	DataPathCalls() uint64
+}
+
 // BusyPoller is a CQ that can spin for completions inside the provider. A caller that
 // busy-polls anyway (a latency tool, a dedicated polling core) then pays for one call into
 // the provider per completion instead of one per empty poll, which matters where that call

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -41,6 +42,9 @@ type cq struct {
 	// mostly serves one QP, whose completions then skip the device's lock and map.
 	lastQP  *qp
 	lastGen uint64
+
+	// calls counts this CQ's calls into C on the data path (Provider.DataPathCalls).
+	calls atomic.Uint64
 
 	hmu     sync.Mutex // handler changes
 	stop    chan struct{}
@@ -76,6 +80,7 @@ func (d *device) CreateCQ(cqe int) (rdma.CQ, error) {
 	c.cq = q
 	c.wc = (*C.struct_ibv_wc)(C.calloc(pollBatch, C.sizeof_struct_ibv_wc))
 	c.out = (*C.struct_gwc)(C.calloc(pollBatch, C.sizeof_struct_gwc))
+	d.addCQ(c)
 	return c, nil
 }
 
@@ -110,6 +115,7 @@ func (c *cq) PollBusy(wc []rdma.WC, spins int) int {
 		c.mu.Unlock()
 		return c.Poll(wc)
 	}
+	c.calls.Add(1)
 	got := c.convert(wc, int(C.rtrs_poll_busy(handle(c.cq), handle(c.wc), handle(c.out), C.int(min(len(wc), pollBatch)), C.int(max(spins, 1)))))
 	c.mu.Unlock()
 	return got
@@ -117,6 +123,7 @@ func (c *cq) PollBusy(wc []rdma.WC, spins int) int {
 
 // pollLocked takes up to min(len(wc), pollBatch) completions from the queue.
 func (c *cq) pollLocked(wc []rdma.WC) int {
+	c.calls.Add(1)
 	return c.convert(wc, int(C.rtrs_poll(handle(c.cq), handle(c.wc), handle(c.out), C.int(min(len(wc), pollBatch)))))
 }
 
@@ -154,6 +161,7 @@ func (c *cq) arm() bool {
 	if len(c.pending) > 0 {
 		return true
 	}
+	c.calls.Add(1)
 	C.rtrs_req_notify(c.cq)
 	var buf [pollBatch]rdma.WC
 	n := c.pollLocked(buf[:])
@@ -169,6 +177,7 @@ func (c *cq) waitEvent(deadline time.Time) error {
 	}
 	var cerr error
 	err := c.rc.Read(func(uintptr) bool {
+		c.calls.Add(1)
 		rc := C.rtrs_get_cq_event(c.ch)
 		if rc < 0 {
 			cerr = syscall.Errno(-rc)
@@ -271,6 +280,7 @@ func (c *cq) Destroy() error {
 	}
 	c.dead = true
 	c.mu.Unlock()
+	c.dev.removeCQ(c)
 	_ = c.fd.Close() // wakes waiters
 	var err error
 	if rc := C.ibv_destroy_cq(c.cq); rc != 0 {

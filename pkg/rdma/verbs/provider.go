@@ -29,7 +29,10 @@ type Provider struct {
 	devices map[string]*device
 }
 
-var _ rdma.Provider = (*Provider)(nil)
+var (
+	_ rdma.Provider    = (*Provider)(nil)
+	_ rdma.CallCounter = (*Provider)(nil)
+)
 
 // New returns the verbs provider. It fails when rdma-core finds no RDMA device.
 func New() (rdma.Provider, error) {
@@ -48,6 +51,18 @@ func New() (rdma.Provider, error) {
 		return nil, fmt.Errorf("verbs: no RDMA device: %w", rdma.ErrNoDevice)
 	}
 	return p, nil
+}
+
+// DataPathCalls counts the calls into C made by posts, polls and completion events
+// (rdma.CallCounter): those of the QPs and CQs that exist now, and of those destroyed.
+func (p *Provider) DataPathCalls() uint64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var n uint64
+	for _, d := range p.devices {
+		n += d.dataPathCalls()
+	}
+	return n
 }
 
 // Name is "verbs".
@@ -113,10 +128,14 @@ type device struct {
 	// qpGen moves on whenever a QP leaves qps (before its number can be reused): a CQ's
 	// cached QP (cq.qpFor) is good while the generation it was found in is current.
 	qpGen atomic.Uint64
+	// cqs are the device's CQs, and retired the data-path calls of the QPs and CQs
+	// destroyed: what DataPathCalls adds to the calls counted by those alive.
+	cqs     map[*cq]struct{}
+	retired atomic.Uint64
 }
 
 func newDevice(c *C.struct_ibv_context) *device {
-	d := &device{ctx: c, name: C.GoString(C.ibv_get_device_name(c.device)), qps: map[uint32]*qp{}}
+	d := &device{ctx: c, name: C.GoString(C.ibv_get_device_name(c.device)), qps: map[uint32]*qp{}, cqs: map[*cq]struct{}{}}
 	var a C.struct_ibv_device_attr
 	if C.ibv_query_device(c, &a) == 0 {
 		d.attr = rdma.DeviceAttr{
@@ -189,8 +208,38 @@ func (d *device) removeQP(q *qp) {
 	if d.qps[q.num] == q {
 		delete(d.qps, q.num)
 		d.qpGen.Add(1)
+		d.retired.Add(q.calls.Load())
 	}
 	d.mu.Unlock()
+}
+
+func (d *device) addCQ(c *cq) {
+	d.mu.Lock()
+	d.cqs[c] = struct{}{}
+	d.mu.Unlock()
+}
+
+func (d *device) removeCQ(c *cq) {
+	d.mu.Lock()
+	if _, ok := d.cqs[c]; ok {
+		delete(d.cqs, c)
+		d.retired.Add(c.calls.Load())
+	}
+	d.mu.Unlock()
+}
+
+// dataPathCalls adds up the device's calls into C on the data path.
+func (d *device) dataPathCalls() uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := d.retired.Load()
+	for _, q := range d.qps {
+		n += q.calls.Load()
+	}
+	for c := range d.cqs {
+		n += c.calls.Load()
+	}
+	return n
 }
 
 func (d *device) qp(num uint32) *qp {

@@ -8,6 +8,7 @@ import "C"
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -51,6 +52,8 @@ type qp struct {
 	pd  *pd
 	qp  *C.struct_ibv_qp
 	num uint32
+	// calls counts the QP's posts into C (Provider.DataPathCalls).
+	calls atomic.Uint64
 
 	mu   sync.Mutex
 	dead bool
@@ -229,6 +232,7 @@ build:
 	}
 	var rc C.int
 	if n > 0 {
+		q.calls.Add(1)
 		rc = C.rtrs_post_send(handle(q.qp), handle(q.gwr), C.int(n), handle(q.chain), q.bad)
 	}
 	posted := n
@@ -364,6 +368,7 @@ func (q *qp) PostRecv(wrs []rdma.RecvWR) (int, error) {
 			}
 			q.rq[seq%uint64(len(q.rq))] = wr.ID
 		}
+		q.calls.Add(1)
 		if rc := C.rtrs_post_recv(handle(q.qp), handle(q.grecv), C.int(n), handle(q.rchain), q.bad); rc != 0 {
 			bad := int(*q.bad)
 			q.rqHead += uint64(bad)

@@ -190,3 +190,42 @@ func TestMemory(t *testing.T) {
 		t.Fatalf("second dereg: %v", err)
 	}
 }
+
+// TestDataPathCalls: each poll is one call into C, a busy poll too however often it spins, and
+// a destroyed CQ's calls stay in the count.
+func TestDataPathCalls(t *testing.T) {
+	e := setup(t)
+	cc, ok := e.prov.(rdma.CallCounter)
+	if !ok {
+		t.Fatal("the verbs provider does not count its calls into C")
+	}
+	d, err := e.prov.OpenDevice(e.dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	c, err := d.CreateCQ(16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n0 := cc.DataPathCalls()
+	var wc [4]rdma.WC
+	if c.Poll(wc[:]) != 0 {
+		t.Fatal("a new CQ has a completion")
+	}
+	if got := cc.DataPathCalls() - n0; got != 1 {
+		t.Fatalf("one poll counted as %d calls", got)
+	}
+	if c.(rdma.BusyPoller).PollBusy(wc[:], 100) != 0 {
+		t.Fatal("a new CQ has a completion")
+	}
+	if got := cc.DataPathCalls() - n0; got != 2 {
+		t.Fatalf("a poll and a busy poll of 100 spins counted as %d calls", got)
+	}
+	if err := c.Destroy(); err != nil {
+		t.Fatal(err)
+	}
+	if got := cc.DataPathCalls() - n0; got != 2 {
+		t.Fatalf("after the CQ's destruction the count moved by %d, not 2", got)
+	}
+}

@@ -119,14 +119,15 @@ daemons() {
 # busy polling on both sides (perftest's default; rdma-perf -mode poll, whose server then polls
 # too), as one-way latency: perftest reports half the round trip (t_typical), so rdma-perf's
 # round-trip p50 is halved; 2000 round trips on both (ib_send_lat -n 2000, rdma-perf -iters
-# 2000), not a count against a duration.
+# 2000), not a count against a duration. The last column is rdma-perf's client's calls into C
+# (cgo) per round trip, which the verbs provider counts.
 perf_compare() {
-	local A1=$1 D=$2 i ow pw ol pl
+	local A1=$1 D=$2 i ow pw ol pl oc j
 	rdma-perf -provider verbs -listen "$A1:18600" >/tmp/rdma-perf-server.log 2>&1 &
 	local rp=$!
 	vm_wait 20 vm_tcp_listening 18601
-	echo "| round | rdma-perf write_bw 1 MiB (MB/s, 10^6 B/s) | ib_write_bw 1 MiB (MB/s, 10^6 B/s: its MB/sec × 1.048576) | ratio | rdma-perf send_lat 8 B p50/2 (us) | ib_send_lat 8 B t_typical (us) | ratio |"
-	echo "|---|---|---|---|---|---|---|"
+	echo "| round | rdma-perf write_bw 1 MiB (MB/s, 10^6 B/s) | ib_write_bw 1 MiB (MB/s, 10^6 B/s: its MB/sec × 1.048576) | ratio | rdma-perf send_lat 8 B p50/2 (us) | ib_send_lat 8 B t_typical (us) | ratio | rdma-perf calls into C per round trip |"
+	echo "|---|---|---|---|---|---|---|---|"
 	for i in 1 2 3 4 5; do
 		ours_bw() {
 			ow=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test write_bw -size 1M -depth 16 -duration 3s -json |
@@ -138,8 +139,9 @@ perf_compare() {
 				awk '$1 == 1048576 { printf "%.2f", $4 * 1048576 / 1e6; exit }')
 		}
 		ours_lat() {
-			ol=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -iters 2000 -json |
-				sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p')
+			j=$(timeout -k 5 120 rdma-perf -provider verbs -connect "$A1:18600" -test send_lat -size 8 -mode poll -iters 2000 -json)
+			ol=$(sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p' <<<"$j")
+			oc=$(sed -n 's/.*"c_calls_per_op": *\([0-9.]*\).*/\1/p' <<<"$j")
 		}
 		theirs_lat() { pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}'); }
 		if [ $((i % 2)) = 1 ]; then
@@ -148,12 +150,12 @@ perf_compare() {
 			theirs_bw && ours_bw && theirs_lat && ours_lat || true
 		fi
 		# A round where one of the four did not measure is left out of the medians.
-		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" 'BEGIN {
+		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" -v oc="$oc" 'BEGIN {
 			if (ow > 0 && pw > 0 && ol > 0 && pl > 0)
-				printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", i, ow, pw, ow / pw, ol / 2, pl, ol / 2 / pl
+				printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f | %.2f |\n", i, ow, pw, ow / pw, ol / 2, pl, ol / 2 / pl, oc
 			else
-				printf "| %d | %s | %s | - | %s | %s | - |\n", i, ow, pw, ol, pl }'
-		ow='' pw='' ol='' pl=''
+				printf "| %d | %s | %s | - | %s | %s | - | %s |\n", i, ow, pw, ol, pl, oc }'
+		ow='' pw='' ol='' pl='' oc=''
 	done | tee /tmp/perf-rounds
 	grep -v -- '| - |' /tmp/perf-rounds >/tmp/perf-complete || true
 	local n
@@ -166,8 +168,8 @@ perf_compare() {
 	# Medians of each column over the complete rounds: the middle value, or the mean of the two
 	# middle ones for an even count (ratios to two places, the rest to one).
 	local c line="| median |"
-	for c in 3 4 5 6 7 8; do
-		line="$line $(cut -d'|' -f$c /tmp/perf-complete | median "$([ "$c" = 5 ] || [ "$c" = 8 ] && echo 2 || echo 1)") |"
+	for c in 3 4 5 6 7 8 9; do
+		line="$line $(cut -d'|' -f$c /tmp/perf-complete | median "$([ "$c" = 5 ] || [ "$c" = 8 ] || [ "$c" = 9 ] && echo 2 || echo 1)") |"
 	done
 	echo "$line"
 	echo
