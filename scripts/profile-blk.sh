@@ -4,16 +4,25 @@
 # rtrs-bench blkserver (RTRS, RNBD server) → a tmpfs file, at 4 KiB randread and randwrite,
 # QD1 and QD32. For each job and each of the two processes, over the fio run only: a CPU
 # profile (pprof, its top functions in OUT/NAME.top), and per IO the CPU time, the syscalls
-# (perf's raw_syscalls:sys_enter tracepoint), the OS context switches and the goroutine
-# wake-ups (the Go runtime's estimate). A table goes to OUT/profile.md. Needs fio with its
-# nbd engine, perf, and Go. Reports; asserts nothing.
+# (perf's raw_syscalls:sys_enter tracepoint), the OS context switches, the goroutine
+# wake-ups (the Go runtime's estimate) and, over verbs, the calls into C. A table goes to
+# OUT/profile.md. Needs fio with its nbd engine, perf, and Go (without Go, PROFILE_BIN names
+# a built rtrs-bench and the .top files are left to be made where Go is). Reports; asserts
+# nothing. The host's default is the soft provider over loopback; the VM's verbs run
+# (scripts/vm/bench/profile-verbs.sh) sets PROFILE_PROVIDER=verbs and PROFILE_ADDR to rxe's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/rtrs-profile}
 secs=${PROFILE_SECS:-10}
+prov=${PROFILE_PROVIDER:-soft}
+addr=${PROFILE_ADDR:-127.0.0.1}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-go build -o "$out/rtrs-bench" ./cmd/rtrs-bench
+if [ -n "${PROFILE_BIN:-}" ]; then
+	cp "$PROFILE_BIN" "$out/rtrs-bench"
+else
+	go build -o "$out/rtrs-bench" ./cmd/rtrs-bench
+fi
 dir=$(mktemp -d /dev/shm/rtrs-prof.XXXXXX)
 pids=()
 cleanup() {
@@ -25,11 +34,11 @@ trap cleanup EXIT
 dd if=/dev/urandom of="$dir/disk" bs=1M count=256 status=none
 sock=$out/nbd.sock
 rm -f "$sock"
-"$out/rtrs-bench" blkserver -provider soft -listen 127.0.0.1:18640 -dir "$dir" -profile-dir "$out" 2>"$out/blkserver.log" &
+"$out/rtrs-bench" blkserver -provider "$prov" -listen "$addr:18640" -dir "$dir" -profile-dir "$out" 2>"$out/blkserver.log" &
 srv=$!
 pids+=("$srv")
 sleep 0.5
-"$out/rtrs-bench" nbdclient -provider soft -path ip:127.0.0.1@ip:127.0.0.1 -port 18640 -socket "$sock" \
+"$out/rtrs-bench" nbdclient -provider "$prov" -path "ip:$addr@ip:$addr" -port 18640 -socket "$sock" \
 	-profile-dir "$out" 2>"$out/nbdclient.log" &
 cli=$!
 pids+=("$cli")
@@ -41,8 +50,8 @@ cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 tck=$(getconf CLK_TCK)
 
 {
-	echo "| job | process | CPU µs/IO | syscalls/IO | context switches/IO | goroutine wake-ups/IO (est.) | IOPS |"
-	echo "|---|---|---|---|---|---|---|"
+	echo "| job | process | CPU µs/IO | syscalls/IO | context switches/IO | goroutine wake-ups/IO (est.) | calls into C/IO | IOPS |"
+	echo "|---|---|---|---|---|---|---|---|"
 } >"$out/profile.md"
 for job in "randread 1" "randwrite 1" "randread 32" "randwrite 32"; do
 	read -r rw qd <<<"$job"
@@ -68,11 +77,16 @@ for job in "randread 1" "randwrite 1" "randread 32" "randwrite 32"; do
 		IFS=: read -r name p t0 t1 <<<"$side"
 		mv "$out/$name.pprof" "$out/$tag-$name.pprof"
 		mv "$out/$name.sched" "$out/$tag-$name.sched"
-		go tool pprof -top -nodecount=30 "$out/rtrs-bench" "$out/$tag-$name.pprof" >"$out/$tag-$name.top" 2>/dev/null
+		if command -v go >/dev/null; then
+			go tool pprof -top -nodecount=30 "$out/rtrs-bench" "$out/$tag-$name.pprof" >"$out/$tag-$name.top" 2>/dev/null
+		fi
 		awk -F, -v ios="$ios" -v tck="$tck" -v t0="$t0" -v t1="$t1" -v job="$tag" -v name="$name" -v iops="$iops" \
-			-v wake="$(awk '$1 == "wakeups" { print $2 }' "$out/$tag-$name.sched")" '
+			-v wake="$(awk '$1 == "wakeups" { print $2 }' "$out/$tag-$name.sched")" \
+			-v calls="$(awk '$1 == "ccalls" { print $2 }' "$out/$tag-$name.sched")" '
 			$3 == "raw_syscalls:sys_enter" { sc = $1 } $3 == "context-switches" { cs = $1 }
-			END { printf "| %s | %s | %.1f | %.2f | %.2f | %.2f | %d |\n", job, name, (t1 - t0) * 1e6 / tck / ios, sc / ios, cs / ios, wake / ios, iops }' \
+			END {
+				c = calls == "" ? "-" : sprintf("%.2f", calls / ios)
+				printf "| %s | %s | %.1f | %.2f | %.2f | %.2f | %s | %d |\n", job, name, (t1 - t0) * 1e6 / tck / ios, sc / ios, cs / ios, wake / ios, c, iops }' \
 			"$out/$tag-$p.perf" >>"$out/profile.md"
 	done
 done
