@@ -414,3 +414,24 @@ func TestCloseWithIOInFlight(t *testing.T) {
 		t.Fatalf("second close: %v", err)
 	}
 }
+
+// TestReopenSameNameAtOnce: a session closed and opened again under the same name at once (an
+// unmap and a map, back to back) opens every time. The server may not have seen the old
+// session's paths go when the new one's INFO_REQ comes; the new path waits for the name.
+func TestReopenSameNameAtOnce(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, true, 64)
+	for i := range 30 {
+		o := ClientOptions{Provider: e.prov, SessName: "again", Paths: paths(t, path1(), path2()), Port: e.port,
+			ConPerPath: 3, MaxReconnectAttempts: -1, Timings: Timings(testutil.FastTimings())}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		s, err := Open(ctx, o)
+		cancel()
+		if err != nil {
+			t.Fatalf("open %d: %v", i, err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatalf("close %d: %v", i, err)
+		}
+	}
+}

@@ -136,6 +136,10 @@ type Server struct {
 	conns          int                // connections of all paths
 	chunkMemory    int64
 
+	// letGo is closed, and replaced, whenever a session's last live path goes and with it
+	// the session's hold on its name (waitName); under mu.
+	letGo chan struct{}
+
 	refusals log.Limiter
 	names    *nameStore
 	// Rejected connection requests by errno, and refusals (a reject, or a path closed for
@@ -179,7 +183,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
+	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, letGo: make(chan struct{}), connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
 		log: log.L.WithFields(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
@@ -477,6 +481,36 @@ func (s *Server) nameFreeLocked(ss *SrvSess, name string) bool {
 		}
 	}
 	return true
+}
+
+// nameLetGo wakes the paths waiting for a session name (waitName).
+func (s *Server) nameLetGo() {
+	s.mu.Lock()
+	close(s.letGo)
+	s.letGo = make(chan struct{})
+	s.mu.Unlock()
+}
+
+// waitName waits until no other live session holds name, for up to d or until stop is
+// closed, and reports whether the name is free.
+func (s *Server) waitName(ss *SrvSess, name string, d time.Duration, stop <-chan struct{}) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		s.mu.Lock()
+		free, letGo := s.nameFreeLocked(ss, name), s.letGo
+		s.mu.Unlock()
+		if free {
+			return true
+		}
+		select {
+		case <-letGo:
+		case <-t.C:
+			return false
+		case <-stop:
+			return false
+		}
+	}
 }
 
 // sessNamedLocked stops counting ss as a new session of its address; s.mu is held.

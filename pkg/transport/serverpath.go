@@ -304,7 +304,26 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		go p.Close()
 		return
 	}
-	if !p.nameSession(c.id.RemoteAddr(), m.PathName) {
+	if !p.sess.srv.nameFree(p.sess, m.PathName) {
+		// The holder may be a session its client has just closed, whose paths' ends this
+		// server has not seen yet (an unmap and a map of the same session name, back to
+		// back): the path waits for the name a moment, off the completion path.
+		go func() {
+			p.sess.srv.waitName(p.sess, m.PathName, nameWait, p.closed)
+			p.named(c, m.PathName)
+		}()
+		return
+	}
+	p.named(c, m.PathName)
+}
+
+// nameWait bounds how long a path waits for its session name to be let go by another
+// session (Server.waitName).
+const nameWait = time.Second
+
+// named ends INFO_REQ's handling: the session named, the path established and INFO_RSP sent.
+func (p *SrvPath) named(c *con, name string) {
+	if !p.nameSession(c.id.RemoteAddr(), name) {
 		go p.Close()
 		return
 	}
@@ -464,7 +483,11 @@ func (p *SrvPath) Close() {
 		p.mu.Unlock()
 		p.sess.mu.Lock()
 		p.sess.live--
+		letGo := p.sess.live == 0
 		p.sess.mu.Unlock()
+		if letGo {
+			p.sess.srv.nameLetGo()
+		}
 		p.zombie.Stop()
 		p.hb.halt()
 		for _, c := range cons {
