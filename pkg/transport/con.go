@@ -32,6 +32,31 @@ type con struct {
 	// Scratch for the connection's completion handler (calls never overlap).
 	recvWR [1]rdma.RecvWR
 	sendWR [1]rdma.SendWR
+
+	// A server IO connection re-posts its empty receives recvBatch at a time (repostEmpty):
+	// recvOwed are used and not yet replaced, and recvBatch-1 more than the queue depth were
+	// posted at first, so that the queue depth is always there.
+	recvBatch int
+	recvOwed  int
+}
+
+// serverRecvBatch is how many empty receives a server IO connection re-posts at once: one
+// post, a call into C on verbs, for that many requests.
+const serverRecvBatch = 8
+
+// repostEmpty accounts for one used empty receive and re-posts the owed ones when a batch is
+// due (the completion handler's).
+func (c *con) repostEmpty() error {
+	if c.recvOwed++; c.recvOwed < c.recvBatch {
+		return nil
+	}
+	n := c.recvOwed
+	c.recvOwed = 0
+	if n == 1 {
+		_, err := c.qp.PostRecv(c.recvWR[:])
+		return err
+	}
+	return postEmptyRecvs(c.qp, n)
 }
 
 // signal returns the flags for the next send on c.

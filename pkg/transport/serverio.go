@@ -32,7 +32,7 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 // recvImm handles an RDMA_WRITE_WITH_IMM from the client.
 func (p *SrvPath) recvImm(c *con, imm uint32) {
 	p.hb.missed.Store(0)
-	if _, err := c.qp.PostRecv(c.recvWR[:]); err != nil {
+	if err := c.repostEmpty(); err != nil {
 		p.lg().WithError(err).Warnf("connection %d: receive not posted, closing the path", c.cid)
 		go p.Close()
 		return

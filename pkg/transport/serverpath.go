@@ -124,12 +124,18 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	// chunk back, and only every signal interval's response is signaled, so up to that many
 	// responses' work requests wait for one completion. (Three per request filled the queue
 	// under the kernel's client at QD32 with always_invalidate off.)
-	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+1
+	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+serverRecvBatch
 	if cid == 0 {
 		// Connection 0 also carries the chunks' registrations in front of INFO_RSP.
 		sendWR, recvWR = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026)
 	}
 	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
+	// Connection 0's receives (the service queue) are re-posted one by one; an IO
+	// connection's in batches, as far as its receive queue has room beyond the queue depth.
+	c.recvBatch = 1
+	if cid != 0 {
+		c.recvBatch = max(1, min(serverRecvBatch, recvWR-o.QueueDepth))
+	}
 	var err error
 	if c.cq, err = req.ID.Device().CreateCQ(sendWR + recvWR); err != nil {
 		p.sess.srv.reject(req, syscall.ENOMEM)
@@ -144,7 +150,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	if cid == 0 {
 		_, err = c.qp.PostRecv([]rdma.RecvWR{{ID: wrInfo, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, 0, infoReqSize)}}})
 	} else {
-		err = postEmptyRecvs(c.qp, o.QueueDepth)
+		err = postEmptyRecvs(c.qp, o.QueueDepth+c.recvBatch-1)
 	}
 	if err != nil {
 		c.destroy()
