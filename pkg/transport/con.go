@@ -38,6 +38,7 @@ type con struct {
 	// posted at first, so that the queue depth is always there.
 	recvBatch int
 	recvOwed  int
+	emptyWRs  [serverRecvBatch]rdma.RecvWR
 }
 
 // serverRecvBatch is how many empty receives a server IO connection re-posts at once: one
@@ -52,11 +53,18 @@ func (c *con) repostEmpty() error {
 	}
 	n := c.recvOwed
 	c.recvOwed = 0
-	if n == 1 {
-		_, err := c.qp.PostRecv(c.recvWR[:])
-		return err
-	}
-	return postEmptyRecvs(c.qp, n)
+	_, err := c.qp.PostRecv(c.emptyWRs[:n])
+	return err
+}
+
+// ioRecvs sizes a server IO connection's receive queue for queue depth qd: its capacity, the
+// re-post batch (repostEmpty) and how many receives are posted at first, the depth and a
+// batch less one: as receives are used and re-posted a batch at a time, the depth is always
+// posted.
+func ioRecvs(qd int) (capacity, batch, initial int) {
+	capacity = min(qd+serverRecvBatch, 16384)
+	batch = max(1, min(serverRecvBatch, capacity-qd))
+	return capacity, batch, qd + batch - 1
 }
 
 // signal returns the flags for the next send on c.

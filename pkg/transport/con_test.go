@@ -23,28 +23,35 @@ func (q *countingQP) PostRecv(wrs []rdma.RecvWR) (int, error) {
 	return len(wrs), nil
 }
 
-// TestRepostEmptyKeepsQueueDepth: a server IO connection's receives, re-posted a batch at a
-// time, never fall under the queue depth, and a batch is one post.
+// TestRepostEmptyKeepsQueueDepth: a server IO connection's receives, sized by ioRecvs and
+// re-posted a batch at a time, never fall under the queue depth nor exceed the queue's
+// capacity, and a batch is one post.
 func TestRepostEmptyKeepsQueueDepth(t *testing.T) {
-	const qd = 32
-	for _, batch := range []int{1, 2, serverRecvBatch} {
+	for _, qd := range []int{1, 32, 512, 16380, 16384} {
+		capacity, batch, initial := ioRecvs(qd)
+		if qd < 16384 && batch < 2 {
+			t.Errorf("qd %d: re-posted one at a time", qd)
+		}
 		q := &countingQP{}
 		c := &con{qp: q, recvBatch: batch}
-		c.recvWR[0].ID = wrRecv
-		posted := qd + batch - 1 // what addCon posts
-		for i := range 10 * qd {
+		for i := range c.emptyWRs {
+			c.emptyWRs[i].ID = wrRecv
+		}
+		posted := initial
+		uses := 10 * batch * 4
+		for i := range uses {
 			posted-- // a request's WRITE_WITH_IMM takes one
 			before := q.recvs
 			if err := c.repostEmpty(); err != nil {
 				t.Fatal(err)
 			}
 			posted += q.recvs - before
-			if posted < qd {
-				t.Fatalf("batch %d, request %d: %d receives posted, under the queue depth %d", batch, i, posted, qd)
+			if posted < qd || posted > capacity {
+				t.Fatalf("qd %d, request %d: %d receives posted, not within [%d, %d]", qd, i, posted, qd, capacity)
 			}
 		}
-		if want := 10 * qd / batch; q.posts != want || q.recvs != 10*qd {
-			t.Fatalf("batch %d: %d posts of %d receives, want %d posts of %d", batch, q.posts, q.recvs, want, 10*qd)
+		if want := uses / batch; q.posts != want || q.recvs != uses {
+			t.Fatalf("qd %d: %d posts of %d receives, want %d posts of %d", qd, q.posts, q.recvs, want, uses)
 		}
 	}
 }

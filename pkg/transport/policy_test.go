@@ -435,3 +435,36 @@ func TestReopenSameNameAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestNameWaitEndsWithServer: a path waiting for a name that a live session holds goes with
+// the server's Close, refused for nothing and leaving no goroutine.
+func TestNameWaitEndsWithServer(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, true, 16)
+	e.open(t, "held", paths(t, path1()), nil)
+	errc := make(chan error, 1)
+	go func() {
+		o := ClientOptions{Provider: e.prov, SessName: "held", Paths: paths(t, path2()), Port: e.port,
+			ConPerPath: 2, MaxReconnectAttempts: -1, Timings: Timings(testutil.FastTimings())}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		s, err := Open(ctx, o)
+		if err == nil {
+			_ = s.Close()
+		}
+		errc <- err
+	}()
+	// The second session's path waits for the name (up to nameWait) from its INFO_REQ on.
+	time.Sleep(nameWait / 4)
+	if err := e.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err == nil {
+		t.Fatal("a second session of a held name opened")
+	}
+	e.srv.countsMu.Lock()
+	defer e.srv.countsMu.Unlock()
+	if n := e.srv.refused["session name in use"]; n != 0 {
+		t.Fatalf("%d refusals for the name: the waiting path went with the server", n)
+	}
+}

@@ -475,12 +475,23 @@ func (s *Server) nameFree(ss *SrvSess, name string) bool {
 }
 
 func (s *Server) nameFreeLocked(ss *SrvSess, name string) bool {
+	return s.nameHolderLocked(ss, name) == nil
+}
+
+// nameHolder is the other live session that holds name, nil if none.
+func (s *Server) nameHolder(ss *SrvSess, name string) *SrvSess {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.nameHolderLocked(ss, name)
+}
+
+func (s *Server) nameHolderLocked(ss *SrvSess, name string) *SrvSess {
 	for _, o := range s.sessions {
 		if o != ss && o.Name() == name && o.holdsName() {
-			return false
+			return o
 		}
 	}
-	return true
+	return nil
 }
 
 // nameLetGo wakes the paths waiting for a session name (waitName).
@@ -491,9 +502,10 @@ func (s *Server) nameLetGo() {
 	s.mu.Unlock()
 }
 
-// waitName waits until no other live session holds name, for up to d or until stop is
-// closed, and reports whether the name is free.
-func (s *Server) waitName(ss *SrvSess, name string, d time.Duration, stop <-chan struct{}) bool {
+// waitName waits until no other live session holds name, for up to d, while ss has a live
+// path and the server runs, and reports whether the name is free. (The last path of ss
+// going wakes it too: that lets ss's hold go.)
+func (s *Server) waitName(ss *SrvSess, name string, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	for {
@@ -503,11 +515,14 @@ func (s *Server) waitName(ss *SrvSess, name string, d time.Duration, stop <-chan
 		if free {
 			return true
 		}
+		if !ss.holdsName() {
+			return false
+		}
 		select {
 		case <-letGo:
 		case <-t.C:
 			return false
-		case <-stop:
+		case <-s.ctx.Done():
 			return false
 		}
 	}

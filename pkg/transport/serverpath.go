@@ -117,25 +117,26 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
-	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD)}
+	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD), recvBatch: 1}
 	c.recvWR[0].ID = wrRecv
+	for i := range c.emptyWRs {
+		c.emptyWRs[i].ID = wrRecv
+	}
 	// Five per request in both modes, as the kernel sizes it: a response is up to four work
 	// requests (data, SEND_WITH_INV, REG_MR, the response) plus the LOCAL_INV taking the
 	// chunk back, and only every signal interval's response is signaled, so up to that many
 	// responses' work requests wait for one completion. (Three per request filled the queue
 	// under the kernel's client at QD32 with always_invalidate off.)
-	sendWR, recvWR := 5*o.QueueDepth+1, o.QueueDepth+serverRecvBatch
+	// An IO connection re-posts its receives in batches (ioRecvs); connection 0's (the
+	// service queue, after INFO_REQ) are re-posted one by one.
+	recvWR, batch, initial := ioRecvs(o.QueueDepth)
+	sendWR := 5*o.QueueDepth + 1
+	c.recvBatch = batch
 	if cid == 0 {
 		// Connection 0 also carries the chunks' registrations in front of INFO_RSP.
-		sendWR, recvWR = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026)
+		sendWR, recvWR, c.recvBatch = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026), 1
 	}
 	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
-	// Connection 0's receives (the service queue) are re-posted one by one; an IO
-	// connection's in batches, as far as its receive queue has room beyond the queue depth.
-	c.recvBatch = 1
-	if cid != 0 {
-		c.recvBatch = max(1, min(serverRecvBatch, recvWR-o.QueueDepth))
-	}
 	var err error
 	if c.cq, err = req.ID.Device().CreateCQ(sendWR + recvWR); err != nil {
 		p.sess.srv.reject(req, syscall.ENOMEM)
@@ -150,7 +151,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	if cid == 0 {
 		_, err = c.qp.PostRecv([]rdma.RecvWR{{ID: wrInfo, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, 0, infoReqSize)}}})
 	} else {
-		err = postEmptyRecvs(c.qp, o.QueueDepth+c.recvBatch-1)
+		err = postEmptyRecvs(c.qp, initial)
 	}
 	if err != nil {
 		c.destroy()
@@ -310,17 +311,30 @@ func (p *SrvPath) infoReq(c *con, w rdma.WC) {
 		go p.Close()
 		return
 	}
-	if !p.sess.srv.nameFree(p.sess, m.PathName) {
+	srv, name := p.sess.srv, m.PathName
+	if holder := srv.nameHolder(p.sess, name); holder != nil && holder.owner.Key() == p.sess.owner.Key() {
 		// The holder may be a session its client has just closed, whose paths' ends this
 		// server has not seen yet (an unmap and a map of the same session name, back to
-		// back): the path waits for the name a moment, off the completion path.
+		// back): the path waits for the name a moment, off the completion path. Another
+		// identity's holder is refused at once (named).
+		srv.mu.Lock()
+		if srv.closed {
+			srv.mu.Unlock()
+			return
+		}
+		srv.wg.Add(1)
+		srv.mu.Unlock()
 		go func() {
-			p.sess.srv.waitName(p.sess, m.PathName, nameWait, p.closed)
-			p.named(c, m.PathName)
+			defer srv.wg.Done()
+			free := srv.waitName(p.sess, name, nameWait)
+			if srv.ctx.Err() != nil || !free && !p.sess.holdsName() {
+				return // the server or the path went while it waited: nothing to refuse
+			}
+			p.named(c, name)
 		}()
 		return
 	}
-	p.named(c, m.PathName)
+	p.named(c, name)
 }
 
 // nameWait bounds how long a path waits for its session name to be let go by another
