@@ -257,7 +257,17 @@ kc_faults() {
 	vm_wait 10 state_is "$K/paths/$pb" disconnected
 	vm_wait 60 reconnect_now "$K/paths/$pb"
 	echo "$pb: connected again $(vm_since "$t1") s after our server disconnected it (the kernel client alone waits 30 s)"
-	wait "$FIO_PID"
+	if ! wait "$FIO_PID"; then
+		# The kernel client's own reasons are rate-limited in its log (ten lines in five
+		# seconds, often all "Failed IB_WR_LOCAL_INV: WR flushed"): its path counters and
+		# our server's log say more.
+		local p
+		for p in "$K"/paths/*; do
+			echo "${p##*/}: $(cat "$p"/state); stats/rdma (read, write, inflight, failovered) $(cat "$p"/stats/rdma | tr '\n' ' ')"
+		done
+		grep -v 'msg="path connected"' "$T"/serverd.log | tail -20
+		return 1
+	fi
 	vm_wait 60 reconnect_all "$K"
 	echo "kernel client stats/reconnects: $(cat "$K"/paths/*/stats/reconnects | tr '\n' ' ')"
 	[ "$(reconnects "$K")" -ge $((r0 + 2)) ]
