@@ -32,7 +32,7 @@ cleanup() {
 }
 trap cleanup EXIT
 dd if=/dev/urandom of="$dir/disk" bs=1M count=256 status=none
-sock=$out/nbd.sock
+sock=$dir/nbd.sock # in memory: a unix socket cannot live on 9p (the VM's work folder)
 rm -f "$sock"
 "$out/rtrs-bench" blkserver -provider "$prov" -listen "$addr:18640" -dir "$dir" -profile-dir "$out" 2>"$out/blkserver.log" &
 srv=$!

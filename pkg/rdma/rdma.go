@@ -348,6 +348,8 @@ type WC struct {
 // per queue.
 type CQ interface {
 	// Poll moves up to len(wc) completions into wc and returns how many (ibv_poll_cq).
+	// Fewer than len(wc) does not promise an empty queue: a provider may hand out what it
+	// already holds and look again at the next Poll. Callers poll until Poll returns 0.
 	Poll(wc []WC) int
 	// Wait blocks until the queue holds a completion, ctx ends, or the queue is destroyed
 	// (ibv_req_notify_cq + ibv_get_cq_event, without the re-arm race).

@@ -37,6 +37,7 @@ type cq struct {
 	wc      *C.struct_ibv_wc
 	out     *C.struct_gwc
 	pending []rdma.WC
+	drained bool // pending holds all arm found, fewer than a batch: the queue was empty then
 	dead    bool
 	// The QP of the last completion and the device's QP generation it was found in: a CQ
 	// mostly serves one QP, whose completions then skip the device's lock and map.
@@ -93,6 +94,13 @@ func (c *cq) Poll(wc []rdma.WC) int {
 	}
 	n := copy(wc, c.pending)
 	c.pending = c.pending[:copy(c.pending, c.pending[n:])]
+	if n > 0 && len(c.pending) == 0 && c.drained {
+		// What arm found, which left the queue empty: the next Poll looks (one call into
+		// C fewer per completion event).
+		c.drained = false
+		return n
+	}
+	c.drained = false
 	for n < len(wc) {
 		want := min(len(wc)-n, pollBatch)
 		got := c.pollLocked(wc[n : n+want])
@@ -162,10 +170,12 @@ func (c *cq) arm() bool {
 		return true
 	}
 	c.calls.Add(1)
-	C.rtrs_req_notify(c.cq)
 	var buf [pollBatch]rdma.WC
-	n := c.pollLocked(buf[:])
+	n := c.convert(buf[:], int(C.rtrs_arm_poll(handle(c.cq), handle(c.wc), handle(c.out), C.int(pollBatch))))
 	c.pending = append(c.pending, buf[:n]...)
+	// Fewer than a batch: the queue was empty after them, and what comes next raises the
+	// event just requested. Poll need not look again before handing these out.
+	c.drained = n < pollBatch
 	return n > 0
 }
 
@@ -280,7 +290,6 @@ func (c *cq) Destroy() error {
 	}
 	c.dead = true
 	c.mu.Unlock()
-	c.dev.removeCQ(c)
 	_ = c.fd.Close() // wakes waiters
 	var err error
 	if rc := C.ibv_destroy_cq(c.cq); rc != 0 {
@@ -291,6 +300,8 @@ func (c *cq) Destroy() error {
 	}
 	C.free(unsafe.Pointer(c.wc))
 	C.free(unsafe.Pointer(c.out))
+	// After the handler (stopped above) and with the descriptor closed: no more calls.
+	c.dev.retire(c)
 	return err
 }
 

@@ -166,7 +166,14 @@ int rtrs_poll_busy(uintptr_t cq, uintptr_t wc, uintptr_t out, int n, int spins) 
 	return got;
 }
 
-int rtrs_req_notify(struct ibv_cq *cq) { return ibv_req_notify_cq(cq, 0); }
+// rtrs_arm_poll requests an event for the next completion, then polls: what came before the
+// request is found now, what comes after it raises the event. One call for the two.
+int rtrs_arm_poll(uintptr_t cq, uintptr_t wc, uintptr_t out, int n) {
+	int rc = ibv_req_notify_cq((struct ibv_cq *)cq, 0);
+	if (rc)
+		return rc > 0 ? -rc : rc;
+	return poll_cq((struct ibv_cq *)cq, (struct ibv_wc *)wc, (struct gwc *)out, n);
+}
 
 // rtrs_get_cq_event takes one event from a non-blocking channel: 1 if there was one, 0 if
 // none, -errno on error.

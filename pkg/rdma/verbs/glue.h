@@ -73,7 +73,7 @@ int rtrs_post_recv(uintptr_t qp, uintptr_t w, int n, uintptr_t chain, int *bad);
 int rtrs_poll(uintptr_t cq, uintptr_t wc, uintptr_t out, int n);
 // rtrs_poll_busy polls until a completion comes or spins polls found none.
 int rtrs_poll_busy(uintptr_t cq, uintptr_t wc, uintptr_t out, int n, int spins);
-int rtrs_req_notify(struct ibv_cq *cq);
+int rtrs_arm_poll(uintptr_t cq, uintptr_t wc, uintptr_t out, int n);
 int rtrs_get_cq_event(struct ibv_comp_channel *ch);
 int rtrs_query_port(struct ibv_context *c, uint8_t port, struct ibv_port_attr *a);
 int rtrs_set_nonblock(int fd);

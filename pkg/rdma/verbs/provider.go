@@ -128,14 +128,14 @@ type device struct {
 	// qpGen moves on whenever a QP leaves qps (before its number can be reused): a CQ's
 	// cached QP (cq.qpFor) is good while the generation it was found in is current.
 	qpGen atomic.Uint64
-	// cqs are the device's CQs, and retired the data-path calls of the QPs and CQs
-	// destroyed: what DataPathCalls adds to the calls counted by those alive.
-	cqs     map[*cq]struct{}
+	// counted are the device's QPs and CQs that count calls into C, until their
+	// destruction, and retired the calls of those destroyed: DataPathCalls adds the two.
+	counted map[callCounted]struct{}
 	retired atomic.Uint64
 }
 
 func newDevice(c *C.struct_ibv_context) *device {
-	d := &device{ctx: c, name: C.GoString(C.ibv_get_device_name(c.device)), qps: map[uint32]*qp{}, cqs: map[*cq]struct{}{}}
+	d := &device{ctx: c, name: C.GoString(C.ibv_get_device_name(c.device)), qps: map[uint32]*qp{}, counted: map[callCounted]struct{}{}}
 	var a C.struct_ibv_device_attr
 	if C.ibv_query_device(c, &a) == 0 {
 		d.attr = rdma.DeviceAttr{
@@ -200,6 +200,7 @@ func (d *device) Close() error { return nil }
 func (d *device) addQP(q *qp) {
 	d.mu.Lock()
 	d.qps[q.num] = q
+	d.counted[q] = struct{}{}
 	d.mu.Unlock()
 }
 
@@ -208,22 +209,29 @@ func (d *device) removeQP(q *qp) {
 	if d.qps[q.num] == q {
 		delete(d.qps, q.num)
 		d.qpGen.Add(1)
-		d.retired.Add(q.calls.Load())
 	}
 	d.mu.Unlock()
 }
 
+// callCounted is a QP or CQ, which counts its calls into C.
+type callCounted interface{ callCount() uint64 }
+
+func (q *qp) callCount() uint64 { return q.calls.Load() }
+func (c *cq) callCount() uint64 { return c.calls.Load() }
+
 func (d *device) addCQ(c *cq) {
 	d.mu.Lock()
-	d.cqs[c] = struct{}{}
+	d.counted[c] = struct{}{}
 	d.mu.Unlock()
 }
 
-func (d *device) removeCQ(c *cq) {
+// retire moves a destroyed QP's or CQ's calls into the device's count. Called once the
+// object makes no more calls (its dead flag set under its lock).
+func (d *device) retire(o callCounted) {
 	d.mu.Lock()
-	if _, ok := d.cqs[c]; ok {
-		delete(d.cqs, c)
-		d.retired.Add(c.calls.Load())
+	if _, ok := d.counted[o]; ok {
+		delete(d.counted, o)
+		d.retired.Add(o.callCount())
 	}
 	d.mu.Unlock()
 }
@@ -233,11 +241,8 @@ func (d *device) dataPathCalls() uint64 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	n := d.retired.Load()
-	for _, q := range d.qps {
-		n += q.calls.Load()
-	}
-	for c := range d.cqs {
-		n += c.calls.Load()
+	for o := range d.counted {
+		n += o.callCount()
 	}
 	return n
 }

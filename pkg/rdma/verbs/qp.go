@@ -437,6 +437,7 @@ func (q *qp) destroy() {
 		return
 	}
 	q.dead = true
+	q.pd.dev.retire(q)
 	for _, p := range []unsafe.Pointer{unsafe.Pointer(q.gwr), unsafe.Pointer(q.chain), unsafe.Pointer(q.sges),
 		unsafe.Pointer(q.grecv), unsafe.Pointer(q.rchain), unsafe.Pointer(q.rsges), unsafe.Pointer(q.bad)} {
 		C.free(p)

@@ -222,10 +222,20 @@ func TestDataPathCalls(t *testing.T) {
 	if got := cc.DataPathCalls() - n0; got != 2 {
 		t.Fatalf("a poll and a busy poll of 100 spins counted as %d calls", got)
 	}
+	dev := d.(*device)
+	counted := func() int {
+		dev.mu.Lock()
+		defer dev.mu.Unlock()
+		return len(dev.counted)
+	}
+	before := counted()
 	if err := c.Destroy(); err != nil {
 		t.Fatal(err)
 	}
 	if got := cc.DataPathCalls() - n0; got != 2 {
 		t.Fatalf("after the CQ's destruction the count moved by %d, not 2", got)
+	}
+	if after := counted(); after != before-1 {
+		t.Fatalf("the device counts the calls of %d objects after a CQ's destruction, %d before", after, before)
 	}
 }
