@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs on a fresh Debian machine (as root), then
 # checks formatting, vets (with and without the verbs provider), runs every test under the race
-# detector, the VM suites over real verbs (scripts/vmtest.sh) and a short run of each fuzz
-# target. Usage: scripts/test.sh [--no-fuzz]
+# detector, the Debian packages' test (scripts/deb/test.sh), the VM suites over real verbs
+# (scripts/vmtest.sh) and a short run of each fuzz target. Usage: scripts/test.sh [--no-fuzz]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,6 +96,9 @@ go test -count=1 -timeout 10m -run '^TestLoadStorm$' -v ./pkg/transport | tee /t
 	grep -E '^(=== RUN|--- |ok|FAIL|PASS)|load_test'
 # Selected by name: a renamed test must not pass as "no tests to run".
 grep -q '^--- PASS: TestLoadStorm ' /tmp/rtrs-loadstorm.log || { echo "TestLoadStorm did not run and pass"; exit 1; }
+
+echo "== Debian packages: built, linted, installed in a Debian 12 chroot, run, upgraded, purged"
+scripts/deb/test.sh
 
 echo "== VM bed helpers (host side, made-up inputs)"
 scripts/vm/selftest.sh

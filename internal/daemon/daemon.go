@@ -163,7 +163,7 @@ func Flags(fs *flag.FlagSet, args []string, configFlag string, optional bool) (*
 	}
 	cfg.CommandLine = set
 	for k, v := range cfg.Settings {
-		if fs.Lookup(k) == nil || k == configFlag {
+		if fs.Lookup(k) == nil || k == configFlag || k == "version" {
 			return nil, fmt.Errorf("%s: unknown setting %q", path, k)
 		}
 		if set[k] {

@@ -18,9 +18,9 @@ import (
 )
 
 // Main runs a daemon: run with the process's arguments, then exit 0 after -h (the usage went
-// to stderr), 1 with the error said on stderr as "name: error", 0 otherwise.
+// to stderr) or -version, 1 with the error said on stderr as "name: error", 0 otherwise.
 func Main(name string, run func(ctx context.Context, args []string) error) {
-	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) {
+	if err := run(context.Background(), os.Args[1:]); errors.Is(err, flag.ErrHelp) || errors.Is(err, ErrVersion) {
 		os.Exit(0)
 	} else if err != nil {
 		fmt.Fprintln(os.Stderr, name+":", err)
@@ -72,7 +72,9 @@ func (c *Common) Flags(fs *flag.FlagSet, metricsUsage, cleanupUsage string) {
 // Load fills a daemon's settings: newSettings' defaults, then the config file's settings
 // (a key no flag has is an error), then the command line's flags, which win. Run again on
 // SIGHUP with the same args, it gives the settings the daemon would start with now.
+// -version prints "name version" on stdout and returns ErrVersion, whatever the config says.
 func Load[S Settings](name, usage string, args []string, newSettings func() S) (S, *Config, error) {
+	var zero S
 	s := newSettings()
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.Usage = func() {
@@ -80,9 +82,16 @@ func Load[S Settings](name, usage string, args []string, newSettings func() S) (
 		fs.PrintDefaults()
 	}
 	s.Flags(fs)
+	showVersion := fs.Bool("version", false, "print the version and exit")
+	if err := fs.Parse(args); err != nil {
+		return zero, nil, err
+	}
+	if *showVersion {
+		fmt.Fprintln(os.Stdout, name, Version())
+		return zero, nil, ErrVersion
+	}
 	cfg, err := Flags(fs, args, "config", true)
 	if err != nil {
-		var zero S
 		return zero, nil, err
 	}
 	return s, cfg, nil

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -89,6 +90,7 @@ func TestLoadRefusals(t *testing.T) {
 		"unknown.conf": "listne = x\n",
 		"bad.conf":     "queue-depth = many\n",
 		"config.conf":  "config = /etc/other.conf\n",
+		"version.conf": "version = true\n",
 	} {
 		p := filepath.Join(dir, name)
 		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
@@ -106,6 +108,23 @@ func TestLoadRefusals(t *testing.T) {
 	}
 	if _, _, err := Load("toy", "toy", []string{"-h"}, newToy); !errors.Is(err, flag.ErrHelp) {
 		t.Errorf("-h: %v", err)
+	}
+}
+
+// -version answers before any config is read, even a broken or missing one.
+func TestVersionFlag(t *testing.T) {
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "bad.conf")
+	if err := os.WriteFile(bad, []byte("listne = x\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, conf := range []string{bad, filepath.Join(dir, "none.conf")} {
+		if _, _, err := Load("toy", "toy", []string{"-config", conf, "-version"}, newToy); !errors.Is(err, ErrVersion) {
+			t.Errorf("-version with %s: %v", conf, err)
+		}
+	}
+	if v := Version(); v == "" || strings.ContainsAny(v, " \n") {
+		t.Errorf("Version() = %q", v)
 	}
 }
 
