@@ -144,6 +144,12 @@ func monotonicUsec() int64 {
 	return ts.Nano() / 1e3
 }
 
+// commandLineOnly: the flags a config file may not set. The file cannot name another file,
+// and "cleanup" or "version" there would make every start exit at once.
+func commandLineOnly(name, configFlag string) bool {
+	return name == configFlag || name == "cleanup" || name == "version"
+}
+
 // Flags parses args into fs, then takes every setting of the config file named by the
 // flag configFlag for the flags the command line did not set: config first, flags override.
 // A setting no flag knows is an error.
@@ -163,7 +169,7 @@ func Flags(fs *flag.FlagSet, args []string, configFlag string, optional bool) (*
 	}
 	cfg.CommandLine = set
 	for k, v := range cfg.Settings {
-		if fs.Lookup(k) == nil || k == configFlag || k == "version" {
+		if fs.Lookup(k) == nil || commandLineOnly(k, configFlag) {
 			return nil, fmt.Errorf("%s: unknown setting %q", path, k)
 		}
 		if set[k] {

@@ -91,6 +91,7 @@ func TestLoadRefusals(t *testing.T) {
 		"bad.conf":     "queue-depth = many\n",
 		"config.conf":  "config = /etc/other.conf\n",
 		"version.conf": "version = true\n",
+		"cleanup.conf": "cleanup = true\n",
 	} {
 		p := filepath.Join(dir, name)
 		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {

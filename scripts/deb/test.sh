@@ -35,13 +35,21 @@ a=$(scripts/version.sh "$work/vt")
 [ "$a" = "0.0~git20231114.221320.$(vt rev-parse --short=7 HEAD)" ] || fail "no tag: $a"
 vt tag v1.2.3
 [ "$(scripts/version.sh "$work/vt")" = 1.2.3 ] || fail "on v1.2.3: $(scripts/version.sh "$work/vt")"
+touch "$work/vt/new" # a file git does not track yet is in the package, so it makes the tree dirty
+t=$(scripts/version.sh "$work/vt")
+[ "$t" = 1.2.3+0.dirty ] || fail "on v1.2.3 with a new file: $t"
+rm "$work/vt/new"
 GIT_COMMITTER_DATE=@1700000060 vt commit -q --allow-empty -m two
 b=$(scripts/version.sh "$work/vt")
 [ "$b" = "1.2.3+1.g$(vt rev-parse --short=7 HEAD)" ] || fail "after v1.2.3: $b"
 touch "$work/vt/f" && vt add f
 c=$(scripts/version.sh "$work/vt")
 [ "$c" = "$b+dirty" ] || fail "uncommitted: $c"
-dpkg --compare-versions "$a" lt 1.2.3 && dpkg --compare-versions 1.2.3 lt "$b" || fail "$a, 1.2.3, $b do not sort"
+prev=
+for v in "$a" 1.2.3 "$t" "$b" "$c"; do
+	[ -z "$prev" ] || dpkg --compare-versions "$prev" lt "$v" || fail "$prev does not sort below $v"
+	prev=$v
+done
 vt tag v2.0-beta
 vt commit -q -m three && vt tag -d v1.2.3 >/dev/null
 ! scripts/version.sh "$work/vt" 2>/dev/null || fail "tag v2.0-beta taken as a version"
@@ -116,9 +124,12 @@ check_installed() {
 			fail "$d: /etc/rtrs/$d.conf is not a conffile"
 		got=$(in_root systemctl is-enabled "$d.service" 2>&1) || true
 		[ "$got" = enabled ] || fail "$d.service is $got, not enabled"
-		# Enabled, never started: the maintainer scripts start nothing.
-		! grep -E 'deb-systemd-invoke (start|restart)' "$root/var/lib/dpkg/info/$d.postinst" ||
-			fail "$d.postinst starts the service"
+		# Enabled, never started or restarted by the package (postinst invokes nothing), and
+		# stopped on removal only (prerm).
+		! grep -n 'deb-systemd-invoke\|systemctl.* \(start\|restart\|try-restart\)' "$root/var/lib/dpkg/info/$d.postinst" ||
+			fail "$d.postinst starts or restarts the service (above)"
+		sed -n '/^if \[ "$1" = remove \]/,/^fi/p' "$root/var/lib/dpkg/info/$d.prerm" |
+			grep -q "deb-systemd-invoke stop $d.service" || fail "$d.prerm does not stop the service on removal"
 	done
 }
 check_installed "$v1"
@@ -192,8 +203,10 @@ grep -q '^# shipped by the upgrade' "$root/etc/rtrs/rtrs-serverd.conf.dpkg-dist"
 
 step "purge: nothing left"
 in_root apt-get -q purge -y "${daemons[@]}" </dev/null
-in_root dpkg-query -W -f '${db:Status-Status}\n' "${daemons[@]}" 2>/dev/null | grep -qv not-installed &&
-	fail "a package is still known to dpkg"
+for d in "${daemons[@]}"; do
+	st=$(in_root dpkg-query -W -f '${db:Status-Status}' "$d" 2>/dev/null) || st=
+	[ -z "$st" ] || [ "$st" = not-installed ] || fail "$d is $st after the purge"
+done
 # The dependencies the install pulled in go too; then the chroot is as it was.
 in_root apt-get -q autoremove --purge -y </dev/null
 snapshot >"$work/after"

@@ -217,10 +217,13 @@ func (p page) roff() string {
 		if i > 0 {
 			w(".PP")
 		}
-		w("%s", text(strings.TrimPrefix(d, p.name+": ")))
+		if i == 0 {
+			d = capitalize(strings.TrimPrefix(d, p.name+": "))
+		}
+		w("%s", text(d))
 	}
 	w(".SH OPTIONS")
-	w("Every option but \\-config and \\-version may also be a line of the config file, without its dash:")
+	w("Every option but \\-config, \\-cleanup and \\-version may also be a line of the config file, without its dash:")
 	w("\\fIname\\fR = \\fIvalue\\fR.")
 	w("The command line wins over the file.")
 	for _, f := range p.flags {
@@ -262,6 +265,14 @@ func (p page) roff() string {
 		w("%s", strings.Join(refs, "\n,\n"))
 	}
 	return b.String()
+}
+
+// capitalize upper-cases s's first letter.
+func capitalize(s string) string {
+	if s == "" {
+		return s
+	}
+	return strings.ToUpper(s[:1]) + s[1:]
 }
 
 // esc escapes roff's backslash and dashes (a dash in a name or a flag is a minus sign).

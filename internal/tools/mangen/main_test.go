@@ -69,7 +69,7 @@ func TestRoffEscapes(t *testing.T) {
 		flags: []helpFlag{{name: "a-b", arg: "string", usage: `C:\path` + "\n.so /etc/passwd\n'x"}},
 		abi:   []abiEntry{{what: "/run/d/f", desc: []string{"one", "two"}}}, seeAlso: []string{"e(8)"}}
 	r := p.roff()
-	for _, want := range []string{`.TH D 8 "2026-11-24" "rtrs 1.0~git1"`, `d \- the daemon`, `.BI \-a\-b " string"`,
+	for _, want := range []string{`.TH D 8 "2026-11-24" "rtrs 1.0~git1"`, `d \- the daemon`, ".SH DESCRIPTION\nThe daemon. More.", `.BI \-a\-b " string"`,
 		`C:\epath`, `\&.so /etc/passwd`, `\&'x`, ".B /run/d/f\none\n.IP\ntwo", ".BR e (8)"} {
 		if !strings.Contains(r, want) {
 			t.Errorf("page lacks %q:\n%s", want, r)
