@@ -25,6 +25,12 @@ root=$work/root
 step() { echo "-- deb: $*"; }
 fail() { echo "deb: FAIL: $*" >&2; exit 1; }
 in_root() { vm_chroot "$root" "$@"; }
+# apt_in_root ARGS...: apt-get in the chroot with no stdin (a question would fail it); its
+# output goes to a log, shown when it fails, its summary and dpkg's notes when it does not.
+apt_in_root() {
+	in_root apt-get -q "$@" </dev/null >"$work/apt.log" 2>&1 || { cat "$work/apt.log"; fail "apt-get $* failed (above)"; }
+	grep -E '^[0-9]+ upgraded|^Created symlink|^Removed|^Configuration file|^ ==>' "$work/apt.log" || true
+}
 daemons=(rtrs-serverd rtrs-clientd)
 
 step "version.sh: from git describe, sorted as the commits"
@@ -82,9 +88,9 @@ dpkg --compare-versions "$v2" gt "$v1" || fail "the rebuild's version $v2 is not
 step "a clean Debian 12 chroot"
 vm_chroot_ensure "$RTRS_VM_CACHE/chroot/bookworm" bookworm
 cp -a "$RTRS_VM_CACHE/chroot/bookworm" "$root"
-in_root apt-get -q update >/dev/null
+apt_in_root update
 # What the checks use: systemd-analyze and man.
-in_root apt-get -q install -y --no-install-recommends systemd man-db >/dev/null
+apt_in_root install -y --no-install-recommends systemd man-db
 snapshot() { # every file and directory of the chroot but the package manager's own books
 	in_root find / -xdev \( -path /proc -o -path /dev -o -path /sys -o -path /run -o -path /tmp \
 		-o -path /var/lib/apt -o -path /var/cache -o -path /var/log -o -path /var/lib/dpkg \) -prune -o -print | sort
@@ -101,7 +107,7 @@ for v in "$v1" "$v2"; do
 done
 
 step "install $v1 with apt"
-in_root apt-get -q install -y --no-install-recommends "$(deb "$v1" rtrs-serverd)" "$(deb "$v1" rtrs-clientd)" </dev/null
+apt_in_root install -y --no-install-recommends "$(deb "$v1" rtrs-serverd)" "$(deb "$v1" rtrs-clientd)"
 
 # check_installed VERSION: what each package holds, as installed.
 check_installed() {
@@ -190,10 +196,10 @@ for d in "${daemons[@]}"; do cp "$root/etc/rtrs/$d.conf" "$work/$d.conf.edited";
 
 step "upgrade to $v2, the edited configs kept"
 # The client's config is the same in both packages: kept without a question (no stdin at all).
-in_root apt-get -q install -y --no-install-recommends "$(deb "$v2" rtrs-clientd)" </dev/null
+apt_in_root install -y --no-install-recommends "$(deb "$v2" rtrs-clientd)"
 # The server's changed on both sides: kept, as unattended upgrades do, the new one beside it.
-in_root apt-get -q install -y --no-install-recommends -o Dpkg::Options::=--force-confdef \
-	-o Dpkg::Options::=--force-confold "$(deb "$v2" rtrs-serverd)" </dev/null
+apt_in_root install -y --no-install-recommends -o Dpkg::Options::=--force-confdef \
+	-o Dpkg::Options::=--force-confold "$(deb "$v2" rtrs-serverd)"
 check_installed "$v2"
 for d in "${daemons[@]}"; do
 	cmp "$root/etc/rtrs/$d.conf" "$work/$d.conf.edited" || fail "the upgrade changed the edited /etc/rtrs/$d.conf"
@@ -202,13 +208,13 @@ grep -q '^# shipped by the upgrade' "$root/etc/rtrs/rtrs-serverd.conf.dpkg-dist"
 	fail "the upgrade's server config is not beside the kept one"
 
 step "purge: nothing left"
-in_root apt-get -q purge -y "${daemons[@]}" </dev/null
+apt_in_root purge -y "${daemons[@]}"
 for d in "${daemons[@]}"; do
 	st=$(in_root dpkg-query -W -f '${db:Status-Status}' "$d" 2>/dev/null) || st=
 	[ -z "$st" ] || [ "$st" = not-installed ] || fail "$d is $st after the purge"
 done
 # The dependencies the install pulled in go too; then the chroot is as it was.
-in_root apt-get -q autoremove --purge -y </dev/null
+apt_in_root autoremove --purge -y
 snapshot >"$work/after"
 left=$(comm -13 "$work/before" "$work/after")
 [ -z "$left" ] || fail "left behind by the purge: $left"
