@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
+	"github.com/rtrs-go/rtrs/internal/lib/atomicfile"
 	"github.com/rtrs-go/rtrs/pkg/control"
 )
 
@@ -135,37 +136,7 @@ func (d *clientd) writeBack() {
 		d.lg.WithError(err).Warn("write-back")
 		return
 	}
-	if err := replaceFile(d.cfgPath, []byte(b.String())); err != nil {
+	if err := atomicfile.Write(d.cfgPath, []byte(b.String()), 0o644); err != nil {
 		d.lg.WithError(err).Warn("write-back")
 	}
-}
-
-// replaceFile puts data at path whole or not at all, across a power loss too: a new file
-// synced, renamed over the old one, then the directory synced.
-func replaceFile(path string, data []byte) error {
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
-	if err != nil {
-		return err
-	}
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp)
-		return err
-	}
-	dir, err := os.Open(filepath.Dir(path))
-	if err != nil {
-		return err
-	}
-	defer dir.Close()
-	return dir.Sync()
 }

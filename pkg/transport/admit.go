@@ -6,12 +6,12 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/lib/atomicfile"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -177,7 +177,7 @@ func (ns *nameStore) claim(name, owner string) (syscall.Errno, error) {
 	return 0, ns.saveLocked()
 }
 
-// saveLocked writes the store atomically (a new file renamed over the old one).
+// saveLocked writes the store atomically (a new file synced and renamed over the old one).
 func (ns *nameStore) saveLocked() error {
 	if ns.path == "" {
 		return nil
@@ -186,22 +186,7 @@ func (ns *nameStore) saveLocked() error {
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(ns.path), ".sessions-*")
-	if err != nil {
-		return fmt.Errorf("rtrs: session names: %w", err)
-	}
-	_, err = tmp.Write(append(b, '\n'))
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp.Name(), ns.path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp.Name())
+	if err := atomicfile.Write(ns.path, append(b, '\n'), 0o644); err != nil {
 		return fmt.Errorf("rtrs: session names: %w", err)
 	}
 	return nil

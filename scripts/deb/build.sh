@@ -20,10 +20,7 @@ work=$(mktemp -d /tmp/rtrs-deb.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 src=$work/rtrs
 mkdir -p "$src"
-# The checkout's files as they are now (tracked and new, not ignored ones, not .git).
-git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
-	[ -e "$f" ] && printf '%s\0' "$f"
-done | tar --null -T - -cf - | tar -xf - -C "$src"
+scripts/deb/copy-tree.sh "$src"
 when=$(git log -1 --format=%ct HEAD)
 cat >"$src/debian/changelog" <<CL
 rtrs ($version) bookworm; urgency=medium

@@ -73,9 +73,7 @@ grep -v 'running with root privileges' "$work/lintian.out" || true
 step "build again from a later commit, its server config changed"
 git clone -q . "$work/src2"
 # The checkout as it is, uncommitted changes included, then a commit a minute after HEAD.
-git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
-	[ -e "$f" ] && printf '%s\0' "$f"
-done | tar --null -T - -cf - | tar -xf - -C "$work/src2"
+scripts/deb/copy-tree.sh "$work/src2"
 echo "# shipped by the upgrade" >>"$work/src2/deploy/config/rtrs-serverd.conf"
 when=$(($(git log -1 --format=%ct HEAD) + 60))
 git -C "$work/src2" add -A
