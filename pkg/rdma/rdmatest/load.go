@@ -187,6 +187,82 @@ func testCompletionHandler(t *testing.T, env *Env) {
 	}
 }
 
+// testHandlerChange: a handler that is replaced is not called again, the new one takes the
+// next completion, and once the handler is removed a completion stays in the queue for Poll;
+// the queue is destroyed with a handler installed, and every change returns promptly.
+func testHandlerChange(t *testing.T, env *Env) {
+	c := connect(t, env, env.opts())
+	sbuf, cbuf := c.srv.alloc(t, 64, lw), c.cli.alloc(t, 64, lw)
+	// handler counts its calls and the receives it polls; the receives go to got.
+	handler := func(calls *atomic.Int32, got chan<- rdma.WC) func() {
+		var wc [4]rdma.WC
+		return func() {
+			calls.Add(1)
+			for n := c.srv.cq.Poll(wc[:]); n > 0; n = c.srv.cq.Poll(wc[:]) {
+				for _, w := range wc[:n] {
+					if w.Opcode == rdma.WCRecv || w.Status != rdma.WCSuccess {
+						got <- w
+					}
+				}
+			}
+		}
+	}
+	send := func(imm uint32) {
+		c.srv.recv(t, uint64(imm), rdma.SGEOf(sbuf, 0, 64))
+		c.cli.post(t, rdma.SendWR{Opcode: rdma.OpSendWithImm, Imm: imm, SGList: []rdma.SGE{rdma.SGEOf(cbuf, 0, 64)}})
+	}
+	expect := func(name string, got <-chan rdma.WC, imm uint32) {
+		t.Helper()
+		select {
+		case w := <-got:
+			if w.Status != rdma.WCSuccess || w.Imm != imm {
+				t.Fatalf("handler %s: completion %s, want a receive of imm %d", name, fmtWC(w), imm)
+			}
+		case <-time.After(waitTimeout):
+			t.Fatalf("handler %s: no completion within %v", name, waitTimeout)
+		}
+	}
+	timed := func(what string, f func()) {
+		t.Helper()
+		t0 := time.Now()
+		f()
+		if d := time.Since(t0); d > waitTimeout {
+			t.Fatalf("%s took %v", what, d)
+		}
+	}
+	var callsA, callsB atomic.Int32
+	gotA, gotB := make(chan rdma.WC, 4), make(chan rdma.WC, 4)
+	c.srv.cq.SetHandler(handler(&callsA, gotA))
+	send(1)
+	expect("A", gotA, 1)
+	timed("replacing the handler", func() { c.srv.cq.SetHandler(handler(&callsB, gotB)) })
+	a := callsA.Load()
+	send(2)
+	expect("B", gotB, 2)
+	timed("removing the handler", func() { c.srv.cq.SetHandler(nil) })
+	b := callsB.Load()
+	send(3)
+	c.srv.expect(t, 3, rdma.WCRecv, rdma.WCSuccess)
+	if callsA.Load() != a || callsB.Load() != b {
+		t.Fatalf("handlers called after their removal: A %d → %d, B %d → %d", a, callsA.Load(), b, callsB.Load())
+	}
+	if len(gotA) != 0 {
+		t.Fatalf("handler A took %s after it was replaced", fmtWC(<-gotA))
+	}
+	// Destroyed with a handler in place, once its QP is gone (an HCA refuses to destroy a
+	// CQ a QP uses); the side's cleanup destroys both again, which ends in ErrClosed.
+	var callsC atomic.Int32
+	c.srv.cq.SetHandler(handler(&callsC, make(chan rdma.WC, 4)))
+	if err := c.srv.id.Destroy(); err != nil {
+		t.Fatalf("destroying the server's identifier: %v", err)
+	}
+	timed("destroying a queue with a handler", func() {
+		if err := c.srv.cq.Destroy(); err != nil {
+			t.Fatalf("Destroy with a handler: %v", err)
+		}
+	})
+}
+
 // testBusyPoll: a provider that spins for completions by itself (rdma.BusyPoller) returns
 // none from an empty queue once its spins are spent, and returns a completion that arrives
 // while it spins, whole, as Poll would.

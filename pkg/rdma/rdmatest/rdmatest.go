@@ -99,6 +99,7 @@ var cases = []testCase{
 	{"Disconnect", testDisconnect},
 	{"ManyQPs", testManyQPs},
 	{"CompletionHandler", testCompletionHandler},
+	{"HandlerChange", testHandlerChange},
 	{"BusyPoll", testBusyPoll},
 }
 

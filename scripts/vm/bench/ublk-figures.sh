@@ -4,52 +4,91 @@
 #   kc     the kernel's rnbd-client, /dev/rnbdX                              (loop A)
 #   ublk   rtrs-clientd, /dev/ublkbN, -ublk-queues cpus (the default: 2 here) (loop B)
 #   nbd    the same mapping of that rtrs-clientd, attached to /dev/nbdN too   (loop B)
-#   ublk1  a second rtrs-clientd started with -ublk-queues 1, /dev/ublkbM     (loop C)
-# (In this VM CPUs = paths = 2, so ublk against ublk1 is "a queue per CPU or per path" against
-# one queue.) The kernel's server gives rw to one session per device, hence three loop devices;
-# ublk1's daemon runs beside the first from start to end rather than being restarted between
-# rounds, so every round measures all four under the same conditions.
-# Workloads (fio libaio direct=1 size=200m, FIG_SECS each): 4 KiB randread QD32, 4 KiB randwrite
-# QD32, 1 MiB read QD8, 1 MiB write QD8; FIG_ROUNDS rounds, each workload run on every target in
-# turn, the targets' order reversed every other round. Per job: IOPS and MB/s (fio's terse v3)
+#   alt    a second rtrs-clientd, /dev/ublkbM                                 (loop C): by
+#          default started with -ublk-queues 1 (in this VM CPUs = paths = 2, so ublk against
+#          alt is "a queue per CPU or per path" against one queue); for an A/B of a change,
+#          FIG_ALT_REV=<git revision> builds it from that revision instead, FIG_ALT_ENV adds
+#          environment (NAME=value words, e.g. GOMAXPROCS=1) and FIG_ALT_FLAGS replaces its
+#          extra flags (default "-ublk-queues 1" when neither of the other two is set, none
+#          otherwise).
+# The kernel's server gives rw to one session per device, hence three loop devices; alt's
+# daemon runs beside the first from start to end rather than being restarted between rounds,
+# so every round measures all four under the same conditions.
+# Workloads (fio libaio direct=1 size=200m, FIG_SECS each): rr 4 KiB randread QD32, rw 4 KiB
+# randwrite QD32, sr 1 MiB read QD8, sw 1 MiB write QD8 (FIG_JOBS, default all four);
+# FIG_ROUNDS rounds, each workload run on every target in turn, the targets' order reversed
+# every other round. Per job: IOPS and MB/s (fio's terse v3)
 # and the guest's CPU per IO: busy jiffies of /proc/stat's first line (all but idle and iowait)
 # read by fio's exec_prerun and exec_postrun, right before the job's IO and right after it, per
 # IO done (fio's own start, which under TCG over 9p costs seconds of CPU, is left out).
 # Medians over the rounds (the mean of the middle two for an even count), and ratios ublk/kc,
-# ublk/nbd, ublk1/ublk: results/ublk-figures.md (printed too); each job's line in
+# ublk/nbd, alt/ublk: results/ublk-figures.md (printed too); each job's line in
 # results/ublk-figures-raw.txt. A failing fio job fails the suite; no speed is asserted.
 #
 # Run (root): FIG_SECS=10 FIG_ROUNDS=5 scripts/vmtest.sh -k 6.12 scripts/vm/bench/ublk-figures.sh
 # (the defaults; the guest reads them from a file host() writes, since vmtest.sh passes no other
-# environment to the guest). Needs ublk_drv: fails at once on 6.1. Add RTRS_VM_RESULTS=DIR to
-# keep results/ (the work folder is removed after a run that passed). A round takes about
-# 16 × FIG_SECS + 45–60 s in the guest here (one fio process a round; its start is slow under
-# TCG), so the defaults need about 20 minutes, within RTRS_VM_TIMEOUT's default 2400 s.
+# environment to the guest). An A/B of this tree against the last commit, 4 KiB only:
+# FIG_ALT_REV=HEAD FIG_JOBS="rr rw" scripts/vmtest.sh -k 6.12 scripts/vm/bench/ublk-figures.sh
+# Needs ublk_drv: fails at once on 6.1. Add RTRS_VM_RESULTS=DIR to keep results/ (the work
+# folder is removed after a run that passed). A round takes about 4 × FIG_SECS per workload +
+# 45–60 s in the guest here (one fio process a round; its start is slow under TCG), so the
+# defaults need about 20 minutes, within RTRS_VM_TIMEOUT's default 2400 s. With one binary in
+# both slots the two ran up to 4 % apart (2026-11-25): a change must show more than that, or be
+# measured again with the two builds swapped.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev fio util-linux"
 
 host() {
-	local secs=${FIG_SECS:-10} rounds=${FIG_ROUNDS:-5}
+	local secs=${FIG_SECS:-10} rounds=${FIG_ROUNDS:-5} jobs=${FIG_JOBS:-rr rw sr sw} j
+	local rev=${FIG_ALT_REV:-} env=${FIG_ALT_ENV:-} flags
 	[[ $secs =~ ^[1-9][0-9]*$ ]] || vm_die "FIG_SECS=$secs: a whole number of seconds, at least 1"
 	[[ $rounds =~ ^[1-9][0-9]*$ ]] || vm_die "FIG_ROUNDS=$rounds: a whole number, at least 1"
-	printf 'FIG_SECS=%s\nFIG_ROUNDS=%s\n' "$secs" "$rounds" >"$RTRS_VM_WORK/ublk-figures.env"
-	vm_log "ublk figures: $rounds rounds of 16 jobs, $secs s each"
+	for j in $jobs; do
+		fig_workload "$j" >/dev/null || vm_die "FIG_JOBS: $j is none of rr rw sr sw"
+	done
+	[ -n "${jobs// /}" ] || vm_die "FIG_JOBS: no workload"
+	[[ $env =~ ^([A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.,:/=-]*( |$))*$ ]] ||
+		vm_die "FIG_ALT_ENV=$env: NAME=value words (letters, digits and _.,:/=- in the values)"
+	if [ -z "$rev$env" ]; then
+		flags=${FIG_ALT_FLAGS--ublk-queues 1}
+	else
+		flags=${FIG_ALT_FLAGS:-}
+	fi
+	[[ $flags =~ ^[A-Za-z0-9_.,:/=\ -]*$ ]] || vm_die "FIG_ALT_FLAGS=$flags: flags without quotes or shell characters"
+	local desc="${rev:+built from $rev }${env:+$env }$flags"
+	desc=${desc% }
+	{
+		printf 'FIG_SECS=%s\nFIG_ROUNDS=%s\n' "$secs" "$rounds"
+		printf 'FIG_JOBS=%q\nFIG_ALT_ENV=%q\nFIG_ALT_FLAGS=%q\n' "$jobs" "$env" "$flags"
+		printf 'FIG_ALT_DESC=%q\n' "$desc"
+	} >"$RTRS_VM_WORK/ublk-figures.env"
+	vm_log "ublk figures: $rounds rounds of $jobs on four targets, $secs s each; alt: ${desc:-the same binary and flags}"
 	vm_build_kernel_rtrs
-	mkdir -p "$RTRS_VM_WORK/bin"
+	mkdir -p "$RTRS_VM_WORK/bin" "$RTRS_VM_WORK/alt"
 	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-clientd)
+	if [ -z "$rev" ]; then
+		cp "$RTRS_VM_WORK/bin/rtrs-clientd" "$RTRS_VM_WORK/alt/"
+		return
+	fi
+	local src=$RTRS_VM_WORK/alt-src
+	mkdir -p "$src"
+	git -C "$RTRS_VM_REPO" archive "$rev" | tar -x -C "$src" || vm_die "FIG_ALT_REV=$rev: no such revision"
+	(cd "$src" && go build -tags verbs -o "$RTRS_VM_WORK/alt/" ./cmd/rtrs-clientd)
+	rm -rf "$src"
 }
 
-# The targets in their first-round order, and the workloads.
-FIG_TARGETS=(kc ublk nbd ublk1)
-FIG_WORKLOADS=(rr rw sr sw)
+# The targets in their first-round order.
+FIG_TARGETS=(kc ublk nbd alt)
 
 guest() {
 	export PATH=$RTRS_VM_WORK/bin:$PATH
 	local R=$RTRS_VM_WORK/results T=/tmp/fig A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2
-	local FIG_SECS FIG_ROUNDS
+	local FIG_SECS FIG_ROUNDS FIG_JOBS FIG_ALT_ENV FIG_ALT_FLAGS FIG_ALT_DESC
 	# shellcheck source=/dev/null # written by host()
 	. "$RTRS_VM_WORK/ublk-figures.env"
+	# shellcheck disable=SC2206 # words checked by host()
+	FIG_WORKLOADS=($FIG_JOBS)
 	if [ ! -e /dev/ublk-control ]; then
 		echo "no ublk driver on $(uname -r) (/dev/ublk-control): these figures need 6.12 or later"
 		return 1
@@ -73,7 +112,7 @@ guest() {
 	la=$(losetup -f --show "$T"/disk-a)
 	lb=$(losetup -f --show "$T"/disk-b)
 	lc=$(losetup -f --show "$T"/disk-c)
-	echo "kc on $la, ublk and nbd on $lb, ublk1 on $lc"
+	echo "kc on $la, ublk and nbd on $lb, alt on $lc"
 
 	vm_load_kernel_rtrs rtrs-core rtrs-server rnbd-server rtrs-client rnbd-client
 
@@ -83,15 +122,17 @@ guest() {
 	FIG_DEV[kc]=$(fig_rnbd_of kc "$la")
 	vm_wait 10 test -b "${FIG_DEV[kc]}"
 
-	echo "== rtrs-clientd (-ublk-queues cpus) and a second one with -ublk-queues 1"
+	echo "== rtrs-clientd (-ublk-queues cpus) and a second one, alt: ${FIG_ALT_DESC:-as the first}"
 	: >"$T"/clientd.conf
 	: >"$T"/clientd1.conf
-	FIG_LOGS="$R/ublk-figures-clientd.log $R/ublk-figures-clientd1q.log"
+	FIG_LOGS="$R/ublk-figures-clientd.log $R/ublk-figures-clientd-alt.log"
 	rtrs-clientd -provider verbs -config "$T"/clientd.conf -mount "$T"/cli -dev-mount "$T"/dev \
 		-nbd-socket "" -io-timeout 120s -reconnect-delay 2s >"$R"/ublk-figures-clientd.log 2>&1 &
 	local cpid=$!
-	rtrs-clientd -provider verbs -config "$T"/clientd1.conf -mount "$T"/cli1 -dev-mount "$T"/dev1 \
-		-nbd-socket "" -io-timeout 120s -reconnect-delay 2s -ublk-queues 1 >"$R"/ublk-figures-clientd1q.log 2>&1 &
+	# shellcheck disable=SC2086 # words checked by host()
+	env $FIG_ALT_ENV "$RTRS_VM_WORK"/alt/rtrs-clientd -provider verbs -config "$T"/clientd1.conf -mount "$T"/cli1 \
+		-dev-mount "$T"/dev1 -nbd-socket "" -io-timeout 120s -reconnect-delay 2s $FIG_ALT_FLAGS \
+		>"$R"/ublk-figures-clientd-alt.log 2>&1 &
 	local cpid1=$!
 	vm_wait 30 mountpoint -q "$T"/dev || { fig_logs; return 1; }
 	vm_wait 30 mountpoint -q "$T"/dev1 || { fig_logs; return 1; }
@@ -99,7 +140,7 @@ guest() {
 	echo "sessname=uq1 device_path=$lc path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 ublk=auto" >"$T"/dev1/ctl/map_device
 	FIG_DEV[ublk]=$(awk '$1 ~ /^uk\// { print $2 }' "$T"/dev/ctl/ublk_devices)
 	FIG_DEV[nbd]=$(awk '$1 ~ /^uk\// { print $2 }' "$T"/dev/ctl/nbd_devices)
-	FIG_DEV[ublk1]=$(awk '$1 ~ /^uq1\// { print $2 }' "$T"/dev1/ctl/ublk_devices)
+	FIG_DEV[alt]=$(awk '$1 ~ /^uq1\// { print $2 }' "$T"/dev1/ctl/ublk_devices)
 	local t
 	for t in "${FIG_TARGETS[@]}"; do
 		if [ -z "${FIG_DEV[$t]}" ] || [ ! -b "${FIG_DEV[$t]}" ]; then
@@ -118,7 +159,7 @@ guest() {
 	FIG_LABEL[kc]="kernel rnbd-client (${FIG_DEV[kc]})"
 	FIG_LABEL[ublk]="rtrs-clientd ublk, ${FIG_QUEUES[ublk]} queues (${FIG_DEV[ublk]})"
 	FIG_LABEL[nbd]="rtrs-clientd NBD (${FIG_DEV[nbd]})"
-	FIG_LABEL[ublk1]="rtrs-clientd ublk, ${FIG_QUEUES[ublk1]} queue (${FIG_DEV[ublk1]})"
+	FIG_LABEL[alt]="alt: rtrs-clientd ublk, ${FIG_QUEUES[alt]} queues, ${FIG_ALT_DESC:-as the first} (${FIG_DEV[alt]})"
 
 	local round order t0
 	t0=$(vm_now)
@@ -263,7 +304,7 @@ fig_table() {
 	kernel=$(uname -r)
 	awk -v kernel="$kernel" -v secs="$FIG_SECS" -v rounds="$FIG_ROUNDS" -v hz="$FIG_HZ" \
 		-v lkc="${FIG_LABEL[kc]}" -v lublk="${FIG_LABEL[ublk]}" -v lnbd="${FIG_LABEL[nbd]}" \
-		-v lublk1="${FIG_LABEL[ublk1]}" '
+		-v lalt="${FIG_LABEL[alt]}" '
 		function median(s,   a, n, i, j, x) {
 			n = split(s, a, " ")
 			for (i = 2; i <= n; i++) {
@@ -278,9 +319,9 @@ fig_table() {
 		/^#/ { next }
 		{ k = $2 SUBSEP $3; iops[k] = iops[k] " " $4; mbs[k] = mbs[k] " " $5; cpu[k] = cpu[k] " " $6; n[k]++ }
 		END {
-			nt = split("kc ublk nbd ublk1", T, " ")
+			nt = split("kc ublk nbd alt", T, " ")
 			nw = split("rr rw sr sw", W, " ")
-			L["kc"] = lkc; L["ublk"] = lublk; L["nbd"] = lnbd; L["ublk1"] = lublk1
+			L["kc"] = lkc; L["ublk"] = lublk; L["nbd"] = lnbd; L["alt"] = lalt
 			WL["rr"] = "4 KiB randread QD32"; WL["rw"] = "4 KiB randwrite QD32"
 			WL["sr"] = "1 MiB read QD8"; WL["sw"] = "1 MiB write QD8"
 			printf "## ublk figures: kernel %s, 2 vCPUs (qemu TCG), rxe, two paths, the kernel'"'"'s rnbd-server\n\n", kernel
@@ -296,10 +337,11 @@ fig_table() {
 			print ""
 			print "Ratios of the medians (MB/s goes as IOPS: the same block size):"
 			print ""
-			print "| workload | IOPS ublk/kernel client | IOPS ublk/NBD | IOPS ublk 1 queue/ublk | CPU/IO ublk/kernel client | CPU/IO ublk/NBD | CPU/IO ublk 1 queue/ublk |"
+			print "| workload | IOPS ublk/kernel client | IOPS ublk/NBD | IOPS alt/ublk | CPU/IO ublk/kernel client | CPU/IO ublk/NBD | CPU/IO alt/ublk |"
 			print "|---|---|---|---|---|---|---|"
 			for (i = 1; i <= nw; i++) {
-				u = "ublk" SUBSEP W[i]; kc = "kc" SUBSEP W[i]; nb = "nbd" SUBSEP W[i]; u1 = "ublk1" SUBSEP W[i]
+				u = "ublk" SUBSEP W[i]; kc = "kc" SUBSEP W[i]; nb = "nbd" SUBSEP W[i]; u1 = "alt" SUBSEP W[i]
+				if (!n[u]) continue
 				printf "| %s | %s | %s | %s | %s | %s | %s |\n", WL[W[i]], ratio(MI[u], MI[kc]), ratio(MI[u], MI[nb]),
 					ratio(MI[u1], MI[u]), ratio(MC[u], MC[kc]), ratio(MC[u], MC[nb]), ratio(MC[u1], MC[u])
 			}
