@@ -2,6 +2,7 @@ package ublk
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"runtime"
@@ -156,7 +157,13 @@ func (q *queue) run(ready chan<- error) {
 	// (never unlocked): a task that exits runs what io_uring still had queued for it, so
 	// the char device is released at once even when the loop quit on its own.
 	runtime.LockOSThread()
-	ring, err := uring.New(uint32(q.depth+1), 0)
+	// One thread submits and waits: the kernel need not interrupt it to run a completion's
+	// work, and runs that work in batches when the loop enters to wait. 6.0 lacks
+	// DEFER_TASKRUN and refuses the set: then a ring without them.
+	ring, err := uring.New(uint32(q.depth+1), uring.SetupCoopTaskrun|uring.SetupSingleIssuer|uring.SetupDeferTaskrun)
+	if errors.Is(err, unix.EINVAL) {
+		ring, err = uring.New(uint32(q.depth+1), 0)
+	}
 	if err != nil {
 		ready <- fmt.Errorf("ublk queue %d: %w", q.id, err)
 		return

@@ -20,6 +20,22 @@ import (
 // of command (ublk's control commands need 32).
 const SetupSQE128 = 1 << 10
 
+// Setup flags for a ring that one thread alone submits to and waits on (ublk's queue loops,
+// each on a locked thread); a ring with SetupSingleIssuer refuses another thread's submits
+// (EEXIST).
+const (
+	// SetupCoopTaskrun (IORING_SETUP_COOP_TASKRUN, 5.19): the kernel does not interrupt the
+	// thread to run a completion's work; the thread runs it when it next enters the ring.
+	SetupCoopTaskrun = 1 << 8
+	// SetupSingleIssuer (IORING_SETUP_SINGLE_ISSUER, 6.0): only the thread that set the ring
+	// up submits to it.
+	SetupSingleIssuer = 1 << 12
+	// SetupDeferTaskrun (IORING_SETUP_DEFER_TASKRUN, 6.1; needs SetupSingleIssuer): a
+	// completion's work waits until the thread enters to get events, which Submit then
+	// always asks for.
+	SetupDeferTaskrun = 1 << 13
+)
+
 // Opcodes this package's users issue.
 const (
 	OpNop      = 0  // IORING_OP_NOP
@@ -99,6 +115,7 @@ type CQE struct {
 // Ring is one io_uring instance.
 type Ring struct {
 	fd      int
+	setup   uint32  // the Setup flags
 	sqeLen  uintptr // 64 or 128
 	ringMem []byte  // SQ and CQ rings (one mapping: IORING_FEAT_SINGLE_MMAP)
 	sqeMem  []byte
@@ -126,7 +143,7 @@ func New(entries uint32, flags uint32) (*Ring, error) {
 	if errno != 0 {
 		return nil, fmt.Errorf("io_uring_setup(%d, %#x): %w", entries, flags, errno)
 	}
-	r := &Ring{fd: int(fd), sqeLen: sqeSize}
+	r := &Ring{fd: int(fd), sqeLen: sqeSize, setup: flags}
 	if flags&SetupSQE128 != 0 {
 		r.sqeLen = 2 * sqeSize
 	}
@@ -221,7 +238,7 @@ func (r *Ring) Cmd(s *SQE) []byte {
 func (r *Ring) Submit(wait uint32, timeout time.Duration) (int, error) {
 	atomic.StoreUint32(r.sqTail, r.tail)
 	var flags uintptr
-	if wait > 0 {
+	if wait > 0 || r.setup&SetupDeferTaskrun != 0 {
 		flags |= enterGetEvents
 	}
 	var arg unsafe.Pointer

@@ -3,8 +3,10 @@ package uring
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"os"
 	"path/filepath"
+	"runtime"
 	"syscall"
 	"testing"
 	"time"
@@ -140,6 +142,46 @@ func TestWaitTimeoutAndWake(t *testing.T) {
 	c := wait(t, r, 1)[0]
 	if c.UserData != 7 || c.Res != 8 || binary.LittleEndian.Uint64(buf[:]) != 1 {
 		t.Fatalf("eventfd read: %+v, %x", c, buf)
+	}
+}
+
+// A ring set up for one thread (ublk's queue loops) runs deferred completions on every
+// Submit, a wait included, and refuses another thread's submits.
+func TestSingleThreadRing(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	const single = SetupCoopTaskrun | SetupSingleIssuer | SetupDeferTaskrun
+	r, err := New(4, single)
+	if errors.Is(err, syscall.EINVAL) {
+		t.Skipf("this kernel (before 6.1) has no DEFER_TASKRUN: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for i := range 3 {
+		r.GetSQE().UserData = uint64(i)
+	}
+	// Without a wait: the NOPs complete and their completions are there after the call.
+	if n, err := r.Submit(0, 0); err != nil || n != 3 {
+		t.Fatalf("submit: %d, %v", n, err)
+	}
+	var got []uint64
+	r.Completions(func(c CQE) { got = append(got, c.UserData) })
+	if len(got) != 3 {
+		t.Fatalf("completions after a submit without a wait: %v", got)
+	}
+	// Another thread's submit is refused.
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		r.GetSQE().UserData = 9
+		_, err := r.Submit(0, 0)
+		errc <- err
+	}()
+	if err := <-errc; !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("submit from another thread: %v, want EEXIST", err)
 	}
 }
 
