@@ -35,6 +35,7 @@ type config struct {
 	ChunkSize         string
 	AlwaysInvalidate  bool
 	ZeroCopyReadMin   string
+	ExportIO          string
 	HeartbeatInterval time.Duration
 	Mount, RNBDMount  string
 
@@ -51,7 +52,7 @@ func newConfig() *config {
 		Common:     daemon.NewCommon("/etc/rtrs/rtrs-serverd.conf"),
 		Listen:     "[::]:1234",
 		SearchPath: "/srv/rtrs", QueueDepth: transport.DefaultQueueDepth, ChunkSize: "128K",
-		AlwaysInvalidate: true, ZeroCopyReadMin: "64K",
+		AlwaysInvalidate: true, ZeroCopyReadMin: "64K", ExportIO: "direct",
 		Mount: "/run/rtrs/rtrs-server", RNBDMount: "/run/rtrs/rnbd-server",
 		NamesFile:   "/var/lib/rtrs/sessions.json",
 		MaxSessions: 256, MaxConnsPerPath: 257, MaxConnecting: 2048, MaxConnectingPerAddr: 514,
@@ -73,6 +74,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ChunkSize, "chunk-size", c.ChunkSize, "size of one chunk, so the largest IO a client may send in one request (the kernel's max_chunk_size)")
 	fs.BoolVar(&c.AlwaysInvalidate, "always-invalidate", c.AlwaysInvalidate, "invalidate a chunk's key before its IO is handed to the export and give it a new one after, so a client cannot write into a chunk the server is working on (the kernel's always_invalidate; off saves two work requests per IO)")
 	fs.StringVar(&c.ZeroCopyReadMin, "zero-copy-read-min", c.ZeroCopyReadMin, "READs this large or larger leave a tmpfs or ramfs export straight from the page cache (off: never)")
+	fs.StringVar(&c.ExportIO, "export-io", c.ExportIO, "how READs and WRITEs reach a block device export: direct (O_DIRECT through an io_uring per device, as the kernel's server sends bios) or buffered (through the page cache); files always use the page cache")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is closed (0: 5 s, as the kernel)")
 	fs.StringVar(&c.Mount, "mount", c.Mount, "where the rtrs-server tree is mounted")
 	fs.StringVar(&c.RNBDMount, "rnbd-mount", c.RNBDMount, "where the rnbd-server tree (ctl/devices/<device>/sessions/<session>/) is mounted (empty: not mounted)")
@@ -99,6 +101,7 @@ type resolved struct {
 	addr      netip.AddrPort
 	chunkSize int
 	zcMin     int
+	exportIO  rnbd.ExportIO
 	limits    transport.ServerLimits
 	allow     []transport.AllowEntry
 	acl       *rnbd.ACL
@@ -116,6 +119,9 @@ func (c *config) resolve() (*resolved, error) {
 	}
 	if r.zcMin, err = size.ParseThreshold(c.ZeroCopyReadMin); err != nil {
 		return nil, fmt.Errorf("-zero-copy-read-min: %w", err)
+	}
+	if r.exportIO, err = rnbd.ParseExportIO(c.ExportIO); err != nil {
+		return nil, fmt.Errorf("-export-io: %w", err)
 	}
 	r.limits = transport.ServerLimits{MaxSessions: c.MaxSessions, MaxConnsPerPath: c.MaxConnsPerPath,
 		MaxConnecting: c.MaxConnecting, MaxConnectingPerAddr: c.MaxConnectingPerAddr,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"strings"
 	"testing"
 )
 
@@ -23,5 +24,22 @@ func TestHelp(t *testing.T) {
 	err := run(context.Background(), []string{"-h"})
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("-h: %v, want flag.ErrHelp (exit 0)", err)
+	}
+}
+
+// -export-io takes direct or buffered, and nothing else.
+func TestExportIOSetting(t *testing.T) {
+	for v, ok := range map[string]bool{"direct": true, "buffered": true, "": false, "Direct": false, "async": false} {
+		c := newConfig()
+		c.ExportIO = v
+		r, err := c.resolve()
+		switch {
+		case ok && err != nil:
+			t.Errorf("-export-io %q: %v", v, err)
+		case ok && r.exportIO.String() != v:
+			t.Errorf("-export-io %q resolved to %v", v, r.exportIO)
+		case !ok && (err == nil || !strings.Contains(err.Error(), "-export-io")):
+			t.Errorf("-export-io %q: %v, want a refusal naming the flag", v, err)
+		}
 	}
 }

@@ -45,6 +45,8 @@ type backing struct {
 	// into the chunk: the page cache never waits, so sending from it cannot stall the
 	// transport (a disk-backed file's send could wait for the disk).
 	src *transport.FileSource
+	// dio serves a block device's READs and WRITEs with O_DIRECT (ExportIODirect).
+	dio *directIO
 }
 
 // openBeneath opens name under the search path root without leaving it: leading slashes
@@ -380,8 +382,27 @@ func (b *backing) writeZeroes(off, n int64, noUnmap bool) error {
 // unsupported: the file system or device does not do this fallocate mode.
 func unsupported(err error) bool { return err == unix.EOPNOTSUPP || err == unix.EINVAL }
 
-// close unmaps and closes; no IO may be running (the device's lock sees to it).
+// openDirect starts direct IO on a block device, answering through answer. The device is
+// opened again through its descriptor, not its name, which may have changed since.
+func (b *backing) openDirect(answer func(*transport.SrvRequest, error)) error {
+	d, err := newDirectIO(fmt.Sprintf("/proc/self/fd/%d", b.fd), b.writable, b.lbs, answer)
+	if err != nil {
+		return err
+	}
+	b.dio = d
+	return nil
+}
+
+// close unmaps and closes; no IO may be starting (the device's lock sees to it), and direct
+// IO in flight is waited for.
 func (b *backing) close() error {
+	if b.dio != nil {
+		if err := b.dio.close(); err != nil {
+			// The device still holds requests: its descriptors stay open for them.
+			return err
+		}
+		b.dio = nil
+	}
 	if b.src != nil {
 		b.src.Close()
 	}

@@ -47,6 +47,8 @@ type testEnv struct {
 	// intercept, when set, sees every request before the RNBD server: those it returns true
 	// for are its to answer.
 	intercept atomic.Pointer[func(*transport.SrvRequest) bool]
+	// exportIO is the server's ServerOptions.ExportIO.
+	exportIO ExportIO
 
 	mu  sync.Mutex
 	srv *transport.Server
@@ -64,7 +66,7 @@ func newTestEnv(t testing.TB) *testEnv {
 
 func (e *testEnv) start(t testing.TB, port uint16) {
 	t.Helper()
-	rs, err := NewServer(ServerOptions{SearchPath: e.dir})
+	rs, err := NewServer(ServerOptions{SearchPath: e.dir, ExportIO: e.exportIO})
 	if err != nil {
 		t.Fatal(err)
 	}

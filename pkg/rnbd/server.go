@@ -41,6 +41,42 @@ type ServerOptions struct {
 	// ACL says who may open which export in which mode (nil: everyone ro or rw, nobody
 	// migration). SetACL replaces it.
 	ACL *ACL
+	// ExportIO says how READs and WRITEs reach a block device export: ExportIODirect (the
+	// zero value) or ExportIOBuffered. Regular files always go through the page cache.
+	ExportIO ExportIO
+}
+
+// ExportIO is how a block device export's READs and WRITEs reach the device.
+type ExportIO int
+
+const (
+	// ExportIODirect: O_DIRECT, through an io_uring per open device, as the kernel's server
+	// sends bios. The data passes through no page cache, a WRITE has reached the device
+	// (its volatile cache, or the medium with FUA) when it is answered, and no thread waits
+	// per IO.
+	ExportIODirect ExportIO = iota
+	// ExportIOBuffered: through the device's page cache. READs the cache holds are served at
+	// once; the others, and WRITEs that would wait, on a goroutine each.
+	ExportIOBuffered
+)
+
+// String is the name rtrs-serverd's -export-io takes.
+func (e ExportIO) String() string {
+	if e == ExportIOBuffered {
+		return "buffered"
+	}
+	return "direct"
+}
+
+// ParseExportIO parses "direct" or "buffered".
+func ParseExportIO(v string) (ExportIO, error) {
+	switch v {
+	case "direct":
+		return ExportIODirect, nil
+	case "buffered":
+		return ExportIOBuffered, nil
+	}
+	return 0, fmt.Errorf("export IO %q: direct or buffered: %w", v, syscall.EINVAL)
 }
 
 // DefaultZeroCopyReadMin is the default ServerOptions.ZeroCopyReadMin. Below it a READ is
@@ -232,6 +268,15 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	}()
 }
 
+// ioDone answers a READ or WRITE the device's direct IO has finished.
+func (s *Server) ioDone(r *transport.SrvRequest, err error) {
+	if err != nil {
+		err = backingErr(err)
+		s.failed(r, err)
+	}
+	r.Respond(errno.Neg(err))
+}
+
 func (s *Server) failed(r *transport.SrvRequest, err error) {
 	s.Stats.Errors.Inc(r.ID())
 	s.log.WithField("session", r.Session().Name()).Debugf("%v", err)
@@ -399,6 +444,11 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	b, err := openBeneath(root, m.DevName, m.AccessMode != AccessRO)
 	if err != nil {
 		return err
+	}
+	if b.bdev && s.opts.ExportIO == ExportIODirect {
+		if err := b.openDirect(s.ioDone); err != nil {
+			s.log.WithField("session", ts.Name()).WithError(err).Warnf("%q: direct IO refused, IO goes through the page cache", m.DevName)
+		}
 	}
 	d := &sessDev{name: m.DevName, mode: m.AccessMode, key: devKey{b.dev, b.ino}, b: b}
 	dir, link := exportName(b)
@@ -610,7 +660,8 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 			op, n, m.Sector, b.size, lbs, syscall.EINVAL)
 	}
 	fua, preflush := m.RW&FlagFUA != 0, m.RW&FlagPreflush != 0
-	if nowait && (fua || preflush || (op != OpRead && op != OpWrite)) {
+	// Direct IO never blocks the caller, a FUA write included.
+	if nowait && (fua && b.dio == nil || preflush || (op != OpRead && op != OpWrite)) {
 		return errWouldBlock
 	}
 	if preflush {
@@ -687,10 +738,21 @@ func (s *Server) runIO(r *transport.SrvRequest, m *MsgIO, op Op, b *backing, off
 				return backingErr(err)
 			}
 		}
+		if b.dio != nil && b.dio.submit(r, false, false, r.Data, off) {
+			s.Stats.Reads.Inc(r.ID())
+			return errResponded
+		}
 		if err = b.readAt(r.Data, off, nowait); err != errWouldBlock {
 			s.Stats.Reads.Inc(r.ID())
 		}
 	case OpWrite:
+		if b.dio != nil && b.dio.submit(r, true, fua, r.Data, off) {
+			s.Stats.Writes.Inc(r.ID())
+			if fua {
+				s.Stats.FUAWrites.Inc(r.ID())
+			}
+			return errResponded
+		}
 		if err = b.writeAt(r.Data, off, fua, nowait); err != errWouldBlock {
 			s.Stats.Writes.Inc(r.ID())
 			if fua {

@@ -163,7 +163,7 @@ func (d *Device) start(h Handler, final func(uint32) error) error {
 func (d *Device) abort() {
 	for _, q := range d.queues {
 		q.quit.Store(true)
-		q.wake()
+		q.bell.Wake()
 	}
 	d.wg.Wait()
 	for _, q := range d.queues {

@@ -1,7 +1,6 @@
 package ublk
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -73,13 +72,11 @@ type queue struct {
 	descs []byte // mmap of /dev/ublkc<n>: IODesc per tag
 	bufs  []byte // anonymous mmap: maxIO per tag
 	reqs  []Request
-	efd   int
-	wbuf  [8]byte // the wake-up read's target (the loop's only writer is the kernel)
+	bell  *uring.Doorbell // handlers wake the loop with it
 
-	mu       sync.Mutex
-	done     []completion
-	sleeping atomic.Bool
-	quit     atomic.Bool
+	mu   sync.Mutex
+	done []completion
+	quit atomic.Bool
 
 	// Only the loop touches these.
 	aborted, inflight int
@@ -89,7 +86,7 @@ type queue struct {
 
 func newQueue(d *Device, id int, h Handler) (*queue, error) {
 	depth, maxIO := int(d.info.QueueDepth), int(d.info.MaxIOBufBytes)
-	q := &queue{d: d, id: id, depth: depth, maxIO: maxIO, h: h, efd: -1}
+	q := &queue{d: d, id: id, depth: depth, maxIO: maxIO, h: h}
 	page := os.Getpagesize()
 	stride := roundUp(maxQueueDepth*ioDescSize, page)
 	var err error
@@ -103,7 +100,7 @@ func newQueue(d *Device, id int, h Handler) (*queue, error) {
 		q.release()
 		return nil, fmt.Errorf("ublk queue %d: buffers: %w", id, err)
 	}
-	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+	if q.bell, err = uring.NewDoorbell(); err != nil {
 		q.release()
 		return nil, fmt.Errorf("ublk queue %d: eventfd: %w", id, err)
 	}
@@ -126,9 +123,8 @@ func (q *queue) release() {
 		_ = unix.Munmap(q.bufs)
 		q.bufs = nil
 	}
-	if q.efd >= 0 {
-		unix.Close(q.efd)
-		q.efd = -1
+	if q.bell != nil {
+		q.bell.Close()
 	}
 }
 
@@ -137,16 +133,7 @@ func (q *queue) complete(tag uint16, res int32) {
 	q.mu.Lock()
 	q.done = append(q.done, completion{tag, res})
 	q.mu.Unlock()
-	// The loop stores sleeping before it looks at done: one of the two sees the other.
-	if q.sleeping.Swap(false) {
-		q.wake()
-	}
-}
-
-func (q *queue) wake() {
-	var one [8]byte
-	binary.LittleEndian.PutUint64(one[:], 1)
-	_, _ = unix.Write(q.efd, one[:])
+	q.bell.Ring()
 }
 
 // run is the queue's loop: fetch every tag, then serve requests and commit their results
@@ -173,7 +160,7 @@ func (q *queue) run(ready chan<- error) {
 	for tag := range q.depth {
 		q.cmd(ioFetchReq, uint16(tag), 0)
 	}
-	q.armWake()
+	q.bell.Arm(ring, udWake)
 	if _, err := ring.Submit(0, 0); err != nil {
 		ready <- fmt.Errorf("ublk queue %d: submitting the fetches: %w", q.id, err)
 		return
@@ -182,9 +169,9 @@ func (q *queue) run(ready chan<- error) {
 	for !q.quit.Load() && (q.aborted < q.depth || q.inflight > 0) {
 		wait := uint32(0)
 		if !q.commit() {
-			q.sleeping.Store(true)
+			q.bell.Sleep()
 			if q.commit() {
-				q.sleeping.Store(false)
+				q.bell.Awake()
 			} else {
 				wait = 1
 			}
@@ -193,7 +180,7 @@ func (q *queue) run(ready chan<- error) {
 			q.quit.Store(true)
 			break
 		}
-		q.sleeping.Store(false)
+		q.bell.Awake()
 		ring.Completions(q.completion)
 	}
 	q.drain()
@@ -239,16 +226,11 @@ func (q *queue) cmd(op uint32, tag uint16, res int32) {
 		Addr: uint64(uintptr(unsafe.Pointer(&q.bufs[int(tag)*q.maxIO])))}
 }
 
-func (q *queue) armWake() {
-	s := q.ring.GetSQE()
-	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = uring.OpRead, int32(q.efd), uint64(uintptr(unsafe.Pointer(&q.wbuf[0]))), 8, udWake
-}
-
 // completion handles one completion of the ring: a request fetched, a fetch aborted, or
 // the wake-up read.
 func (q *queue) completion(c uring.CQE) {
 	if c.UserData == udWake {
-		q.armWake()
+		q.bell.Arm(q.ring, udWake)
 		return
 	}
 	tag := uint16(c.UserData)

@@ -190,3 +190,44 @@ func TestBadSetup(t *testing.T) {
 		t.Fatal("a ring of 0 entries")
 	}
 }
+
+// A doorbell rings only for a loop that said it would sleep, and its read in the ring ends
+// that loop's wait; Wake rings regardless.
+func TestDoorbell(t *testing.T) {
+	r := newRing(t, 4, 0)
+	d, err := NewDoorbell()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	d.Arm(r, 9)
+	d.Ring() // awake: nothing written
+	if n, err := r.Submit(1, 30*time.Millisecond); err != nil || n != 1 {
+		t.Fatalf("submit: %d, %v", n, err)
+	}
+	if n := r.Completions(func(CQE) {}); n != 0 {
+		t.Fatalf("a ring of an awake loop's bell completed the read (%d)", n)
+	}
+	d.Sleep()
+	rung := make(chan struct{})
+	go func() {
+		defer close(rung)
+		d.Ring()
+	}()
+	if c := wait(t, r, 1)[0]; c.UserData != 9 || c.Res != 8 {
+		t.Fatalf("bell read: %+v", c)
+	}
+	<-rung
+	d.Ring() // the ring above cleared sleeping
+	d.Arm(r, 10)
+	if _, err := r.Submit(1, 30*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if n := r.Completions(func(CQE) {}); n != 0 {
+		t.Fatalf("a second ring without a sleep completed the read (%d)", n)
+	}
+	d.Wake()
+	if c := wait(t, r, 1)[0]; c.UserData != 10 {
+		t.Fatalf("wake read: %+v", c)
+	}
+}

@@ -1,0 +1,189 @@
+package rnbd
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/transport"
+)
+
+// loopExport makes an 8 MiB file of random bytes on tmpfs, attaches a loop device to it and
+// returns the device's name under /dev, the file's path and its bytes.
+func loopExport(t *testing.T) (name, file string, model []byte) {
+	t.Helper()
+	requireRoot(t)
+	file = filepath.Join(tmpfsDir(t), "disk")
+	model = make([]byte, loopSize)
+	fill(rand.New(rand.NewPCG(7, 7)), model)
+	if err := os.WriteFile(file, model, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return attachLoop(t, file), file, model
+}
+
+// cachedPages counts the pages of the block device's own page cache that are resident.
+func cachedPages(t *testing.T, dev string) int {
+	t.Helper()
+	f, err := os.Open(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, loopSize, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	vec := make([]byte, loopSize/os.Getpagesize())
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatalf("mincore: %v", e)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
+}
+
+// TestExportIOBlockDevice: a loop device exported from /dev takes random IO, a FUA write and
+// a flush through the whole stack; the file under it ends equal to the model. With direct IO
+// the device's page cache stays empty (the data went past it); buffered, it fills.
+func TestExportIOBlockDevice(t *testing.T) {
+	for _, mode := range []ExportIO{ExportIODirect, ExportIOBuffered} {
+		t.Run(mode.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			name, file, model := loopExport(t)
+			e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev", exportIO: mode}
+			e.start(t, 0)
+			t.Cleanup(e.stop)
+			c := e.client(t, 5*time.Second)
+			d := mustMap(t, e, c, "dio", name, AccessRW)
+			randomIO(t, d, model, 600, 8, 3)
+			ctx := context.Background()
+			pattern := bytes.Repeat([]byte("FUA!"), 1024)
+			if err := d.WriteAtContext(ctx, pattern, 1<<20, true); err != nil {
+				t.Fatal(err)
+			}
+			copy(model[1<<20:], pattern)
+			if err := d.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			st := &e.server().Stats
+			if st.FUAWrites.Value() != 1 || st.Flushes.Value() != 1 || st.Errors.Value() != 0 {
+				t.Fatalf("FUA writes %d, flushes %d, errors %d", st.FUAWrites.Value(), st.Flushes.Value(), st.Errors.Value())
+			}
+			// Bounds are the server's to check, before any IO.
+			if _, err := d.ReadAt(make([]byte, 4096), loopSize); err == nil {
+				t.Fatal("read beyond the device's end succeeded")
+			}
+			cached := cachedPages(t, "/dev/"+name)
+			pages := loopSize / os.Getpagesize()
+			switch {
+			case mode == ExportIODirect && cached > pages/8:
+				t.Errorf("direct IO: %d of %d pages in the device's page cache", cached, pages)
+			case mode == ExportIOBuffered && cached < pages/2:
+				t.Errorf("buffered IO: only %d of %d pages in the device's page cache", cached, pages)
+			}
+			if err := d.Unmap(ctx); err != nil {
+				t.Fatal(err)
+			}
+			got, err := os.ReadFile(file)
+			if err != nil || !bytes.Equal(got, model) {
+				t.Fatalf("the file under the loop device differs from the model (%v)", err)
+			}
+		})
+	}
+}
+
+// TestDirectIOQueue drives a device's direct IO alone: more requests than the ring has
+// slots, each answered once with its data in place; a buffer O_DIRECT cannot take is
+// refused, an empty one answered at once, a read at the device's end fails; close waits
+// for everything queued.
+func TestDirectIOQueue(t *testing.T) {
+	leakcheck.Check(t)
+	name, file, model := loopExport(t)
+	var mu sync.Mutex
+	answers := map[*transport.SrvRequest][]error{}
+	answer := func(r *transport.SrvRequest, err error) {
+		mu.Lock()
+		answers[r] = append(answers[r], err)
+		mu.Unlock()
+	}
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, answer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 3 * dioEntries
+	const bs = 4096
+	reqs := make([]transport.SrvRequest, n+3)
+	buf, err := unix.Mmap(-1, 0, n*bs+bs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	// Even requests write their block (the model's bytes, inverted), odd ones read theirs.
+	want := bytes.Clone(model)
+	for i := range n {
+		b := buf[i*bs : (i+1)*bs]
+		off := int64(i * bs)
+		write := i%2 == 0
+		if write {
+			for j := range b {
+				b[j] = ^model[int(off)+j]
+			}
+			copy(want[off:], b)
+		}
+		if !d.submit(&reqs[i], write, i%4 == 0, b, off) {
+			t.Fatalf("request %d refused", i)
+		}
+	}
+	if d.submit(&reqs[n], false, false, buf[n*bs+1:n*bs+1+512], 0) {
+		t.Fatal("a buffer one byte off the block accepted")
+	}
+	if !d.submit(&reqs[n+1], false, false, buf[:0], 0) {
+		t.Fatal("an empty request refused")
+	}
+	if !d.submit(&reqs[n+2], false, false, buf[n*bs:n*bs+bs], loopSize) {
+		t.Fatal("a read at the end refused")
+	}
+	if err := d.close(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range n + 3 {
+		errs := answers[&reqs[i]]
+		switch {
+		case i == n:
+			if len(errs) != 0 {
+				t.Errorf("the refused request was answered: %v", errs)
+			}
+		case i == n+2:
+			if len(errs) != 1 || !errors.Is(errs[0], syscall.EIO) {
+				t.Errorf("read at the end: %v, want one EIO", errs)
+			}
+		case len(errs) != 1 || errs[0] != nil:
+			t.Errorf("request %d answered %v, want once without error", i, errs)
+		}
+	}
+	for i := 1; i < n; i += 2 {
+		if !bytes.Equal(buf[i*bs:(i+1)*bs], model[i*bs:(i+1)*bs]) {
+			t.Fatalf("read %d: wrong data", i)
+		}
+	}
+	got, err := os.ReadFile(file)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("the file differs from what was written (%v)", err)
+	}
+}
