@@ -74,6 +74,10 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 	if err != nil {
 		return nil, fmt.Errorf("open %s O_DIRECT: %w", path, err)
 	}
+	if err := probeDirect(fd, lbs); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
 	bell, err := uring.NewDoorbell()
 	if err != nil {
 		unix.Close(fd)
@@ -93,6 +97,28 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 		return nil, err
 	}
 	return d, nil
+}
+
+// probeDirect reads the device's first block with O_DIRECT into a page-aligned buffer, as the
+// chunks are: a device that takes the open but not the IO (or wants more alignment than a
+// page) is found here, at open, rather than failing a client's IO. An empty device reads
+// nothing and passes.
+func probeDirect(fd, lbs int) error {
+	buf, err := unix.Mmap(-1, 0, lbs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return err
+	}
+	defer unix.Munmap(buf)
+	for {
+		_, err = unix.Pread(fd, buf, 0)
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("an O_DIRECT read of %d bytes: %w", lbs, err)
+	}
+	return nil
 }
 
 // submit queues a READ (into buf) or a WRITE (of buf, durable before it is answered with

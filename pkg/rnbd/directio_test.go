@@ -187,3 +187,26 @@ func TestDirectIOQueue(t *testing.T) {
 		t.Fatalf("the file differs from what was written (%v)", err)
 	}
 }
+
+// The open's probe passes a device that reads with O_DIRECT, and refuses a descriptor that
+// took the open but cannot do the IO (a pipe: ESPIPE), which then stays on the page cache.
+func TestDirectIOProbe(t *testing.T) {
+	name, _, _ := loopExport(t)
+	f, err := os.OpenFile("/dev/"+name, os.O_RDONLY|syscall.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := probeDirect(int(f.Fd()), SectorSize); err != nil {
+		t.Fatalf("loop device: %v", err)
+	}
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+	if err := probeDirect(p[0], SectorSize); !errors.Is(err, syscall.ESPIPE) {
+		t.Fatalf("pipe: %v, want ESPIPE", err)
+	}
+}
