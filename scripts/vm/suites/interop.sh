@@ -24,13 +24,20 @@
 # - force_close both ways: in our rnbd-server tree with the kernel's client on it, and in the
 #   kernel's /sys/class/rnbd-server with our client on it (kc_force_close, ks_force_close);
 # - the kernel's trees and ours are listed file by file and compared (compare_trees);
-# - fio figures (4 KiB QD32, 1 MiB QD8) kernel→kernel, kernel→ours, ours→kernel
-#   (results/interop-figures.md).
+# - with INTEROP_FIGURES=1, one run of fio figures (4 KiB QD32, 1 MiB QD8) kernel→kernel,
+#   kernel→ours, ours→kernel (results/interop-figures.md). Off by default, so CI does not spend
+#   seven minutes on a one-run measurement: scripts/vm/bench has the measured suites, with
+#   alternating rounds and medians.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio nbd-client libnbd-bin curl util-linux"
 
 host() {
+	case ${INTEROP_FIGURES:-0} in
+	0 | 1) ;;
+	*) vm_die "INTEROP_FIGURES: $INTEROP_FIGURES is neither 0 nor 1" ;;
+	esac
+	echo "INTEROP_FIGURES=${INTEROP_FIGURES:-0}" >"$RTRS_VM_WORK/interop.env"
 	vm_build_kernel_rtrs
 	# ext4 and what it needs, and netem that slows one path (policies), from the VM's kernel
 	# (modules there, not built in).
@@ -66,10 +73,16 @@ guest() {
 	timed our_client_kernel_server Y first
 	timed our_client_kernel_server N
 	compare_trees
-	local t0
-	t0=$(vm_now)
-	figures | tee "$R"/interop-figures.md
-	echo "== figures took $(vm_since "$t0") s"
+	local INTEROP_FIGURES t0
+	# shellcheck source=/dev/null # written by host
+	. "$RTRS_VM_WORK/interop.env"
+	if [ "$INTEROP_FIGURES" = 1 ]; then
+		t0=$(vm_now)
+		figures | tee "$R"/interop-figures.md
+		echo "== figures took $(vm_since "$t0") s"
+	else
+		echo "== figures not run (INTEROP_FIGURES=1 runs them; scripts/vm/bench measures in rounds)"
+	fi
 	echo "== the RNBD 2.2 matrix (results/interop-matrix.md)"
 	cat "$R"/interop-matrix.md
 	if [ "$RNBD22_FAILS" != 0 ]; then
