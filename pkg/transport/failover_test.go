@@ -283,3 +283,64 @@ func TestQueueDepthChange(t *testing.T) {
 		t.Fatalf("path %v, reconnects %s", p.State(), p.Stats.Reconnects())
 	}
 }
+
+// TestChunkReuseRefused: a request into a chunk whose request is not answered yet is a
+// protocol violation (a client reuses a chunk only after its response), refused with the
+// path closed: served, it would hand the same request up again, each copy held until
+// answered, for as long as the client kept sending. The request in flight is served once on
+// that path and fails over to the other.
+func TestChunkReuseRefused(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 8)
+	e.disk.async, e.disk.delay = true, 2*time.Second
+	s := e.open(t, "reuse", paths(t, path1(), path2()), nil)
+	done := make(chan error, 1)
+	go func() { done <- s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)) }()
+	var sp *SrvPath
+	id := -1
+	testutil.WaitFor(t, 5*time.Second, "the write in flight at the server", func() bool {
+		for _, q := range e.srv.Sessions()[0].Paths() {
+			for i := range q.reqs {
+				if q.reqs[i].busy.Load() {
+					sp, id = q, i
+					return true
+				}
+			}
+		}
+		return false
+	})
+	var p *Path
+	for _, q := range s.Paths() {
+		if q.SrcAddr().IP == sp.SrcAddr().IP {
+			p = q
+		}
+	}
+	if p == nil {
+		t.Fatalf("no client path from %v", sp.SrcAddr())
+	}
+	p.mu.Lock()
+	c, rb := p.cons[1], &p.rbufs[id]
+	p.mu.Unlock()
+	before := e.srv.Refused()["malformed request"]
+	// The same chunk and header offset (the data, then the 8-byte user header) as the write:
+	// a server that took it would serve the write a second time.
+	if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IOReqImm(uint32(id), 4096+8, MemBits(8)),
+		RemoteAddr: rb.addr, RKey: rb.rkey.Load()}}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 5*time.Second, "the refusal", func() bool { return e.srv.Refused()["malformed request"] > before })
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the write, failed over: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the write never ended")
+	}
+	e.disk.mu.Lock()
+	n := e.disk.reqs[sp.Name()]
+	e.disk.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("the path that was refused served %d requests, want 1 (the reused chunk's is not served again)", n)
+	}
+}

@@ -65,6 +65,13 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	}
 	r := &p.reqs[id]
+	if r.busy.Swap(true) {
+		// A client reuses a chunk only once its request is answered; one that does not
+		// could have the same request served over and over, each time held in a queue.
+		p.refuse("malformed request", fmt.Sprintf("request into chunk %d, whose request is not answered yet", id))
+		go p.Close()
+		return
+	}
 	r.off, r.con = int(off), c
 	if !o.AlwaysInvalidate {
 		p.dispatch(c, int(id))
@@ -75,11 +82,11 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 	// posted has it at once, and the completion (ordered behind the acknowledgements of earlier
 	// responses) is not asked for; otherwise dispatch waits for the completion, as the kernel.
 	mr := p.chunkMR[id]
-	r.wrs[0] = rdma.SendWR{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv, InvRKey: mr.RKey()}
+	r.inv[0] = rdma.SendWR{ID: wrLocalInv | uint64(id), Opcode: rdma.OpLocalInv, InvRKey: mr.RKey()}
 	if !p.syncLocal {
-		r.wrs[0].Flags = rdma.SendSignaled
+		r.inv[0].Flags = rdma.SendSignaled
 	}
-	if _, err := c.qp.PostSend(r.wrs[:1]); err != nil {
+	if _, err := c.qp.PostSend(r.inv[:]); err != nil {
 		p.lg().WithError(err).Warnf("connection %d: LOCAL_INV of chunk %d not posted, closing the path", c.cid, id)
 		go p.Close()
 		return
@@ -100,11 +107,13 @@ type srvReq struct {
 	id      int
 	off     int
 	con     *con
+	busy    atomic.Bool // from the request's arrival until its response is posted
 	needInv bool
 	cliKey  uint32
 	desc    SgDesc
 	hasData bool
 	wrs     [4]rdma.SendWR // response chain, reused: posting copies it
+	inv     [1]rdma.SendWR // the chunk's LOCAL_INV at arrival (always_invalidate)
 	sge     [2]rdma.SGE
 	rd      MsgRdmaRead
 	rdDesc  [1]SgDesc
@@ -291,6 +300,10 @@ func (r *SrvRequest) respond(errno int, fmr rdma.MR, off int64) {
 	}
 	wrs[n].ID, wrs[n].Flags = wrResp|uint64(sr.id), c.signal()
 	n++
+	// The chunk is free before the post: the client may send its next request as soon as
+	// the response lands, possibly before PostSend returns. A request that comes early
+	// touches neither the chain nor its SGEs before it is answered itself.
+	sr.busy.Store(false)
 	if _, err := c.qp.PostSend(wrs[:n]); err != nil {
 		p.lg().WithError(err).Warn("response not sent")
 		go p.Close()
