@@ -393,16 +393,31 @@ func (b *backing) openDirect(answer func(*transport.SrvRequest, error)) error {
 	return nil
 }
 
-// close unmaps and closes; no IO may be starting (the device's lock sees to it), and direct
-// IO in flight is waited for.
-func (b *backing) close() error {
-	if b.dio != nil {
-		if err := b.dio.close(); err != nil {
-			// The device still holds requests: its descriptors stay open for them.
-			return err
-		}
+// close unmaps and closes. No IO may be starting (the device's lock sees to it). Direct IO
+// in flight is waited for, dioDrainTimeout at most: the channel returned is closed once the
+// device is let go, at once or, when the device still holds IO after that, once the last of
+// it is answered; its descriptors stay open until then.
+func (b *backing) close() <-chan struct{} {
+	gone := make(chan struct{})
+	if d := b.dio; d != nil {
 		b.dio = nil
+		if err := d.close(); err != nil {
+			go func() {
+				<-d.ended
+				_ = d.release()
+				_ = b.closeFiles()
+				close(gone)
+			}()
+			return gone
+		}
 	}
+	_ = b.closeFiles()
+	close(gone)
+	return gone
+}
+
+// closeFiles closes what close closes besides direct IO.
+func (b *backing) closeFiles() error {
 	if b.src != nil {
 		b.src.Close()
 	}

@@ -57,11 +57,12 @@ const (
 	udBell     = 1 << 32
 	// dioWaitSlice bounds one wait of the loop, so it notices a close however it was woken.
 	dioWaitSlice = time.Second
-	// dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the
-	// loop running (and the descriptor open) rather than hang: a device that stopped
-	// answering.
-	dioDrainTimeout = 30 * time.Second
 )
+
+// dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the loop
+// running (and the descriptors open) rather than hang: a device that stopped answering. A
+// variable for the tests.
+var dioDrainTimeout = 30 * time.Second
 
 // newDirectIO opens the block device at path O_DIRECT (writable or not) and starts its
 // loop; answer is called once per request, on the loop's thread, when it is done.
@@ -145,7 +146,8 @@ func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, 
 }
 
 // close waits for the IO queued and in flight to be answered, ends the loop and closes the
-// device; after dioDrainTimeout it gives up and leaves both to finish on their own.
+// device; after dioDrainTimeout it gives up with EBUSY and leaves both to finish on their
+// own: release, once ended is closed, lets the descriptors go.
 func (d *directIO) close() error {
 	d.mu.Lock()
 	d.closing = true
@@ -156,6 +158,11 @@ func (d *directIO) close() error {
 	case <-time.After(dioDrainTimeout):
 		return fmt.Errorf("direct IO still in flight after %v: %w", dioDrainTimeout, syscall.EBUSY)
 	}
+	return d.release()
+}
+
+// release closes the doorbell and the device once the loop has ended.
+func (d *directIO) release() error {
 	d.bell.Close()
 	return unix.Close(d.fd)
 }

@@ -8,14 +8,18 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -209,4 +213,131 @@ func TestDirectIOProbe(t *testing.T) {
 	if err := probeDirect(p[0], SectorSize); !errors.Is(err, syscall.ESPIPE) {
 		t.Fatalf("pipe: %v, want ESPIPE", err)
 	}
+}
+
+// gatedFile is a FUSE file in memory whose writes wait while its gate is shut: under a loop
+// device, a block device that stops answering writes until told.
+type gatedFile struct {
+	fs.MemRegularFile
+	mu      sync.Mutex
+	gate    chan struct{} // non-nil while shut; closed to open it
+	waiting atomic.Int32
+}
+
+func (f *gatedFile) Write(ctx context.Context, fh fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+	f.mu.Lock()
+	g := f.gate
+	f.mu.Unlock()
+	if g != nil {
+		f.waiting.Add(1)
+		<-g
+		f.waiting.Add(-1)
+	}
+	return f.MemRegularFile.Write(ctx, fh, data, off)
+}
+
+func (f *gatedFile) shut() { f.mu.Lock(); f.gate = make(chan struct{}); f.mu.Unlock() }
+
+func (f *gatedFile) open() {
+	f.mu.Lock()
+	if f.gate != nil {
+		close(f.gate)
+		f.gate = nil
+	}
+	f.mu.Unlock()
+}
+
+type gatedRoot struct {
+	fs.Inode
+	file *gatedFile
+}
+
+func (r *gatedRoot) OnAdd(ctx context.Context) {
+	r.AddChild("disk", r.NewPersistentInode(ctx, r.file, fs.StableAttr{Mode: syscall.S_IFREG}), false)
+}
+
+// gatedLoop mounts a gatedFile of loopSize bytes and attaches a loop device to it; it
+// returns the file and the device's name under /dev.
+func gatedLoop(t *testing.T) (*gatedFile, string) {
+	t.Helper()
+	requireRoot(t)
+	mnt := t.TempDir()
+	f := &gatedFile{MemRegularFile: fs.MemRegularFile{Data: make([]byte, loopSize), Attr: fuse.Attr{Mode: 0o600}}}
+	srv, err := fs.Mount(mnt, &gatedRoot{file: f}, &fs.Options{MountOptions: fuse.MountOptions{DirectMount: true}})
+	if err != nil {
+		t.Fatalf("FUSE mount: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := srv.Unmount(); err != nil {
+			t.Errorf("FUSE unmount: %v", err)
+		}
+	})
+	name := attachLoop(t, filepath.Join(mnt, "disk"))
+	t.Cleanup(f.open) // before the loop device goes
+	return f, name
+}
+
+// TestDirectIOCloseKeepsWriterUntilIOEnds: a device closed for a session while one of its
+// writes is still at the device (force_close here; a session that goes and a CLOSE take the
+// same way) gives up waiting after dioDrainTimeout, but its rw mode keeps counting until
+// that write has ended: another session's rw open is refused meanwhile, so it cannot write
+// beside a write still on its way, and succeeds once the write is done.
+func TestDirectIOCloseKeepsWriterUntilIOEnds(t *testing.T) {
+	leakcheck.Check(t)
+	old := dioDrainTimeout
+	dioDrainTimeout = 200 * time.Millisecond
+	t.Cleanup(func() { dioDrainTimeout = old })
+	f, name := gatedLoop(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	t.Cleanup(f.open) // before the server stops: it waits for what the device holds
+	d := mustMap(t, e, e.client(t, 5*time.Second), "writer", name, AccessRW)
+	f.shut()
+	wrote := make(chan error, 1)
+	d.WriteAsync(context.Background(), bytes.Repeat([]byte{0xab}, 4096), 0, false, func(err error) { wrote <- err })
+	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	rs := e.server()
+	var es *ExportSession
+	for _, x := range rs.Exports() {
+		for i := range x.Sessions {
+			if x.Sessions[i].Session == "writer" {
+				es = &x.Sessions[i]
+			}
+		}
+	}
+	if es == nil {
+		t.Fatal("the writer's session is not among the exports")
+	}
+	if err := rs.ForceClose(*es); err != nil {
+		t.Fatal(err)
+	}
+	other := e.client(t, 5*time.Second)
+	// In a goroutine: an open that went on to the device would wait behind the held write.
+	opened := make(chan error, 1)
+	go func() {
+		_, err := e.mapDev(t, other, "other", name, AccessRW)
+		opened <- err
+	}()
+	select {
+	case err := <-opened:
+		if !errors.Is(err, syscall.EPERM) {
+			f.open()
+			t.Fatalf("an rw open while the closed session's write is at the device: %v, want EPERM", err)
+		}
+	case <-time.After(5 * time.Second):
+		f.open()
+		<-opened
+		t.Fatal("an rw open while the closed session's write is at the device went on to the device")
+	}
+	f.open()
+	select {
+	case <-wrote:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the held write never ended")
+	}
+	testutil.WaitFor(t, 5*time.Second, "an rw open once the write has ended", func() bool {
+		_, err := e.mapDev(t, other, "other", name, AccessRW)
+		return err == nil
+	})
 }

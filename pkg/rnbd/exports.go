@@ -108,16 +108,10 @@ func (s *Server) ForceClose(e ExportSession) error {
 	s.mu.Unlock()
 	d.mu.Lock() // waits for the IO running on it
 	d.forced = true
-	if !d.closed {
-		d.closed = true
-		_ = d.b.close()
-	}
 	d.mu.Unlock()
-	// Its access mode stops counting only now: another session's rw open must not write
-	// beside this one's last writes.
-	s.mu.Lock()
-	s.putDevLocked(d)
-	s.mu.Unlock()
+	// Its access mode stops counting only once its IO has ended: another session's rw open
+	// must not write beside this one's last writes.
+	s.release(d, d.close())
 	s.log.WithField("session", ss.name).Infof("force_close: closed %q (%v, device %d); IO to it is refused until the client unmaps it", d.name, d.mode, d.id)
 	return nil
 }

@@ -298,14 +298,36 @@ func (s *Server) destroySess(ts *transport.SrvSess) {
 	if ss != nil {
 		for _, d := range ss.devs {
 			devs = append(devs, d)
-			s.putDevLocked(d)
 		}
 		ss.forced = nil // closed already
 	}
 	s.publishLocked()
 	s.mu.Unlock()
 	for _, d := range devs {
-		d.close()
+		s.release(d, d.close())
+	}
+}
+
+// release stops d's access mode counting once gone is closed: at once, or, for a device that
+// still holds the session's IO after dioDrainTimeout, when that IO has ended, so that no
+// other session opens it rw and writes beside writes still on their way (the kernel's
+// server waits for them without a bound).
+func (s *Server) release(d *sessDev, gone <-chan struct{}) {
+	put := func() {
+		s.mu.Lock()
+		s.putDevLocked(d)
+		s.mu.Unlock()
+	}
+	select {
+	case <-gone:
+		put()
+	default:
+		s.log.Warnf("%q (device %d): IO still at the device after %v; it stays open for it and counts against rw opens until that IO ends", d.name, d.id, dioDrainTimeout)
+		go func() {
+			<-gone
+			put()
+			s.log.Infof("%q (device %d): its last IO ended, the device is closed", d.name, d.id)
+		}()
 	}
 }
 
@@ -445,32 +467,37 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	if err != nil {
 		return err
 	}
-	if b.bdev && s.opts.ExportIO == ExportIODirect {
-		if err := b.openDirect(s.ioDone); err != nil {
-			s.log.WithField("session", ts.Name()).WithError(err).Warnf("%q: direct IO refused, IO goes through the page cache", m.DevName)
-		}
-	}
 	d := &sessDev{name: m.DevName, mode: m.AccessMode, key: devKey{b.dev, b.ino}, b: b}
 	dir, link := exportName(b)
+	// The access mode is taken before direct IO's probe reads the device: an open refused
+	// for it touches nothing, and does not wait behind IO another session has there.
 	s.mu.Lock()
-	if s.closed {
+	if err := s.admitLocked(ts, d); err != nil {
 		s.mu.Unlock()
 		b.close()
-		return syscall.ESHUTDOWN
-	}
-	ss := s.sess(ts)
-	for _, o := range ss.devs {
-		if o.key == d.key { // the same device under another name
-			s.mu.Unlock()
-			b.close()
-			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", m.DevName, o.name, syscall.EEXIST)
-		}
+		return err
 	}
 	if err := s.getDevLocked(d, dir, link); err != nil {
 		s.mu.Unlock()
 		b.close()
 		return err
 	}
+	s.mu.Unlock()
+	if b.bdev && s.opts.ExportIO == ExportIODirect {
+		if err := b.openDirect(s.ioDone); err != nil {
+			s.log.WithField("session", ts.Name()).WithError(err).Warnf("%q: direct IO refused, IO goes through the page cache", m.DevName)
+		}
+	}
+	s.mu.Lock()
+	// Again: the server may have closed, or another OPEN of the session taken the device,
+	// meanwhile.
+	if err := s.admitLocked(ts, d); err != nil {
+		s.putDevLocked(d)
+		s.mu.Unlock()
+		b.close()
+		return err
+	}
+	ss := s.sess(ts)
 	d.id = s.nextID
 	s.nextID++
 	ss.devs[d.id] = d
@@ -588,11 +615,22 @@ func (s *Server) processClose(r *transport.SrvRequest) error {
 	delete(ss.devs, m.DeviceID)
 	s.publishLocked()
 	s.mu.Unlock()
-	d.close() // waits for the IO running on it; only then does its access mode stop counting
-	s.mu.Lock()
-	s.putDevLocked(d)
-	s.mu.Unlock()
+	s.release(d, d.close()) // only once its IO has ended does its access mode stop counting
 	s.log.WithField("session", ss.name).Infof("closed %q (device %d)", d.name, d.id)
+	return nil
+}
+
+// admitLocked refuses d for session ts when the server has closed or the session has the
+// same device open under another name; s.mu is held.
+func (s *Server) admitLocked(ts *transport.SrvSess, d *sessDev) error {
+	if s.closed {
+		return syscall.ESHUTDOWN
+	}
+	for _, o := range s.sess(ts).devs {
+		if o.key == d.key {
+			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", d.name, o.name, syscall.EEXIST)
+		}
+	}
 	return nil
 }
 
@@ -610,14 +648,20 @@ func (s *Server) publishLocked() {
 	s.ioDevs.Store(&idx)
 }
 
-func (d *sessDev) close() {
+// close closes the device for its session once the IO running on it has returned; the
+// channel is closed when the device has let go (backing.close).
+func (d *sessDev) close() <-chan struct{} {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if !d.closed {
-		d.closed = true
-		_ = d.b.close()
+	if d.closed {
+		return closedChan
 	}
+	d.closed = true
+	return d.b.close()
 }
+
+// closedChan is a channel closed from the start.
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // processIO checks an IO against the device and runs it on the backing file. With nowait
 // only a READ or a WRITE without FUA is tried, without waiting: errWouldBlock otherwise.
