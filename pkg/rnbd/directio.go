@@ -184,6 +184,7 @@ func (d *directIO) run(ready chan<- error) {
 	d.ring = ring
 	d.bell.Arm(ring, udBell)
 	ready <- nil
+	var stuck time.Time // since when the kernel has refused the entries, or zero
 	for {
 		took, closing := d.take()
 		if closing && !took && d.inflight == 0 {
@@ -200,14 +201,41 @@ func (d *directIO) run(ready chan<- error) {
 		} else if !took {
 			wait = 1 // closing: wait for what is in flight
 		}
-		if _, err := ring.Submit(wait, dioWaitSlice); err != nil {
-			d.fail(fmt.Errorf("io_uring: %w", err))
-			return
+		if _, err := dioEnter(ring, wait, dioWaitSlice); err != nil {
+			if !transientEnter(err) || !stuck.IsZero() && time.Since(stuck) > dioStuckTimeout {
+				d.fail(fmt.Errorf("io_uring: %w", err))
+				return
+			}
+			// The kernel took none of the entries for now (no memory for its requests,
+			// or completions it could not post): they stay in the ring, and what is done
+			// is answered before the next try.
+			if stuck.IsZero() {
+				stuck = time.Now()
+			}
+			d.bell.Awake()
+			ring.Completions(d.completion)
+			time.Sleep(time.Millisecond)
+			continue
 		}
+		stuck = time.Time{}
 		d.round = d.round[:0]
 		d.bell.Awake()
 		ring.Completions(d.completion)
 	}
+}
+
+// dioEnter submits the loop's entries and waits; a variable for the tests, which make it
+// fail.
+var dioEnter = (*uring.Ring).Submit
+
+// dioStuckTimeout bounds how long the loop keeps trying entries the kernel refuses for want
+// of memory or room before it gives the ring up (fail).
+const dioStuckTimeout = 10 * time.Second
+
+// transientEnter: io_uring_enter's refusals that pass (EAGAIN, ENOMEM: no memory for the
+// requests; EBUSY: completions waiting for room).
+func transientEnter(err error) bool {
+	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOMEM) || errors.Is(err, unix.EBUSY)
 }
 
 // take moves queued operations into free slots and their entries; it reports whether it

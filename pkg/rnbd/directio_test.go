@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/internal/lib/testutil"
+	"github.com/rtrs-go/rtrs/internal/lib/uring"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -340,4 +342,85 @@ func TestDirectIOCloseKeepsWriterUntilIOEnds(t *testing.T) {
 		_, err := e.mapDev(t, other, "other", name, AccessRW)
 		return err == nil
 	})
+}
+
+// TestDirectIOTransientEnter: io_uring_enter refusing the entries for a while (EAGAIN, EBUSY,
+// ENOMEM: the kernel out of memory for requests, or completions waiting for room) loses
+// nothing: every request is answered once, with its data in place, and the device keeps
+// direct IO; a refusal of another kind gives the ring up.
+func TestDirectIOTransientEnter(t *testing.T) {
+	leakcheck.Check(t)
+	name, _, model := loopExport(t)
+	var calls, refused atomic.Int32
+	refusals := []error{unix.EAGAIN, unix.EBUSY, unix.ENOMEM}
+	dioEnter = func(r *uring.Ring, wait uint32, timeout time.Duration) (int, error) {
+		// Every other call refused, the first 30 times.
+		if calls.Add(1)%2 == 0 && refused.Load() < 30 {
+			n := refused.Add(1)
+			return 0, fmt.Errorf("io_uring_enter: %w", refusals[int(n)%len(refusals)])
+		}
+		return r.Submit(wait, timeout)
+	}
+	t.Cleanup(func() { dioEnter = (*uring.Ring).Submit })
+	var mu sync.Mutex
+	answers := map[*transport.SrvRequest][]error{}
+	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error) {
+		mu.Lock()
+		answers[r] = append(answers[r], err)
+		mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n, bs = 2 * dioEntries, 4096
+	reqs := make([]transport.SrvRequest, n)
+	buf, err := unix.Mmap(-1, 0, n*bs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	for i := range n {
+		if !d.submit(&reqs[i], false, false, buf[i*bs:(i+1)*bs], int64(i*bs)) {
+			t.Fatalf("request %d refused", i)
+		}
+		if i%16 == 0 {
+			time.Sleep(time.Millisecond) // spread over several rounds of the loop
+		}
+	}
+	if err := d.close(); err != nil {
+		t.Fatal(err)
+	}
+	if refused.Load() == 0 {
+		t.Fatal("no refusal was made")
+	}
+	for i := range n {
+		if errs := answers[&reqs[i]]; len(errs) != 1 || errs[0] != nil {
+			t.Fatalf("request %d answered %v, want once without error", i, errs)
+		}
+	}
+	if !bytes.Equal(buf, model[:n*bs]) {
+		t.Fatal("the reads do not hold the device's data")
+	}
+
+	// A refusal that does not pass: the ring is given up, and requests go to the page cache
+	// (submit refuses them).
+	dioEnter = func(*uring.Ring, uint32, time.Duration) (int, error) {
+		return 0, fmt.Errorf("io_uring_enter: %w", unix.EBADF)
+	}
+	d, err = newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error) {
+		mu.Lock()
+		answers[r] = append(answers[r], err)
+		mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-d.ended // its first enter, before any request
+	var last transport.SrvRequest
+	if d.submit(&last, false, false, buf[:bs], 0) {
+		t.Fatal("a broken ring took a request")
+	}
+	if err := d.close(); err != nil {
+		t.Fatal(err)
+	}
 }
