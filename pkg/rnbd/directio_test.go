@@ -217,8 +217,8 @@ func TestDirectIOProbe(t *testing.T) {
 	}
 }
 
-// gatedFile is a FUSE file in memory whose writes wait while its gate is shut: under a loop
-// device, a block device that stops answering writes until told.
+// gatedFile is a FUSE file in memory whose reads and writes wait while its gate is shut:
+// under a loop device, a block device that stops answering until told.
 type gatedFile struct {
 	fs.MemRegularFile
 	mu      sync.Mutex
@@ -226,7 +226,7 @@ type gatedFile struct {
 	waiting atomic.Int32
 }
 
-func (f *gatedFile) Write(ctx context.Context, fh fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+func (f *gatedFile) pass() {
 	f.mu.Lock()
 	g := f.gate
 	f.mu.Unlock()
@@ -235,7 +235,16 @@ func (f *gatedFile) Write(ctx context.Context, fh fs.FileHandle, data []byte, of
 		<-g
 		f.waiting.Add(-1)
 	}
+}
+
+func (f *gatedFile) Write(ctx context.Context, fh fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+	f.pass()
 	return f.MemRegularFile.Write(ctx, fh, data, off)
+}
+
+func (f *gatedFile) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	f.pass()
+	return f.MemRegularFile.Read(ctx, fh, dest, off)
 }
 
 func (f *gatedFile) shut() { f.mu.Lock(); f.gate = make(chan struct{}); f.mu.Unlock() }
@@ -258,9 +267,8 @@ func (r *gatedRoot) OnAdd(ctx context.Context) {
 	r.AddChild("disk", r.NewPersistentInode(ctx, r.file, fs.StableAttr{Mode: syscall.S_IFREG}), false)
 }
 
-// gatedLoop mounts a gatedFile of loopSize bytes and attaches a loop device to it; it
-// returns the file and the device's name under /dev.
-func gatedLoop(t *testing.T) (*gatedFile, string) {
+// gatedMount mounts a gatedFile of loopSize bytes, "disk" in the directory it returns.
+func gatedMount(t *testing.T) (*gatedFile, string) {
 	t.Helper()
 	requireRoot(t)
 	mnt := t.TempDir()
@@ -274,9 +282,68 @@ func gatedLoop(t *testing.T) (*gatedFile, string) {
 			t.Errorf("FUSE unmount: %v", err)
 		}
 	})
+	t.Cleanup(f.open) // before the unmount
+	return f, mnt
+}
+
+// gatedLoop attaches a loop device to a gatedMount's file; it returns the file and the
+// device's name under /dev.
+func gatedLoop(t *testing.T) (*gatedFile, string) {
+	t.Helper()
+	f, mnt := gatedMount(t)
 	name := attachLoop(t, filepath.Join(mnt, "disk"))
 	t.Cleanup(f.open) // before the loop device goes
 	return f, name
+}
+
+// TestBlockingRequestsBounded: requests that block (here reads of a file whose reads are
+// held) run on at most maxWorkers goroutines, each holding a thread while it waits; the rest
+// wait in the queue and are all served, once each, when the file answers again.
+func TestBlockingRequestsBounded(t *testing.T) {
+	leakcheck.Check(t)
+	old := maxWorkers
+	maxWorkers = 3
+	t.Cleanup(func() { maxWorkers = old })
+	f, mnt := gatedMount(t)
+	for i := range f.Data {
+		f.Data[i] = byte(i >> 19) // a value per 512 KiB
+	}
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: mnt}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	t.Cleanup(f.open) // before the server stops: it waits for its workers
+	d := mustMap(t, e, e.client(t, 5*time.Second), "s", "disk", AccessRO)
+	f.shut()
+	defer f.open() // a failure's cleanups (the client's close) wait for the held IO
+	// 512 KiB apart: no read finds another's readahead in the page cache.
+	const n, apart = 12, 512 << 10
+	bufs := make([][]byte, n)
+	read := make(chan error, n)
+	for i := range n {
+		bufs[i] = make([]byte, 4096)
+		d.ReadAsync(context.Background(), bufs[i], int64(i)*apart, func(err error) { read <- err })
+	}
+	testutil.WaitFor(t, 5*time.Second, "reads held at the file", func() bool { return f.waiting.Load() >= int32(maxWorkers) })
+	time.Sleep(200 * time.Millisecond) // room for any more to arrive
+	if w := f.waiting.Load(); w != int32(maxWorkers) {
+		t.Fatalf("%d reads at the file at once, want %d (maxWorkers)", w, maxWorkers)
+	}
+	f.open()
+	for range n {
+		select {
+		case err := <-read:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a queued read never ended")
+		}
+	}
+	for i, b := range bufs {
+		if b[0] != byte(i) || b[4095] != byte(i) {
+			t.Fatalf("read %d holds %d, want %d", i, b[0], i)
+		}
+	}
 }
 
 // TestDirectIOCloseKeepsWriterUntilIOEnds: a device closed for a session while one of its
@@ -296,6 +363,7 @@ func TestDirectIOCloseKeepsWriterUntilIOEnds(t *testing.T) {
 	t.Cleanup(f.open) // before the server stops: it waits for what the device holds
 	d := mustMap(t, e, e.client(t, 5*time.Second), "writer", name, AccessRW)
 	f.shut()
+	defer f.open() // a failure's cleanups (the client's close) wait for the held IO
 	wrote := make(chan error, 1)
 	d.WriteAsync(context.Background(), bytes.Repeat([]byte{0xab}, 4096), 0, false, func(err error) { wrote <- err })
 	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
@@ -422,5 +490,55 @@ func TestDirectIOTransientEnter(t *testing.T) {
 	}
 	if err := d.close(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestDirectLoopsBounded: past maxLoops devices open with direct IO (a thread, a ring and two
+// descriptors each), an open goes through the page cache; a close gives its loop back.
+func TestDirectLoopsBounded(t *testing.T) {
+	leakcheck.Check(t)
+	old := maxLoops
+	maxLoops = 1
+	t.Cleanup(func() { maxLoops = old })
+	name, _, model := loopExport(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	direct := func(sess string) bool {
+		rs := e.server()
+		rs.mu.Lock()
+		defer rs.mu.Unlock()
+		for _, ss := range rs.sessions {
+			for _, d := range ss.devs {
+				if ss.name == sess {
+					return d.direct && d.b.dio != nil
+				}
+			}
+		}
+		t.Fatalf("session %q has no device open", sess)
+		return false
+	}
+	loops := func() int { rs := e.server(); rs.mu.Lock(); defer rs.mu.Unlock(); return rs.loops }
+	ctx := context.Background()
+	a := mustMap(t, e, e.client(t, 5*time.Second), "a", name, AccessRO)
+	b := mustMap(t, e, e.client(t, 5*time.Second), "b", name, AccessRO)
+	if !direct("a") || direct("b") || loops() != 1 {
+		t.Fatalf("direct IO: a %v, b %v, %d loops; want a only, 1 loop", direct("a"), direct("b"), loops())
+	}
+	for _, d := range []*Device{a, b} {
+		got := make([]byte, 64<<10)
+		if _, err := d.ReadAt(got, 1<<20); err != nil || !bytes.Equal(got, model[1<<20:1<<20+len(got)]) {
+			t.Fatalf("read: %v", err)
+		}
+	}
+	if err := a.Unmap(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if loops() != 0 {
+		t.Fatalf("%d loops after the direct device closed, want 0", loops())
+	}
+	mustMap(t, e, e.client(t, 5*time.Second), "c", name, AccessRO)
+	if !direct("c") {
+		t.Fatal("an open after the loop came back has no direct IO")
 	}
 }

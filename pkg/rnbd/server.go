@@ -105,7 +105,16 @@ type Server struct {
 	devs     map[devKey]*srvDev // open devices by identity, for the access-mode rule
 	nextID   uint32
 	closed   bool
-	wg       sync.WaitGroup // IO and control requests on goroutines of their own
+	wg       sync.WaitGroup // the workers
+	// Requests that may block (IO the page cache cannot take at once, flushes, discards,
+	// OPEN, CLOSE) run on at most maxWorkers goroutines; the rest wait in queued, which the
+	// sessions' chunks bound. Each blocked one holds a thread: without a cap, a slow device
+	// under many sessions would take the process past the runtime's thread limit.
+	workers int
+	queued  []*transport.SrvRequest
+	// loops counts the direct IO loops, each a thread of its own, a ring and two
+	// descriptors per session and open device: past maxLoops, opens use the page cache.
+	loops int
 	// ioDevs indexes every session's devices for IO, which looks them up without s.mu: a
 	// copy rebuilt under s.mu whenever a device opens or closes.
 	ioDevs   atomic.Pointer[map[ioKey]*sessDev]
@@ -164,6 +173,7 @@ type sessDev struct {
 	b      *backing
 	closed bool
 	forced bool // closed by ForceClose
+	direct bool // holds one of the server's direct IO loops (under the server's mu)
 }
 
 // NewServer returns a handler that exports files and block devices under opts.SearchPath.
@@ -258,14 +268,43 @@ func (s *Server) Request(r *transport.SrvRequest) {
 		r.Respond(-int(syscall.ESHUTDOWN))
 		return
 	}
+	if s.workers == maxWorkers {
+		s.queued = append(s.queued, r)
+		s.mu.Unlock()
+		return
+	}
+	s.workers++
 	s.wg.Add(1)
 	s.mu.Unlock()
-	go func() {
-		defer s.wg.Done()
+	go s.work(r)
+}
+
+// maxWorkers is how many requests that may block run at once. A variable for the tests.
+var maxWorkers = 256
+
+// maxLoops is how many devices are open with direct IO at once (ExportIODirect), over all
+// sessions. A variable for the tests.
+var maxLoops = 512
+
+// work serves r, then what is queued, and ends when nothing is.
+func (s *Server) work(r *transport.SrvRequest) {
+	defer s.wg.Done()
+	for {
 		if rc, answered := s.process(r); !answered {
 			r.Respond(rc)
 		}
-	}()
+		s.mu.Lock()
+		if len(s.queued) == 0 {
+			s.workers--
+			s.queued = nil // the backing array of a burst goes
+			s.mu.Unlock()
+			return
+		}
+		r = s.queued[0]
+		s.queued[0] = nil
+		s.queued = s.queued[1:]
+		s.mu.Unlock()
+	}
 }
 
 // ioDone answers a READ or WRITE the device's direct IO has finished.
@@ -316,6 +355,10 @@ func (s *Server) release(d *sessDev, gone <-chan struct{}) {
 	put := func() {
 		s.mu.Lock()
 		s.putDevLocked(d)
+		if d.direct {
+			d.direct = false
+			s.loops--
+		}
 		s.mu.Unlock()
 	}
 	select {
@@ -482,19 +525,26 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 		b.close()
 		return err
 	}
-	s.mu.Unlock()
 	if b.bdev && s.opts.ExportIO == ExportIODirect {
+		d.direct = s.loops < maxLoops
+		if d.direct {
+			s.loops++
+		}
+	}
+	s.mu.Unlock()
+	if d.direct {
 		if err := b.openDirect(s.ioDone); err != nil {
 			s.log.WithField("session", ts.Name()).WithError(err).Warnf("%q: direct IO refused, IO goes through the page cache", m.DevName)
 		}
+	} else if b.bdev && s.opts.ExportIO == ExportIODirect {
+		s.log.WithField("session", ts.Name()).Warnf("%q: %d devices open with direct IO already, this one goes through the page cache", m.DevName, maxLoops)
 	}
 	s.mu.Lock()
 	// Again: the server may have closed, or another OPEN of the session taken the device,
 	// meanwhile.
 	if err := s.admitLocked(ts, d); err != nil {
-		s.putDevLocked(d)
 		s.mu.Unlock()
-		b.close()
+		s.release(d, b.close())
 		return err
 	}
 	ss := s.sess(ts)
