@@ -847,6 +847,11 @@ func (s *Server) runIO(r *transport.SrvRequest, m *MsgIO, op Op, b *backing, off
 			}
 			return errResponded
 		}
+		if fua && nowait {
+			// Direct IO refused it: RWF_DSYNC would wait for the device's flush even with
+			// RWF_NOWAIT, and this is the transport's goroutine.
+			return errWouldBlock
+		}
 		if err = b.writeAt(r.Data, off, fua, nowait); err != errWouldBlock {
 			s.Stats.Writes.Inc(r.ID())
 			if fua {
