@@ -542,3 +542,55 @@ func TestDirectLoopsBounded(t *testing.T) {
 		t.Fatal("an open after the loop came back has no direct IO")
 	}
 }
+
+// TestIORefusedDuringDrain: while force_close waits for a device's direct IO (its drain), IO
+// to the closed id is answered at once (ENOTCONN, as the kernel answers it), not held on the
+// transport's goroutine until the drain ends.
+func TestIORefusedDuringDrain(t *testing.T) {
+	leakcheck.Check(t)
+	old := dioDrainTimeout
+	dioDrainTimeout = 20 * time.Second
+	t.Cleanup(func() { dioDrainTimeout = old })
+	f, name := gatedLoop(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	t.Cleanup(f.open)
+	d := mustMap(t, e, e.client(t, 5*time.Second), "s", name, AccessRW)
+	f.shut()
+	defer f.open()
+	wrote := make(chan error, 1)
+	d.WriteAsync(context.Background(), make([]byte, 4096), 0, false, func(err error) { wrote <- err })
+	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	rs := e.server()
+	es := rs.Exports()[0].Sessions[0]
+	forced := make(chan error, 1)
+	go func() { forced <- rs.ForceClose(es) }()
+	testutil.WaitFor(t, 5*time.Second, "the device closed, its drain under way", func() bool {
+		rs.mu.Lock()
+		sd := rs.sessions[es.ts].forced[es.ID]
+		rs.mu.Unlock()
+		if sd == nil || !sd.mu.TryRLock() {
+			return false
+		}
+		defer sd.mu.RUnlock()
+		return sd.closed
+	})
+	read := make(chan error, 1)
+	d.ReadAsync(context.Background(), make([]byte, 4096), 1<<20, func(err error) { read <- err })
+	select {
+	case err := <-read:
+		if err == nil {
+			t.Fatal("a read of a force-closed device succeeded")
+		}
+	case <-forced:
+		t.Fatal("force_close returned before the read was answered")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the read was not answered during the drain")
+	}
+	f.open()
+	if err := <-forced; err != nil {
+		t.Fatal(err)
+	}
+	<-wrote
+}

@@ -702,11 +702,14 @@ func (s *Server) publishLocked() {
 // channel is closed when the device has let go (backing.close).
 func (d *sessDev) close() <-chan struct{} {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.closed {
+		d.mu.Unlock()
 		return closedChan
 	}
 	d.closed = true
+	d.mu.Unlock()
+	// Outside the lock: IO to the device, refused from now on, must not wait behind the
+	// drain of direct IO (up to dioDrainTimeout) on the transport's goroutine.
 	return d.b.close()
 }
 
