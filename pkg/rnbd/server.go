@@ -535,6 +535,10 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	if d.direct {
 		if err := b.openDirect(s.ioDone); err != nil {
 			s.log.WithField("session", ts.Name()).WithError(err).Warnf("%q: direct IO refused, IO goes through the page cache", m.DevName)
+			s.mu.Lock()
+			d.direct = false
+			s.loops--
+			s.mu.Unlock()
 		}
 	} else if b.bdev && s.opts.ExportIO == ExportIODirect {
 		s.log.WithField("session", ts.Name()).Warnf("%q: %d devices open with direct IO already, this one goes through the page cache", m.DevName, maxLoops)
