@@ -169,7 +169,12 @@ func (d *directIO) release() error {
 
 // run is the loop: submit what is queued, wait for completions or the doorbell, answer.
 func (d *directIO) run(ready chan<- error) {
-	defer close(d.ended)
+	stranded := false
+	defer func() {
+		if !stranded {
+			close(d.ended)
+		}
+	}()
 	// Never unlocked: the thread ends with the loop, and the ring's deferred work with it.
 	runtime.LockOSThread()
 	ring, err := uring.New(dioEntries, uring.SetupCoopTaskrun|uring.SetupSingleIssuer|uring.SetupDeferTaskrun)
@@ -203,6 +208,10 @@ func (d *directIO) run(ready chan<- error) {
 		}
 		if _, err := dioEnter(ring, wait, dioWaitSlice); err != nil {
 			if !transientEnter(err) || !stuck.IsZero() && time.Since(stuck) > dioStuckTimeout {
+				// IO the kernel took before may still reach the device (and the
+				// chunks): the device is then never let go (ended stays open), so
+				// its access mode keeps counting and its descriptors stay open.
+				stranded = d.inflight > len(d.round)
 				d.fail(fmt.Errorf("io_uring: %w", err))
 				return
 			}

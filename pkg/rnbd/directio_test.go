@@ -296,56 +296,6 @@ func gatedLoop(t *testing.T) (*gatedFile, string) {
 	return f, name
 }
 
-// TestBlockingRequestsBounded: requests that block (here reads of a file whose reads are
-// held) run on at most maxWorkers goroutines, each holding a thread while it waits; the rest
-// wait in the queue and are all served, once each, when the file answers again.
-func TestBlockingRequestsBounded(t *testing.T) {
-	leakcheck.Check(t)
-	old := maxWorkers
-	maxWorkers = 3
-	t.Cleanup(func() { maxWorkers = old })
-	f, mnt := gatedMount(t)
-	for i := range f.Data {
-		f.Data[i] = byte(i >> 19) // a value per 512 KiB
-	}
-	e := &testEnv{prov: soft.New(soft.Options{}), dir: mnt}
-	e.start(t, 0)
-	t.Cleanup(e.stop)
-	t.Cleanup(f.open) // before the server stops: it waits for its workers
-	d := mustMap(t, e, e.client(t, 5*time.Second), "s", "disk", AccessRO)
-	f.shut()
-	defer f.open() // a failure's cleanups (the client's close) wait for the held IO
-	// 512 KiB apart: no read finds another's readahead in the page cache.
-	const n, apart = 12, 512 << 10
-	bufs := make([][]byte, n)
-	read := make(chan error, n)
-	for i := range n {
-		bufs[i] = make([]byte, 4096)
-		d.ReadAsync(context.Background(), bufs[i], int64(i)*apart, func(err error) { read <- err })
-	}
-	testutil.WaitFor(t, 5*time.Second, "reads held at the file", func() bool { return f.waiting.Load() >= int32(maxWorkers) })
-	time.Sleep(200 * time.Millisecond) // room for any more to arrive
-	if w := f.waiting.Load(); w != int32(maxWorkers) {
-		t.Fatalf("%d reads at the file at once, want %d (maxWorkers)", w, maxWorkers)
-	}
-	f.open()
-	for range n {
-		select {
-		case err := <-read:
-			if err != nil {
-				t.Fatal(err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("a queued read never ended")
-		}
-	}
-	for i, b := range bufs {
-		if b[0] != byte(i) || b[4095] != byte(i) {
-			t.Fatalf("read %d holds %d, want %d", i, b[0], i)
-		}
-	}
-}
-
 // TestDirectIOCloseKeepsWriterUntilIOEnds: a device closed for a session while one of its
 // writes is still at the device (force_close here; a session that goes and a CLOSE take the
 // same way) gives up waiting after dioDrainTimeout, but its rw mode keeps counting until
@@ -593,4 +543,104 @@ func TestIORefusedDuringDrain(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-wrote
+}
+
+// TestOpenAfterSessionGone: an OPEN still reading its device when its session goes (its
+// paths closed, the session's devices closed) is refused when it comes back, instead of
+// bringing the session back with a device open that nothing would close.
+func TestOpenAfterSessionGone(t *testing.T) {
+	leakcheck.Check(t)
+	f, name := gatedLoop(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	t.Cleanup(f.open)
+	rs := e.server()
+	f.shut()
+	defer f.open()
+	c := e.client(t, 5*time.Second)
+	go func() { _, _ = e.mapDev(t, c, "s", name, AccessRW) }()
+	testutil.WaitFor(t, 5*time.Second, "the OPEN's probe held at the device", func() bool { return f.waiting.Load() > 0 })
+	e.mu.Lock()
+	srv := e.srv
+	e.mu.Unlock()
+	ts := srv.Sessions()[0]
+	for _, p := range ts.Paths() {
+		p.Disconnect()
+	}
+	testutil.WaitFor(t, 15*time.Second, "the session's paths gone", func() bool {
+		for _, p := range ts.Paths() {
+			if p.State() == "connected" {
+				return false
+			}
+		}
+		rs.mu.Lock()
+		defer rs.mu.Unlock()
+		return rs.sessions[ts] == nil
+	})
+	before := rs.OpenRefused()[syscall.ENOTCONN]
+	f.open()
+	testutil.WaitFor(t, 10*time.Second, "the OPEN refused", func() bool { return rs.OpenRefused()[syscall.ENOTCONN] > before })
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if ss := rs.sessions[ts]; ss != nil {
+		t.Fatalf("the session that went is back, with %d devices", len(ss.devs))
+	}
+}
+
+// TestDirectIORingFailsWithIOAtDevice: a ring that fails for good while a write it took is
+// still at the device answers what it had not submitted and never lets the device go: its
+// close times out, so the session's access mode keeps counting, rather than another session
+// writing beside that write.
+func TestDirectIORingFailsWithIOAtDevice(t *testing.T) {
+	leakcheck.Check(t)
+	old := dioDrainTimeout
+	dioDrainTimeout = 200 * time.Millisecond
+	t.Cleanup(func() { dioDrainTimeout = old })
+	f, name := gatedLoop(t)
+	var broken atomic.Bool
+	dioEnter = func(r *uring.Ring, wait uint32, timeout time.Duration) (int, error) {
+		if broken.Load() {
+			return 0, fmt.Errorf("io_uring_enter: %w", unix.EBADF)
+		}
+		return r.Submit(wait, timeout)
+	}
+	t.Cleanup(func() { dioEnter = (*uring.Ring).Submit })
+	answers := make(chan error, 2)
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(_ *transport.SrvRequest, err error) { answers <- err })
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := unix.Mmap(-1, 0, 2*4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.shut()
+	defer f.open()
+	var held, next transport.SrvRequest
+	if !d.submit(&held, true, false, buf[:4096], 0) {
+		t.Fatal("write refused")
+	}
+	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	broken.Store(true)
+	if !d.submit(&next, true, false, buf[4096:], 4096) {
+		t.Fatal("second write refused")
+	}
+	if err := <-answers; !errors.Is(err, unix.EBADF) {
+		t.Fatalf("the write the ring never took answered %v, want EBADF", err)
+	}
+	if err := d.close(); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("close with a write at the device: %v, want EBUSY", err)
+	}
+	f.open()
+	testutil.WaitFor(t, 5*time.Second, "the held write at the file", func() bool { return f.waiting.Load() == 0 })
+	select {
+	case <-d.ended:
+		t.Fatal("the device was let go")
+	default:
+	}
+	// What a restart would do: the descriptors go, so the test's loop device and FUSE
+	// mount can.
+	_ = d.release()
+	_ = unix.Munmap(buf)
 }

@@ -105,13 +105,7 @@ type Server struct {
 	devs     map[devKey]*srvDev // open devices by identity, for the access-mode rule
 	nextID   uint32
 	closed   bool
-	wg       sync.WaitGroup // the workers
-	// Requests that may block (IO the page cache cannot take at once, flushes, discards,
-	// OPEN, CLOSE) run on at most maxWorkers goroutines; the rest wait in queued, which the
-	// sessions' chunks bound. Each blocked one holds a thread: without a cap, a slow device
-	// under many sessions would take the process past the runtime's thread limit.
-	workers int
-	queued  []*transport.SrvRequest
+	wg       sync.WaitGroup // IO and control requests on goroutines of their own
 	// loops counts the direct IO loops, each a thread of its own, a ring and two
 	// descriptors per session and open device: past maxLoops, opens use the page cache.
 	loops int
@@ -268,44 +262,19 @@ func (s *Server) Request(r *transport.SrvRequest) {
 		r.Respond(-int(syscall.ESHUTDOWN))
 		return
 	}
-	if s.workers == maxWorkers {
-		s.queued = append(s.queued, r)
-		s.mu.Unlock()
-		return
-	}
-	s.workers++
 	s.wg.Add(1)
 	s.mu.Unlock()
-	go s.work(r)
+	go func() {
+		defer s.wg.Done()
+		if rc, answered := s.process(r); !answered {
+			r.Respond(rc)
+		}
+	}()
 }
-
-// maxWorkers is how many requests that may block run at once. A variable for the tests.
-var maxWorkers = 256
 
 // maxLoops is how many devices are open with direct IO at once (ExportIODirect), over all
 // sessions. A variable for the tests.
 var maxLoops = 512
-
-// work serves r, then what is queued, and ends when nothing is.
-func (s *Server) work(r *transport.SrvRequest) {
-	defer s.wg.Done()
-	for {
-		if rc, answered := s.process(r); !answered {
-			r.Respond(rc)
-		}
-		s.mu.Lock()
-		if len(s.queued) == 0 {
-			s.workers--
-			s.queued = nil // the backing array of a burst goes
-			s.mu.Unlock()
-			return
-		}
-		r = s.queued[0]
-		s.queued[0] = nil
-		s.queued = s.queued[1:]
-		s.mu.Unlock()
-	}
-}
 
 // ioDone answers a READ or WRITE the device's direct IO has finished.
 func (s *Server) ioDone(r *transport.SrvRequest, err error) {
@@ -393,14 +362,18 @@ func (s *Server) process(r *transport.SrvRequest) (rc int, answered bool) {
 			// session and cause, since the peer chooses how often to ask).
 			en := errno.Of(err)
 			s.mu.Lock()
-			ss := s.sess(r.Session())
+			ss := s.sessions[r.Session()] // not made again for a session that went
 			if s.openRefused == nil {
 				s.openRefused = map[syscall.Errno]uint64{}
 			}
 			s.openRefused[en]++
 			s.mu.Unlock()
-			ss.refusals.Warn(s.log.WithField("session", r.Session().Name()), "open refused: "+en.Error(),
-				r.Path().SrcAddr().IP.String(), err.Error())
+			lg := s.log.WithField("session", r.Session().Name())
+			if ss != nil {
+				ss.refusals.Warn(lg, "open refused: "+en.Error(), r.Path().SrcAddr().IP.String(), err.Error())
+			} else {
+				lg.WithField("peer", r.Path().SrcAddr().IP.String()).Warnf("refused: %v", err)
+			}
 		}
 	case MsgTypeClose:
 		err = s.processClose(r)
@@ -515,7 +488,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	// The access mode is taken before direct IO's probe reads the device: an open refused
 	// for it touches nothing, and does not wait behind IO another session has there.
 	s.mu.Lock()
-	if err := s.admitLocked(ts, d); err != nil {
+	if err := s.admitLocked(r.Path(), d); err != nil {
 		s.mu.Unlock()
 		b.close()
 		return err
@@ -546,7 +519,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	s.mu.Lock()
 	// Again: the server may have closed, or another OPEN of the session taken the device,
 	// meanwhile.
-	if err := s.admitLocked(ts, d); err != nil {
+	if err := s.admitLocked(r.Path(), d); err != nil {
 		s.mu.Unlock()
 		s.release(d, b.close())
 		return err
@@ -674,12 +647,19 @@ func (s *Server) processClose(r *transport.SrvRequest) error {
 	return nil
 }
 
-// admitLocked refuses d for session ts when the server has closed or the session has the
-// same device open under another name; s.mu is held.
-func (s *Server) admitLocked(ts *transport.SrvSess, d *sessDev) error {
+// admitLocked refuses d for the session of the OPEN that came on path p when the server has
+// closed, p has (an OPEN that waited while its session went would bring the session back,
+// with a device nothing would close), or the session has the same device open under another
+// name; s.mu is held. While p is connected the session's devices are not closed: that comes
+// after p's close, which waits for this OPEN.
+func (s *Server) admitLocked(p *transport.SrvPath, d *sessDev) error {
 	if s.closed {
 		return syscall.ESHUTDOWN
 	}
+	if p.State() != "connected" {
+		return fmt.Errorf("rnbd: %q: the path of the OPEN is gone: %w", d.name, syscall.ENOTCONN)
+	}
+	ts := p.Session()
 	for _, o := range s.sess(ts).devs {
 		if o.key == d.key {
 			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", d.name, o.name, syscall.EEXIST)
