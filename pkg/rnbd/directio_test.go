@@ -296,6 +296,22 @@ func gatedLoop(t *testing.T) (*gatedFile, string) {
 	return f, name
 }
 
+// gatedEnv starts a server exporting /dev with a gatedLoop device in it, dioDrainTimeout
+// set to drain for the test; the gate opens before the server stops, which waits for what
+// the device holds.
+func gatedEnv(t *testing.T, drain time.Duration) (*gatedFile, string, *testEnv) {
+	t.Helper()
+	old := dioDrainTimeout
+	dioDrainTimeout = drain
+	t.Cleanup(func() { dioDrainTimeout = old })
+	f, name := gatedLoop(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	t.Cleanup(f.open)
+	return f, name, e
+}
+
 // TestDirectIOCloseKeepsWriterUntilIOEnds: a device closed for a session while one of its
 // writes is still at the device (force_close here; a session that goes and a CLOSE take the
 // same way) gives up waiting after dioDrainTimeout, but its rw mode keeps counting until
@@ -303,14 +319,7 @@ func gatedLoop(t *testing.T) (*gatedFile, string) {
 // beside a write still on its way, and succeeds once the write is done.
 func TestDirectIOCloseKeepsWriterUntilIOEnds(t *testing.T) {
 	leakcheck.Check(t)
-	old := dioDrainTimeout
-	dioDrainTimeout = 200 * time.Millisecond
-	t.Cleanup(func() { dioDrainTimeout = old })
-	f, name := gatedLoop(t)
-	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
-	e.start(t, 0)
-	t.Cleanup(e.stop)
-	t.Cleanup(f.open) // before the server stops: it waits for what the device holds
+	f, name, e := gatedEnv(t, 200*time.Millisecond)
 	d := mustMap(t, e, e.client(t, 5*time.Second), "writer", name, AccessRW)
 	f.shut()
 	defer f.open() // a failure's cleanups (the client's close) wait for the held IO
@@ -498,14 +507,7 @@ func TestDirectLoopsBounded(t *testing.T) {
 // transport's goroutine until the drain ends.
 func TestIORefusedDuringDrain(t *testing.T) {
 	leakcheck.Check(t)
-	old := dioDrainTimeout
-	dioDrainTimeout = 20 * time.Second
-	t.Cleanup(func() { dioDrainTimeout = old })
-	f, name := gatedLoop(t)
-	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
-	e.start(t, 0)
-	t.Cleanup(e.stop)
-	t.Cleanup(f.open)
+	f, name, e := gatedEnv(t, 20*time.Second)
 	d := mustMap(t, e, e.client(t, 5*time.Second), "s", name, AccessRW)
 	f.shut()
 	defer f.open()
@@ -550,11 +552,7 @@ func TestIORefusedDuringDrain(t *testing.T) {
 // bringing the session back with a device open that nothing would close.
 func TestOpenAfterSessionGone(t *testing.T) {
 	leakcheck.Check(t)
-	f, name := gatedLoop(t)
-	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
-	e.start(t, 0)
-	t.Cleanup(e.stop)
-	t.Cleanup(f.open)
+	f, name, e := gatedEnv(t, dioDrainTimeout)
 	rs := e.server()
 	f.shut()
 	defer f.open()
