@@ -37,7 +37,7 @@ type directIO struct {
 	ring     *uring.Ring
 	ops      []dioOp  // in flight, by slot
 	free     []uint16 // free slots
-	round    []uint16 // the slots taken since the last Submit
+	round    []uint64 // the user data of the entries the kernel has not taken yet, in order
 	inflight int
 }
 
@@ -187,7 +187,7 @@ func (d *directIO) run(ready chan<- error) {
 	}
 	defer ring.Close()
 	d.ring = ring
-	d.bell.Arm(ring, udBell)
+	d.arm()
 	ready <- nil
 	var stuck time.Time // since when the kernel has refused the entries, or zero
 	for {
@@ -206,12 +206,13 @@ func (d *directIO) run(ready chan<- error) {
 		} else if !took {
 			wait = 1 // closing: wait for what is in flight
 		}
-		if _, err := dioEnter(ring, wait, dioWaitSlice); err != nil {
+		n, err := dioEnter(ring, wait, dioWaitSlice)
+		if err != nil {
 			if !transientEnter(err) || !stuck.IsZero() && time.Since(stuck) > dioStuckTimeout {
 				// IO the kernel took before may still reach the device (and the
 				// chunks): the device is then never let go (ended stays open), so
 				// its access mode keeps counting and its descriptors stay open.
-				stranded = d.inflight > len(d.round)
+				stranded = d.inflight > d.notTaken()
 				d.fail(fmt.Errorf("io_uring: %w", err))
 				return
 			}
@@ -227,7 +228,9 @@ func (d *directIO) run(ready chan<- error) {
 			continue
 		}
 		stuck = time.Time{}
-		d.round = d.round[:0]
+		// The kernel takes entries in order and may take only some: the rest stay in
+		// the ring for the next call, and in round.
+		d.round = d.round[:copy(d.round, d.round[min(n, len(d.round)):])]
 		d.bell.Awake()
 		ring.Completions(d.completion)
 	}
@@ -258,7 +261,7 @@ func (d *directIO) take() (took, closing bool) {
 		slot := d.free[len(d.free)-1]
 		d.free = d.free[:len(d.free)-1]
 		d.ops[slot] = op
-		d.round = append(d.round, slot)
+		d.round = append(d.round, uint64(slot))
 		d.prep(slot)
 	}
 	d.queued = d.queued[:copy(d.queued, d.queued[n:])]
@@ -281,10 +284,27 @@ func (d *directIO) prep(slot uint16) {
 	}
 }
 
+// arm queues the doorbell's read.
+func (d *directIO) arm() {
+	d.bell.Arm(d.ring, udBell)
+	d.round = append(d.round, udBell)
+}
+
+// notTaken is how many operations the kernel has not taken from the ring yet.
+func (d *directIO) notTaken() int {
+	n := 0
+	for _, ud := range d.round {
+		if ud != udBell {
+			n++
+		}
+	}
+	return n
+}
+
 // completion handles one of the ring's completions: the doorbell's read, or an operation's.
 func (d *directIO) completion(c uring.CQE) {
 	if c.UserData == udBell {
-		d.bell.Arm(d.ring, udBell)
+		d.arm()
 		return
 	}
 	slot := uint16(c.UserData)
@@ -310,16 +330,19 @@ func (d *directIO) completion(c uring.CQE) {
 }
 
 // fail is for a ring that broke (never seen): later requests go through the page cache,
-// those queued or not submitted (the Submit that failed took none) are answered with err,
-// and those in flight are left unanswered, since the device may still write into their
-// chunks: the transport's close gives up on them.
+// those queued or in the ring but not taken by the kernel (a Submit that fails takes none,
+// an earlier one may have taken only some) are answered with err, and those in flight are
+// left unanswered, since the device may still write into their chunks: the transport's
+// close gives up on them.
 func (d *directIO) fail(err error) {
 	d.mu.Lock()
 	q := d.queued
 	d.queued, d.broken = nil, true
 	d.mu.Unlock()
-	for _, slot := range d.round {
-		q = append(q, d.ops[slot])
+	for _, ud := range d.round {
+		if ud != udBell {
+			q = append(q, d.ops[ud])
+		}
 	}
 	for _, op := range q {
 		d.answer(op.r, err)

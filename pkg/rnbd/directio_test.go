@@ -642,3 +642,64 @@ func TestDirectIORingFailsWithIOAtDevice(t *testing.T) {
 	_ = d.release()
 	_ = unix.Munmap(buf)
 }
+
+// TestDirectIOEntriesNotTaken: entries the kernel leaves in the ring (io_uring_enter takes
+// only some, here none, without an error) are answered when a later call fails for good,
+// and the device is let go, since none of them reached it.
+func TestDirectIOEntriesNotTaken(t *testing.T) {
+	leakcheck.Check(t)
+	name, _, _ := loopExport(t)
+	var mode, calls atomic.Int32 // 0: the kernel's; 1: it takes none; 2: it fails
+	dioEnter = func(r *uring.Ring, wait uint32, timeout time.Duration) (int, error) {
+		switch mode.Load() {
+		case 1:
+			calls.Add(1)
+			time.Sleep(time.Millisecond)
+			return 0, nil
+		case 2:
+			return 0, fmt.Errorf("io_uring_enter: %w", unix.EBADF)
+		}
+		return r.Submit(wait, timeout)
+	}
+	t.Cleanup(func() { dioEnter = (*uring.Ring).Submit })
+	answers := make(chan error, 1)
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(_ *transport.SrvRequest, err error) { answers <- err })
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	mode.Store(1)
+	var r transport.SrvRequest
+	if !d.submit(&r, false, false, buf, 0) {
+		t.Fatal("read refused")
+	}
+	// The doorbell wakes the loop from the kernel's wait; its next calls put the read in
+	// the ring, where the kernel leaves it.
+	testutil.WaitFor(t, 5*time.Second, "the loop's calls", func() bool { return calls.Load() > 3 })
+	select {
+	case err := <-answers:
+		t.Fatalf("a read the kernel never took answered %v", err)
+	default:
+	}
+	mode.Store(2)
+	select {
+	case err := <-answers:
+		if !errors.Is(err, unix.EBADF) {
+			t.Fatalf("the read the kernel never took answered %v, want EBADF", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the read the kernel never took was not answered")
+	}
+	select {
+	case <-d.ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the device was not let go, with nothing at it")
+	}
+	if err := d.close(); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+}
