@@ -265,9 +265,12 @@ type gatedRoot struct {
 
 func (r *gatedRoot) OnAdd(ctx context.Context) {
 	r.AddChild("disk", r.NewPersistentInode(ctx, r.file, fs.StableAttr{Mode: syscall.S_IFREG}), false)
+	plain := &fs.MemRegularFile{Data: make([]byte, loopSize), Attr: fuse.Attr{Mode: 0o600}}
+	r.AddChild("plain", r.NewPersistentInode(ctx, plain, fs.StableAttr{Mode: syscall.S_IFREG}), false)
 }
 
-// gatedMount mounts a gatedFile of loopSize bytes, "disk" in the directory it returns.
+// gatedMount mounts a gatedFile of loopSize bytes, "disk" in the directory it returns,
+// beside "plain", a file of as many zeroes that always answers.
 func gatedMount(t *testing.T) (*gatedFile, string) {
 	t.Helper()
 	requireRoot(t)

@@ -106,6 +106,7 @@ type Server struct {
 	nextID   uint32
 	closed   bool
 	wg       sync.WaitGroup // IO and control requests on goroutines of their own
+	blk      *blockers      // runs those goroutines
 	// loops counts the direct IO loops, each a thread of its own, a ring and two
 	// descriptors per session and open device: past maxLoops, opens use the page cache.
 	loops int
@@ -186,6 +187,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 		log:      log.G(context.Background()).WithField("component", "rnbd-srv"),
 		sessions: map[*transport.SrvSess]*srvSess{},
 		devs:     map[devKey]*srvDev{},
+		blk:      newBlockers(),
 		// Ids are never reused within a server's life, and a restarted server starts
 		// elsewhere, so a client's stale id names no device rather than another one.
 		nextID: rand.Uint32(),
@@ -264,12 +266,27 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	}
 	s.wg.Add(1)
 	s.mu.Unlock()
-	go func() {
+	s.blk.run(s.blockKey(r), func() {
 		defer s.wg.Done()
 		if rc, answered := s.process(r); !answered {
 			r.Respond(rc)
 		}
-	}()
+	})
+}
+
+// blockKey is what a request that may block waits under (blockers): the export of the
+// device an IO is for, so that one which stops answering holds only its own share, or the
+// request's session.
+func (s *Server) blockKey(r *transport.SrvRequest) any {
+	if typ, _ := PeekType(r.Usr); typ == MsgTypeIO {
+		var m MsgIO
+		if idx := s.ioDevs.Load(); idx != nil && m.Unmarshal(r.Usr) == nil {
+			if d := (*idx)[ioKey{r.Session(), m.DeviceID}]; d != nil {
+				return d.key
+			}
+		}
+	}
+	return r.Session()
 }
 
 // maxLoops is how many devices are open with direct IO at once (ExportIODirect), over all
