@@ -14,28 +14,28 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
 
-// state reports how many requests run and wait under key, and how many run in all.
-func (b *blockers) state(key any) (running, waiting, all int) {
+// state reports how many requests run and wait in group, and how many run in all.
+func (b *blockers) state(group any) (running, waiting, all int) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if q := b.keys[key]; q != nil {
-		running, waiting = q.running, len(q.waiting)
+	if g := b.groups[group]; g != nil {
+		running, waiting = g.running, g.waiting
 	}
 	return running, waiting, b.running
 }
 
-// TestBlockersTurns: at most perKey requests of a key and total over all run at once, the
-// rest in order within their key, and a key that had to wait gets the next free place
-// before one that has run already.
+// TestBlockersTurns: at most a group's limit of its requests and total over all run at once;
+// a group that had to wait gets the next free place before one that has run already, and
+// within a group the members take turns, each one's requests in order.
 func TestBlockersTurns(t *testing.T) {
 	leakcheck.Check(t)
-	b := &blockers{perKey: 2, total: 3, keys: map[any]*blockQueue{}}
+	b := &blockers{total: 3, groups: map[any]*blockGroup{}}
 	release := map[string]chan struct{}{}
 	order := make(chan string, 16)
-	start := func(key, name string) {
+	start := func(group, member, name string, limit int) {
 		rel := make(chan struct{})
 		release[name] = rel
-		b.run(key, func() { order <- name; <-rel })
+		b.run(group, member, limit, true, func() { order <- name; <-rel })
 	}
 	// started waits for the requests named to start, in any order among them.
 	started := func(want ...string) {
@@ -65,33 +65,57 @@ func TestBlockersTurns(t *testing.T) {
 		}
 	}
 	for _, n := range []string{"a1", "a2", "a3", "a4"} {
-		start("a", n)
+		start("a", "x", n, 2)
 	}
+	start("a", "y", "ay1", 2)
 	started("a1", "a2")
 	idle() // a's two places are taken
-	start("b", "b1")
+	start("b", "x", "b1", 2)
 	started("b1")
-	start("c", "c1")
+	start("c", "x", "c1", 2)
 	idle() // the three places are taken
-	if r, w, all := b.state("a"); r != 2 || w != 2 || all != 3 {
-		t.Fatalf("a: %d running, %d waiting, %d in all; want 2, 2, 3", r, w, all)
+	if r, w, all := b.state("a"); r != 2 || w != 3 || all != 3 {
+		t.Fatalf("a: %d running, %d waiting, %d in all; want 2, 3, 3", r, w, all)
 	}
 	close(release["a1"])
 	started("c1") // c waited for a place before a's next one
 	idle()
 	close(release["b1"])
-	started("a3") // in order within a
+	started("a3") // x came first in a, its requests in order
 	close(release["c1"])
-	idle() // a has its two, and no other key waits
+	idle() // a has its two, and no other group waits
 	close(release["a2"])
-	started("a4")
+	started("ay1") // y's turn in a before x's next one
 	close(release["a3"])
+	started("a4")
+	close(release["ay1"])
 	close(release["a4"])
-	testutil.WaitFor(t, 5*time.Second, "every key idle and forgotten", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "every group idle and forgotten", func() bool {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		return b.running == 0 && len(b.keys) == 0 && len(b.turns) == 0
+		return b.running == 0 && len(b.groups) == 0 && b.turns.len() == 0
 	})
+}
+
+// TestFifo: in order, across the compactions.
+func TestFifo(t *testing.T) {
+	var f fifo[int]
+	next, want := 0, 0
+	for round := range 50 {
+		for range round % 7 * 10 {
+			f.push(next)
+			next++
+		}
+		for range min(f.len(), round%5*9) {
+			if v := f.pop(); v != want {
+				t.Fatalf("popped %d, want %d", v, want)
+			}
+			want++
+		}
+		if f.len() != next-want || len(f.items) > 2*f.len()+64 {
+			t.Fatalf("round %d: len %d with %d items held, want %d", round, f.len(), len(f.items), next-want)
+		}
+	}
 }
 
 // TestBlockingBoundedPerExport: reads the page cache cannot serve, to an export whose file
@@ -100,9 +124,9 @@ func TestBlockersTurns(t *testing.T) {
 // read is answered with its data.
 func TestBlockingBoundedPerExport(t *testing.T) {
 	leakcheck.Check(t)
-	oldKey, oldAll := maxBlockingPerKey, maxBlocking
-	maxBlockingPerKey, maxBlocking = 2, 3
-	t.Cleanup(func() { maxBlockingPerKey, maxBlocking = oldKey, oldAll })
+	oldExport, oldAll := maxBlockingPerExport, maxBlocking
+	maxBlockingPerExport, maxBlocking = 2, 3
+	t.Cleanup(func() { maxBlockingPerExport, maxBlocking = oldExport, oldAll })
 	f, mnt := gatedMount(t)
 	for i := range 5 {
 		copy(f.Data[i<<20:], bytes.Repeat([]byte{byte(i + 1)}, 4096))
@@ -160,7 +184,48 @@ func TestBlockingBoundedPerExport(t *testing.T) {
 			t.Fatalf("read %d: wrong data", i)
 		}
 	}
-	if r, w, all := rs.blk.state(key); r+w+all != 0 {
-		t.Fatalf("after the reads: %d running, %d waiting, %d in all", r, w, all)
+	testutil.WaitFor(t, 5*time.Second, "nothing running or waiting after the reads", func() bool {
+		r, w, all := rs.blk.state(key)
+		return r+w+all == 0
+	})
+}
+
+// TestStuckOpenHoldsNoIOPlace: an OPEN held by a device that stopped answering (its probe
+// read) takes a place of its session's control requests only, not one of the overall bound
+// that other exports' IO needs: another session's FLUSH runs meanwhile with that bound at
+// one.
+func TestStuckOpenHoldsNoIOPlace(t *testing.T) {
+	leakcheck.Check(t)
+	oldExport, oldAll := maxBlockingPerExport, maxBlocking
+	maxBlockingPerExport, maxBlocking = 1, 1
+	t.Cleanup(func() { maxBlockingPerExport, maxBlocking = oldExport, oldAll })
+	f, name, e := gatedEnv(t, dioDrainTimeout)
+	other, _, _ := loopExport(t)
+	c := e.client(t, 5*time.Second)
+	db := mustMap(t, e, c, "b", other, AccessRW)
+	f.shut()
+	defer f.open()
+	opened := make(chan error, 1)
+	go func() {
+		_, err := e.mapDev(t, c, "a", name, AccessRO)
+		opened <- err
+	}()
+	testutil.WaitFor(t, 5*time.Second, "the OPEN's probe held at the device", func() bool { return f.waiting.Load() > 0 })
+	flushed := make(chan error, 1)
+	go func() { flushed <- db.Flush(context.Background()) }()
+	select {
+	case err := <-flushed:
+		if err != nil {
+			t.Fatalf("another export's FLUSH while an OPEN is held: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		f.open()
+		<-flushed
+		<-opened
+		t.Fatal("another export's FLUSH waited for the held OPEN")
+	}
+	f.open()
+	if err := <-opened; err != nil {
+		t.Fatalf("the held OPEN, once the device answered: %v", err)
 	}
 }

@@ -107,8 +107,9 @@ type Server struct {
 	closed   bool
 	wg       sync.WaitGroup // IO and control requests on goroutines of their own
 	blk      *blockers      // runs those goroutines
-	// loops counts the direct IO loops, each a thread of its own, a ring and two
-	// descriptors per session and open device: past maxLoops, opens use the page cache.
+	// loops counts the devices open with direct IO, each with a reaper (a thread while it
+	// waits), an AIO context and two descriptors, per session and open device: past
+	// maxLoops, opens use the page cache.
 	loops int
 	// ioDevs indexes every session's devices for IO, which looks them up without s.mu: a
 	// copy rebuilt under s.mu whenever a device opens or closes.
@@ -266,7 +267,8 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	}
 	s.wg.Add(1)
 	s.mu.Unlock()
-	s.blk.run(s.blockKey(r), func() {
+	group, limit, counted := s.blockGroup(r)
+	s.blk.run(group, r.Session(), limit, counted, func() {
 		defer s.wg.Done()
 		if rc, answered := s.process(r); !answered {
 			r.Respond(rc)
@@ -274,19 +276,22 @@ func (s *Server) Request(r *transport.SrvRequest) {
 	})
 }
 
-// blockKey is what a request that may block waits under (blockers): the export of the
-// device an IO is for, so that one which stops answering holds only its own share, or the
-// request's session.
-func (s *Server) blockKey(r *transport.SrvRequest) any {
+// ctlGroup is a session's group of control requests among the blockers.
+type ctlGroup struct{ sess *transport.SrvSess }
+
+// blockGroup is the group a request that may block waits in (blockers), the group's limit
+// and whether it counts against the overall bound: an IO's export, so that one which stops
+// answering holds only its own share, or the session's control requests, one at a time.
+func (s *Server) blockGroup(r *transport.SrvRequest) (group any, limit int, counted bool) {
 	if typ, _ := PeekType(r.Usr); typ == MsgTypeIO {
 		var m MsgIO
 		if idx := s.ioDevs.Load(); idx != nil && m.Unmarshal(r.Usr) == nil {
 			if d := (*idx)[ioKey{r.Session(), m.DeviceID}]; d != nil {
-				return d.key
+				return d.key, maxBlockingPerExport, true
 			}
 		}
 	}
-	return r.Session()
+	return ctlGroup{r.Session()}, 1, false
 }
 
 // maxLoops is how many devices are open with direct IO at once (ExportIODirect), over all
