@@ -1,44 +1,50 @@
 package rnbd
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
-	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rtrs-go/rtrs/internal/lib/uring"
+	"github.com/rtrs-go/rtrs/internal/lib/aio"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // directIO serves a block device export's READs and WRITEs as the kernel's server sends
 // bios: O_DIRECT, so no page cache stands between the client and the device (no second copy
 // of the data in the server's memory, and a WRITE is at the device when it is answered), and
-// through an io_uring, so no thread waits per IO. One goroutine, locked to its thread, owns
-// the ring: the transport's goroutines queue requests and ring its doorbell; it submits them
-// in batches, reaps their completions and answers them.
+// through Linux AIO, so no thread waits per IO. The transport's goroutine submits the
+// requests of its receive burst itself, in one io_submit at the burst's end and with
+// RWF_NOWAIT, so it never waits for the device and no other thread is woken to submit; one
+// goroutine (the reaper) waits for the completions and answers them, and submits, blocking,
+// what could not go without waiting. io_uring would need a thread of its own per ring and
+// a wake-up of it per burst (docs/design.md).
 type directIO struct {
 	fd     int // the device, opened O_DIRECT
 	align  uintptr
 	answer func(r *transport.SrvRequest, err error)
-	bell   *uring.Doorbell
-	ended  chan struct{} // closed when the loop has ended
+	ctx    *aio.Context
+	bell   int         // an eventfd the reaper polls through ctx: wakes it to submit or to end
+	bellCB aio.IOCB    // the poll; only the reaper re-arms it
+	rung   atomic.Bool // the bell was written and its poll has not come back yet
+	ended  chan struct{}
 
-	mu      sync.Mutex
-	queued  []dioOp // not yet submitted
-	closing bool
-	broken  bool // the ring failed: submit refuses, and the caller uses the page cache
-
-	// Only the loop touches these.
-	ring     *uring.Ring
-	ops      []dioOp  // in flight, by slot
-	free     []uint16 // free slots
-	round    []uint64 // the user data of the entries the kernel has not taken yet, in order
-	inflight int
+	mu        sync.Mutex
+	queued    []dioOp // not yet submitted
+	scheduled bool    // a burst's end will submit what is queued
+	ops       []dioOp // taken for submission or at the device, by slot
+	cbs       []aio.IOCB
+	free      []uint16
+	inflight  int // slots taken
+	closing   bool
+	broken    bool // submission failed for good: submit refuses, and the caller uses the page cache
+	blocking  bool // the device refuses RWF_NOWAIT: only the reaper submits
 }
 
 // dioOp is one READ or WRITE, or what is left of it after a short transfer.
@@ -47,25 +53,37 @@ type dioOp struct {
 	write, fua bool
 	buf        []byte
 	off        int64
+	nowait     bool // submitted with RWF_NOWAIT
 }
 
 const (
-	// dioEntries is the ring's size: a slot per IO in flight, one entry for the doorbell.
-	// More requests than that wait in the queue, bounded by the chunks of the sessions'
-	// paths, which the server sizes.
+	// dioEntries is the AIO context's size: a slot per IO in flight, one for the bell's
+	// poll. More requests than that wait in the queue, bounded by the chunks of the
+	// sessions' paths, which the server sizes.
 	dioEntries = 128
 	udBell     = 1 << 32
-	// dioWaitSlice bounds one wait of the loop, so it notices a close however it was woken.
+	// dioWaitSlice bounds one wait of the reaper.
 	dioWaitSlice = time.Second
+	// dioStuckTimeout bounds how long the reaper keeps trying requests the kernel refuses
+	// for want of resources, with nothing at the device to free them, before it gives up.
+	dioStuckTimeout = 10 * time.Second
 )
 
-// dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the loop
+// dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the reaper
 // running (and the descriptors open) rather than hang: a device that stopped answering. A
 // variable for the tests.
 var dioDrainTimeout = 30 * time.Second
 
+// dioSubmit and dioGetEvents are the context's calls; variables for the tests, which make
+// them fail.
+var (
+	dioSubmit    = (*aio.Context).Submit
+	dioGetEvents = (*aio.Context).GetEvents
+)
+
 // newDirectIO opens the block device at path O_DIRECT (writable or not) and starts its
-// loop; answer is called once per request, on the loop's thread, when it is done.
+// reaper; answer is called once per request when it is done, on the reaper's goroutine or,
+// for a request refused at submission, on the submitter's.
 func newDirectIO(path string, writable bool, lbs int, answer func(*transport.SrvRequest, error)) (*directIO, error) {
 	flags := unix.O_RDONLY
 	if writable {
@@ -79,25 +97,42 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 		unix.Close(fd)
 		return nil, err
 	}
-	bell, err := uring.NewDoorbell()
-	if err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("eventfd: %w", err)
-	}
-	d := &directIO{fd: fd, align: uintptr(lbs), answer: answer, bell: bell, ended: make(chan struct{}),
-		ops: make([]dioOp, dioEntries-1)}
+	d := &directIO{fd: fd, align: uintptr(lbs), answer: answer, ended: make(chan struct{}),
+		ops: make([]dioOp, dioEntries-1), cbs: make([]aio.IOCB, dioEntries-1)}
 	for i := range d.ops {
 		d.free = append(d.free, uint16(i))
 	}
-	ready := make(chan error, 1)
-	go d.run(ready)
-	if err := <-ready; err != nil {
-		<-d.ended
-		bell.Close()
+	if d.ctx, err = aio.New(dioEntries); err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
+	if d.bell, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+		_ = d.ctx.Destroy()
+		unix.Close(fd)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	if err := d.armBell(); err != nil {
+		_ = d.release()
+		return nil, err
+	}
+	go d.run()
 	return d, nil
+}
+
+// armBell (re)submits the bell's poll.
+func (d *directIO) armBell() error {
+	d.bellCB = aio.IOCB{Data: udBell, Opcode: aio.CmdPoll, Fd: uint32(d.bell), Buf: unix.POLLIN}
+	_, err := d.ctx.Submit([]*aio.IOCB{&d.bellCB})
+	return err
+}
+
+// wake has the reaper look at the queue and the closing flag, which the caller set before.
+func (d *directIO) wake() {
+	if d.rung.CompareAndSwap(false, true) {
+		var one [8]byte
+		binary.LittleEndian.PutUint64(one[:], 1)
+		_, _ = unix.Write(d.bell, one[:])
+	}
 }
 
 // probeDirect reads the device's first block with O_DIRECT into a page-aligned buffer, as the
@@ -123,9 +158,10 @@ func probeDirect(fd, lbs int) error {
 }
 
 // submit queues a READ (into buf) or a WRITE (of buf, durable before it is answered with
-// fua) at off; false if O_DIRECT cannot take buf (not aligned to the logical block), which
-// the caller then serves through the page cache. The caller holds the device open: close
-// comes after every submit.
+// fua) at off, to be submitted at the end of the transport's burst it came in (at once when
+// it came otherwise); false if O_DIRECT cannot take buf (not aligned to the logical block),
+// or submission failed for good, which the caller then serves through the page cache. The
+// caller holds the device open: close comes after every submit.
 func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, off int64) bool {
 	if len(buf) == 0 {
 		d.answer(r, nil)
@@ -140,19 +176,120 @@ func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, 
 		return false
 	}
 	d.queued = append(d.queued, dioOp{r: r, write: write, fua: fua, buf: buf, off: off})
+	if d.blocking {
+		d.mu.Unlock()
+		d.wake()
+		return true
+	}
+	sched := !d.scheduled
+	d.scheduled = true
 	d.mu.Unlock()
-	d.bell.Ring()
+	if sched && !r.AtBurstEnd(d.flush) {
+		d.flush()
+	}
 	return true
 }
 
-// close waits for the IO queued and in flight to be answered, ends the loop and closes the
+// flush submits what is queued without waiting for the device (RWF_NOWAIT); what the kernel
+// does not take goes to the reaper.
+func (d *directIO) flush() {
+	d.mu.Lock()
+	d.scheduled = false
+	d.mu.Unlock()
+	d.push(true)
+}
+
+// push submits the queued operations that have a free slot and reports whether it left any
+// in the queue: the kernel did not take them (with nowait, they would have waited; without,
+// it is short of resources) or no slot was free. The reaper is woken for those a nowait
+// push leaves. A submission that fails for good answers what it did not submit with the
+// error, and later requests go through the page cache.
+func (d *directIO) push(nowait bool) (left bool) {
+	d.mu.Lock()
+	if d.broken {
+		d.mu.Unlock()
+		return false
+	}
+	if nowait && d.blocking {
+		// Found out since the burst's end was asked for: the reaper submits.
+		d.mu.Unlock()
+		d.wake()
+		return true
+	}
+	n := min(len(d.queued), len(d.free))
+	if n == 0 {
+		left = len(d.queued) > 0
+		d.mu.Unlock()
+		return left
+	}
+	slots := make([]uint16, n)
+	cbs := make([]*aio.IOCB, n)
+	for i, op := range d.queued[:n] {
+		slot := d.free[len(d.free)-1]
+		d.free = d.free[:len(d.free)-1]
+		op.nowait = nowait
+		d.ops[slot] = op
+		d.prep(slot)
+		slots[i], cbs[i] = slot, &d.cbs[slot]
+	}
+	d.queued = d.queued[:copy(d.queued, d.queued[n:])]
+	d.inflight += n
+	d.mu.Unlock()
+
+	took, err := dioSubmit(d.ctx, cbs)
+	if errors.Is(err, unix.EAGAIN) {
+		took, err = 0, nil
+	}
+
+	d.mu.Lock()
+	var back []dioOp
+	for _, slot := range slots[took:] {
+		back = append(back, d.ops[slot])
+		d.ops[slot] = dioOp{}
+		d.free = append(d.free, slot)
+	}
+	d.inflight -= n - took
+	var fails []dioOp
+	if err != nil {
+		fails = append(back, d.queued...)
+		d.queued, d.broken = nil, true
+	} else if len(back) > 0 {
+		d.queued = append(back, d.queued...)
+	}
+	left = len(d.queued) > 0
+	d.mu.Unlock()
+	d.fail(fails, err)
+	if left && nowait {
+		d.wake()
+	}
+	return left
+}
+
+// prep fills the IOCB for the operation in slot.
+func (d *directIO) prep(slot uint16) {
+	op := &d.ops[slot]
+	cb := &d.cbs[slot]
+	*cb = aio.IOCB{Data: uint64(slot), Opcode: aio.CmdPread, Fd: uint32(d.fd),
+		Buf: uint64(uintptr(unsafe.Pointer(&op.buf[0]))), Nbytes: uint64(len(op.buf)), Offset: op.off}
+	if op.write {
+		cb.Opcode = aio.CmdPwrite
+		if op.fua {
+			cb.RWFlags |= unix.RWF_DSYNC // REQ_FUA on the write's bios
+		}
+	}
+	if op.nowait {
+		cb.RWFlags |= unix.RWF_NOWAIT
+	}
+}
+
+// close waits for the IO queued and in flight to be answered, ends the reaper and closes the
 // device; after dioDrainTimeout it gives up with EBUSY and leaves both to finish on their
 // own: release, once ended is closed, lets the descriptors go.
 func (d *directIO) close() error {
 	d.mu.Lock()
 	d.closing = true
 	d.mu.Unlock()
-	d.bell.Wake()
+	d.wake()
 	select {
 	case <-d.ended:
 	case <-time.After(dioDrainTimeout):
@@ -161,192 +298,119 @@ func (d *directIO) close() error {
 	return d.release()
 }
 
-// release closes the doorbell and the device once the loop has ended.
+// release tears the context down (which cancels the bell's poll), and closes the bell and
+// the device, once nothing is at the device.
 func (d *directIO) release() error {
-	d.bell.Close()
+	_ = d.ctx.Destroy()
+	unix.Close(d.bell)
 	return unix.Close(d.fd)
 }
 
-// run is the loop: submit what is queued, wait for completions or the doorbell, answer.
-func (d *directIO) run(ready chan<- error) {
+// run is the reaper: submit what is queued, wait for completions or the bell, answer.
+func (d *directIO) run() {
 	stranded := false
 	defer func() {
 		if !stranded {
 			close(d.ended)
 		}
 	}()
-	// Never unlocked: the thread ends with the loop, and the ring's deferred work with it.
-	runtime.LockOSThread()
-	ring, err := uring.New(dioEntries, uring.SetupCoopTaskrun|uring.SetupSingleIssuer|uring.SetupDeferTaskrun)
-	if errors.Is(err, unix.EINVAL) { // before 6.1
-		ring, err = uring.New(dioEntries, 0)
-	}
-	if err != nil {
-		ready <- err
-		return
-	}
-	defer ring.Close()
-	d.ring = ring
-	d.arm()
-	ready <- nil
-	var stuck time.Time // since when the kernel has refused the entries, or zero
+	events := make([]aio.Event, dioEntries)
+	var stuck time.Time // since when the kernel has refused requests with nothing in flight
 	for {
-		took, closing := d.take()
-		if closing && !took && d.inflight == 0 {
+		left := d.push(false)
+		d.mu.Lock()
+		idle := d.closing && d.inflight == 0 && len(d.queued) == 0
+		starved := left && d.inflight == 0
+		d.mu.Unlock()
+		if idle {
 			return
 		}
-		wait := uint32(0)
-		if !took && !closing {
-			d.bell.Sleep()
-			if took, _ = d.take(); took {
-				d.bell.Awake()
-			} else {
-				wait = 1
-			}
-		} else if !took {
-			wait = 1 // closing: wait for what is in flight
-		}
-		n, err := dioEnter(ring, wait, dioWaitSlice)
-		if err != nil {
-			if !transientEnter(err) || !stuck.IsZero() && time.Since(stuck) > dioStuckTimeout {
-				// IO the kernel took before may still reach the device (and the
-				// chunks): the device is then never let go (ended stays open), so
-				// its access mode keeps counting and its descriptors stay open.
-				stranded = d.inflight > d.notTaken()
-				d.fail(fmt.Errorf("io_uring: %w", err))
-				return
-			}
-			// The kernel took none of the entries for now (no memory for its requests,
-			// or completions it could not post): they stay in the ring, and what is done
-			// is answered before the next try.
+		wait := dioWaitSlice
+		if starved {
+			// Refused for want of resources, and nothing at the device to free them:
+			// try again shortly, for a while.
 			if stuck.IsZero() {
 				stuck = time.Now()
+			} else if time.Since(stuck) > dioStuckTimeout {
+				d.giveUp(fmt.Errorf("io_submit refused the requests for %v: %w", dioStuckTimeout, syscall.EAGAIN))
+				continue
 			}
-			d.bell.Awake()
-			ring.Completions(d.completion)
-			time.Sleep(time.Millisecond)
-			continue
+			wait = time.Millisecond
+		} else {
+			stuck = time.Time{}
 		}
-		stuck = time.Time{}
-		// The kernel takes entries in order and may take only some: the rest stay in
-		// the ring for the next call, and in round.
-		d.round = d.round[:copy(d.round, d.round[min(n, len(d.round)):])]
-		d.bell.Awake()
-		ring.Completions(d.completion)
+		n, err := dioGetEvents(d.ctx, events, wait)
+		if err != nil {
+			// What is at the device may still reach it (and the chunks): the device is
+			// then never let go (ended stays open), so its access mode keeps counting
+			// and its descriptors stay open.
+			d.mu.Lock()
+			stranded = d.inflight > 0
+			d.mu.Unlock()
+			d.giveUp(fmt.Errorf("io_getevents: %w", err))
+			return
+		}
+		for _, ev := range events[:n] {
+			d.completion(ev)
+		}
 	}
 }
 
-// dioEnter submits the loop's entries and waits; a variable for the tests, which make it
-// fail.
-var dioEnter = (*uring.Ring).Submit
-
-// dioStuckTimeout bounds how long the loop keeps trying entries the kernel refuses for want
-// of memory or room before it gives the ring up (fail).
-const dioStuckTimeout = 10 * time.Second
-
-// transientEnter: io_uring_enter's refusals that pass (EAGAIN, ENOMEM: no memory for the
-// requests; EBUSY: completions waiting for room).
-func transientEnter(err error) bool {
-	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOMEM) || errors.Is(err, unix.EBUSY)
-}
-
-// take moves queued operations into free slots and their entries; it reports whether it
-// took any and whether the device is closing.
-func (d *directIO) take() (took, closing bool) {
+// giveUp answers what is queued with err; later requests go through the page cache.
+func (d *directIO) giveUp(err error) {
 	d.mu.Lock()
-	n := min(len(d.queued), len(d.free))
-	batch := d.queued[:n]
-	closing = d.closing
-	for _, op := range batch {
-		slot := d.free[len(d.free)-1]
-		d.free = d.free[:len(d.free)-1]
-		d.ops[slot] = op
-		d.round = append(d.round, uint64(slot))
-		d.prep(slot)
-	}
-	d.queued = d.queued[:copy(d.queued, d.queued[n:])]
+	q := d.queued
+	d.queued, d.broken = nil, true
 	d.mu.Unlock()
-	d.inflight += n
-	return n > 0, closing
+	d.fail(q, err)
 }
 
-// prep fills the ring's next entry for the operation in slot.
-func (d *directIO) prep(slot uint16) {
-	op := &d.ops[slot]
-	s := d.ring.GetSQE()
-	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpRead, int32(d.fd), uint64(op.off), uint64(slot)
-	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&op.buf[0]))), uint32(len(op.buf))
-	if op.write {
-		s.Opcode = uring.OpWrite
-		if op.fua {
-			s.OpFlags = unix.RWF_DSYNC // REQ_FUA on the write's bios
-		}
+// fail answers ops with err.
+func (d *directIO) fail(ops []dioOp, err error) {
+	for _, op := range ops {
+		d.answer(op.r, err)
 	}
 }
 
-// arm queues the doorbell's read.
-func (d *directIO) arm() {
-	d.bell.Arm(d.ring, udBell)
-	d.round = append(d.round, udBell)
-}
-
-// notTaken is how many operations the kernel has not taken from the ring yet.
-func (d *directIO) notTaken() int {
-	n := 0
-	for _, ud := range d.round {
-		if ud != udBell {
-			n++
+// completion handles one completion: the bell's poll, or an operation's.
+func (d *directIO) completion(ev aio.Event) {
+	if ev.Data == udBell {
+		d.rung.Store(false)
+		var b [8]byte
+		_, _ = unix.Read(d.bell, b[:])
+		if err := d.armBell(); err != nil {
+			d.giveUp(fmt.Errorf("the reaper's bell: %w", err))
 		}
-	}
-	return n
-}
-
-// completion handles one of the ring's completions: the doorbell's read, or an operation's.
-func (d *directIO) completion(c uring.CQE) {
-	if c.UserData == udBell {
-		d.arm()
 		return
 	}
-	slot := uint16(c.UserData)
+	slot := uint16(ev.Data)
+	d.mu.Lock()
 	op := d.ops[slot]
 	d.ops[slot] = dioOp{}
 	d.free = append(d.free, slot)
 	d.inflight--
 	var err error
 	switch {
-	case c.Res < 0:
-		err = uring.Errno(c.Res)
-	case c.Res == 0:
+	case op.nowait && (ev.Res == -int64(unix.EAGAIN) || ev.Res == -int64(unix.EOPNOTSUPP)):
+		// It would have waited (no request free at the device), or the device does not
+		// take RWF_NOWAIT at all: the reaper submits it again, blocking.
+		d.blocking = d.blocking || ev.Res == -int64(unix.EOPNOTSUPP)
+		d.queued = append(d.queued, op)
+		d.mu.Unlock()
+		return
+	case ev.Res < 0:
+		err = unix.Errno(-ev.Res)
+	case ev.Res == 0:
 		err = fmt.Errorf("%s at %d beyond the device's end: %w", opName(op.write), op.off, syscall.EIO)
-	case int(c.Res) < len(op.buf):
+	case ev.Res < int64(len(op.buf)):
 		// A short transfer (the device shrank, or split the IO): the rest again.
-		op.buf, op.off = op.buf[c.Res:], op.off+int64(c.Res)
-		d.mu.Lock()
+		op.buf, op.off = op.buf[ev.Res:], op.off+ev.Res
 		d.queued = append(d.queued, op)
 		d.mu.Unlock()
 		return
 	}
-	d.answer(op.r, err)
-}
-
-// fail is for a ring that broke (never seen): later requests go through the page cache,
-// those queued or in the ring but not taken by the kernel (a Submit that fails takes none,
-// an earlier one may have taken only some) are answered with err, and those in flight are
-// left unanswered, since the device may still write into their chunks: the transport's
-// close gives up on them.
-func (d *directIO) fail(err error) {
-	d.mu.Lock()
-	q := d.queued
-	d.queued, d.broken = nil, true
 	d.mu.Unlock()
-	for _, ud := range d.round {
-		if ud != udBell {
-			q = append(q, d.ops[ud])
-		}
-	}
-	for _, op := range q {
-		d.answer(op.r, err)
-	}
+	d.answer(op.r, err)
 }
 
 func opName(write bool) string {

@@ -19,9 +19,9 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/rtrs-go/rtrs/internal/lib/aio"
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/internal/lib/testutil"
-	"github.com/rtrs-go/rtrs/internal/lib/uring"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -374,87 +374,6 @@ func TestDirectIOCloseKeepsWriterUntilIOEnds(t *testing.T) {
 	})
 }
 
-// TestDirectIOTransientEnter: io_uring_enter refusing the entries for a while (EAGAIN, EBUSY,
-// ENOMEM: the kernel out of memory for requests, or completions waiting for room) loses
-// nothing: every request is answered once, with its data in place, and the device keeps
-// direct IO; a refusal of another kind gives the ring up.
-func TestDirectIOTransientEnter(t *testing.T) {
-	leakcheck.Check(t)
-	name, _, model := loopExport(t)
-	var calls, refused atomic.Int32
-	refusals := []error{unix.EAGAIN, unix.EBUSY, unix.ENOMEM}
-	dioEnter = func(r *uring.Ring, wait uint32, timeout time.Duration) (int, error) {
-		// Every other call refused, the first 30 times.
-		if calls.Add(1)%2 == 0 && refused.Load() < 30 {
-			n := refused.Add(1)
-			return 0, fmt.Errorf("io_uring_enter: %w", refusals[int(n)%len(refusals)])
-		}
-		return r.Submit(wait, timeout)
-	}
-	t.Cleanup(func() { dioEnter = (*uring.Ring).Submit })
-	var mu sync.Mutex
-	answers := map[*transport.SrvRequest][]error{}
-	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error) {
-		mu.Lock()
-		answers[r] = append(answers[r], err)
-		mu.Unlock()
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	const n, bs = 2 * dioEntries, 4096
-	reqs := make([]transport.SrvRequest, n)
-	buf, err := unix.Mmap(-1, 0, n*bs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(buf)
-	for i := range n {
-		if !d.submit(&reqs[i], false, false, buf[i*bs:(i+1)*bs], int64(i*bs)) {
-			t.Fatalf("request %d refused", i)
-		}
-		if i%16 == 0 {
-			time.Sleep(time.Millisecond) // spread over several rounds of the loop
-		}
-	}
-	if err := d.close(); err != nil {
-		t.Fatal(err)
-	}
-	if refused.Load() == 0 {
-		t.Fatal("no refusal was made")
-	}
-	for i := range n {
-		if errs := answers[&reqs[i]]; len(errs) != 1 || errs[0] != nil {
-			t.Fatalf("request %d answered %v, want once without error", i, errs)
-		}
-	}
-	if !bytes.Equal(buf, model[:n*bs]) {
-		t.Fatal("the reads do not hold the device's data")
-	}
-
-	// A refusal that does not pass: the ring is given up, and requests go to the page cache
-	// (submit refuses them).
-	dioEnter = func(*uring.Ring, uint32, time.Duration) (int, error) {
-		return 0, fmt.Errorf("io_uring_enter: %w", unix.EBADF)
-	}
-	d, err = newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error) {
-		mu.Lock()
-		answers[r] = append(answers[r], err)
-		mu.Unlock()
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	<-d.ended // its first enter, before any request
-	var last transport.SrvRequest
-	if d.submit(&last, false, false, buf[:bs], 0) {
-		t.Fatal("a broken ring took a request")
-	}
-	if err := d.close(); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // TestDirectLoopsBounded: past maxLoops devices open with direct IO (a thread, a ring and two
 // descriptors each), an open goes through the page cache; a close gives its loop back.
 func TestDirectLoopsBounded(t *testing.T) {
@@ -589,47 +508,185 @@ func TestOpenAfterSessionGone(t *testing.T) {
 	}
 }
 
-// TestDirectIORingFailsWithIOAtDevice: a ring that fails for good while a write it took is
-// still at the device answers what it had not submitted and never lets the device go: its
-// close times out, so the session's access mode keeps counting, rather than another session
-// writing beside that write.
-func TestDirectIORingFailsWithIOAtDevice(t *testing.T) {
+// TestDirectIOSubmitRefused: io_submit refusing requests for a while (EAGAIN: no resources,
+// or, with RWF_NOWAIT, the device would have made the transport's goroutine wait) or taking
+// only some of them loses nothing: every request is answered once, with its data in place,
+// and the device keeps direct IO.
+func TestDirectIOSubmitRefused(t *testing.T) {
+	leakcheck.Check(t)
+	name, _, model := loopExport(t)
+	var calls, refused, partial atomic.Int32
+	dioSubmit = func(c *aio.Context, cbs []*aio.IOCB) (int, error) {
+		switch n := calls.Add(1); {
+		case n%3 == 1 && refused.Load() < 30:
+			refused.Add(1)
+			return 0, fmt.Errorf("io_submit: %w", unix.EAGAIN)
+		case n%3 == 2 && len(cbs) > 1:
+			partial.Add(1)
+			return c.Submit(cbs[:len(cbs)/2])
+		}
+		return c.Submit(cbs)
+	}
+	t.Cleanup(func() { dioSubmit = (*aio.Context).Submit })
+	var mu sync.Mutex
+	answers := map[*transport.SrvRequest][]error{}
+	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error) {
+		mu.Lock()
+		answers[r] = append(answers[r], err)
+		mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n, bs = 2 * dioEntries, 4096
+	reqs := make([]transport.SrvRequest, n)
+	buf, err := unix.Mmap(-1, 0, n*bs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	for i := range n {
+		if !d.submit(&reqs[i], false, false, buf[i*bs:(i+1)*bs], int64(i*bs)) {
+			t.Fatalf("request %d refused", i)
+		}
+		if i%16 == 0 {
+			time.Sleep(time.Millisecond) // spread over several rounds of the reaper
+		}
+	}
+	if err := d.close(); err != nil {
+		t.Fatal(err)
+	}
+	if refused.Load() == 0 {
+		t.Fatal("no refusal was made")
+	}
+	for i := range n {
+		if errs := answers[&reqs[i]]; len(errs) != 1 || errs[0] != nil {
+			t.Fatalf("request %d answered %v, want once without error", i, errs)
+		}
+	}
+	if !bytes.Equal(buf, model[:n*bs]) {
+		t.Fatal("the reads do not hold the device's data")
+	}
+	t.Logf("%d calls, %d refused, %d partly taken", calls.Load(), refused.Load(), partial.Load())
+}
+
+// TestDirectIOSubmitFailsWithIOAtDevice: a submission that fails for good answers the
+// requests it did not submit with its error and sends later ones to the page cache, while a
+// write already at the device is answered when it ends, and the device is let go only then.
+func TestDirectIOSubmitFailsWithIOAtDevice(t *testing.T) {
 	leakcheck.Check(t)
 	old := dioDrainTimeout
 	dioDrainTimeout = 200 * time.Millisecond
 	t.Cleanup(func() { dioDrainTimeout = old })
 	f, name := gatedLoop(t)
 	var broken atomic.Bool
-	dioEnter = func(r *uring.Ring, wait uint32, timeout time.Duration) (int, error) {
+	dioSubmit = func(c *aio.Context, cbs []*aio.IOCB) (int, error) {
 		if broken.Load() {
-			return 0, fmt.Errorf("io_uring_enter: %w", unix.EBADF)
+			return 0, fmt.Errorf("io_submit: %w", unix.EBADF)
 		}
-		return r.Submit(wait, timeout)
+		return c.Submit(cbs)
 	}
-	t.Cleanup(func() { dioEnter = (*uring.Ring).Submit })
-	answers := make(chan error, 2)
-	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(_ *transport.SrvRequest, err error) { answers <- err })
+	t.Cleanup(func() { dioSubmit = (*aio.Context).Submit })
+	var held, next, last transport.SrvRequest
+	answers := make(chan *transport.SrvRequest, 2)
+	errs := map[*transport.SrvRequest]error{}
+	var mu sync.Mutex
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(r *transport.SrvRequest, err error) {
+		mu.Lock()
+		errs[r] = err
+		mu.Unlock()
+		answers <- r
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	buf, err := unix.Mmap(-1, 0, 2*4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	buf, err := unix.Mmap(-1, 0, 3*4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer unix.Munmap(buf)
 	f.shut()
 	defer f.open()
-	var held, next transport.SrvRequest
 	if !d.submit(&held, true, false, buf[:4096], 0) {
 		t.Fatal("write refused")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
 	broken.Store(true)
-	if !d.submit(&next, true, false, buf[4096:], 4096) {
-		t.Fatal("second write refused")
+	if !d.submit(&next, true, false, buf[4096:8192], 4096) {
+		t.Fatal("second write refused before the submission failed")
 	}
-	if err := <-answers; !errors.Is(err, unix.EBADF) {
-		t.Fatalf("the write the ring never took answered %v, want EBADF", err)
+	if r := <-answers; r != &next || !errors.Is(errs[r], unix.EBADF) {
+		t.Fatalf("the write the kernel never took: answered %v (held: %v), want EBADF", errs[r], r == &held)
 	}
+	if d.submit(&last, true, false, buf[8192:], 8192) {
+		t.Fatal("a write taken for direct IO after a submission failed for good")
+	}
+	if err := d.close(); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("close with a write at the device: %v, want EBUSY", err)
+	}
+	select {
+	case <-d.ended:
+		t.Fatal("the device was let go with a write at it")
+	default:
+	}
+	f.open()
+	select {
+	case r := <-answers:
+		if r != &held || errs[r] != nil {
+			t.Fatalf("the held write answered %v", errs[r])
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the held write was not answered once the device answered")
+	}
+	select {
+	case <-d.ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the device was not let go once its write ended")
+	}
+	if err := d.release(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDirectIOReapFails: a reaper that cannot wait for completions any more, with a write
+// at the device, never lets the device go: the write may still reach the device and its
+// chunk, so the access mode keeps counting and the descriptors stay open.
+func TestDirectIOReapFails(t *testing.T) {
+	leakcheck.Check(t)
+	old := dioDrainTimeout
+	dioDrainTimeout = 200 * time.Millisecond
+	t.Cleanup(func() { dioDrainTimeout = old })
+	f, name := gatedLoop(t)
+	var broken atomic.Bool
+	var once sync.Once
+	failed := make(chan struct{}) // the reaper's last call: its read of dioGetEvents came before
+	dioGetEvents = func(c *aio.Context, ev []aio.Event, timeout time.Duration) (int, error) {
+		if broken.Load() {
+			once.Do(func() { close(failed) })
+			return 0, fmt.Errorf("io_getevents: %w", unix.EBADF)
+		}
+		return c.GetEvents(ev, timeout)
+	}
+	t.Cleanup(func() { dioGetEvents = (*aio.Context).GetEvents })
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(*transport.SrvRequest, error) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	f.shut()
+	defer f.open()
+	var held transport.SrvRequest
+	if !d.submit(&held, true, false, buf, 0) {
+		t.Fatal("write refused")
+	}
+	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	broken.Store(true)
+	d.wake() // the reaper's next wait fails
+	<-failed
 	if err := d.close(); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("close with a write at the device: %v, want EBUSY", err)
 	}
@@ -643,66 +700,4 @@ func TestDirectIORingFailsWithIOAtDevice(t *testing.T) {
 	// What a restart would do: the descriptors go, so the test's loop device and FUSE
 	// mount can.
 	_ = d.release()
-	_ = unix.Munmap(buf)
-}
-
-// TestDirectIOEntriesNotTaken: entries the kernel leaves in the ring (io_uring_enter takes
-// only some, here none, without an error) are answered when a later call fails for good,
-// and the device is let go, since none of them reached it.
-func TestDirectIOEntriesNotTaken(t *testing.T) {
-	leakcheck.Check(t)
-	name, _, _ := loopExport(t)
-	var mode, calls atomic.Int32 // 0: the kernel's; 1: it takes none; 2: it fails
-	dioEnter = func(r *uring.Ring, wait uint32, timeout time.Duration) (int, error) {
-		switch mode.Load() {
-		case 1:
-			calls.Add(1)
-			time.Sleep(time.Millisecond)
-			return 0, nil
-		case 2:
-			return 0, fmt.Errorf("io_uring_enter: %w", unix.EBADF)
-		}
-		return r.Submit(wait, timeout)
-	}
-	t.Cleanup(func() { dioEnter = (*uring.Ring).Submit })
-	answers := make(chan error, 1)
-	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(_ *transport.SrvRequest, err error) { answers <- err })
-	if err != nil {
-		t.Fatal(err)
-	}
-	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(buf)
-	mode.Store(1)
-	var r transport.SrvRequest
-	if !d.submit(&r, false, false, buf, 0) {
-		t.Fatal("read refused")
-	}
-	// The doorbell wakes the loop from the kernel's wait; its next calls put the read in
-	// the ring, where the kernel leaves it.
-	testutil.WaitFor(t, 5*time.Second, "the loop's calls", func() bool { return calls.Load() > 3 })
-	select {
-	case err := <-answers:
-		t.Fatalf("a read the kernel never took answered %v", err)
-	default:
-	}
-	mode.Store(2)
-	select {
-	case err := <-answers:
-		if !errors.Is(err, unix.EBADF) {
-			t.Fatalf("the read the kernel never took answered %v, want EBADF", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the read the kernel never took was not answered")
-	}
-	select {
-	case <-d.ended:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the device was not let go, with nothing at it")
-	}
-	if err := d.close(); err != nil {
-		t.Fatalf("close: %v", err)
-	}
 }

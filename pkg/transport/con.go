@@ -39,6 +39,17 @@ type con struct {
 	recvBatch int
 	recvOwed  int
 	emptyWRs  [serverRecvBatch]rdma.RecvWR
+
+	atEnd []func() // SrvRequest.AtBurstEnd's, run by the completion handler at its end
+}
+
+// endBurst runs what the burst's requests asked for at its end.
+func (c *con) endBurst() {
+	for i, fn := range c.atEnd {
+		c.atEnd[i] = nil
+		fn()
+	}
+	c.atEnd = c.atEnd[:0]
 }
 
 // serverRecvBatch is how many empty receives a server IO connection re-posts at once: one

@@ -10,6 +10,7 @@ import (
 
 // onCompletions is connection c's completion handler.
 func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
+	defer c.endBurst()
 	p.Stats.HandlerCall(c.drain(wc, func(w rdma.WC) {
 		if w.Status != rdma.WCSuccess {
 			if w.Status != rdma.WCFlushErr {
@@ -134,6 +135,18 @@ type SrvRequest struct {
 	path *SrvPath
 	slot *srvReq
 	done atomic.Bool
+}
+
+// AtBurstEnd has fn called once the burst of requests this one came in has been handed up,
+// on the same goroutine, so that a handler can gather what the burst's requests start (one
+// system call for many). Only from Handler.Request, on its goroutine; false when the request
+// came otherwise, and fn is then the caller's to call.
+func (r *SrvRequest) AtBurstEnd(fn func()) bool {
+	if r.slot == nil || r.slot.con == nil {
+		return false
+	}
+	r.slot.con.atEnd = append(r.slot.con.atEnd, fn)
+	return true
 }
 
 // Session is the request's session.

@@ -1,0 +1,110 @@
+// Package aio is the small layer of Linux's native asynchronous IO (io_setup(2),
+// io_submit(2), io_getevents(2)) that the server's direct IO needs, on golang.org/x/sys/unix
+// and no cgo.
+//
+// Why AIO beside io_uring (see docs/design.md): a block device's O_DIRECT completion goes to
+// the AIO context's ring from the device's completion context, where io_uring runs it as task
+// work of the thread that submitted the request. Any goroutine can therefore submit to a
+// Context, on whatever thread it runs, and another reap, with no thread of its own needed
+// for either side.
+package aio
+
+import (
+	"fmt"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Commands (IOCB_CMD_*).
+const (
+	CmdPread  = 0
+	CmdPwrite = 1
+	CmdPoll   = 5
+)
+
+// IOCB is struct iocb, 64 bytes. The kernel reads it during Submit only.
+type IOCB struct {
+	Data    uint64 // handed back in the Event
+	key     uint32
+	RWFlags uint32 // RWF_* for reads and writes
+	Opcode  uint16
+	reqprio int16
+	Fd      uint32
+	Buf     uint64 // an address; for CmdPoll, the poll events
+	Nbytes  uint64
+	Offset  int64
+	_       uint64
+	Flags   uint32
+	ResFd   uint32
+}
+
+// Event is struct io_event, a completion: Res is the byte count or a negative errno.
+type Event struct {
+	Data uint64
+	Obj  uint64
+	Res  int64
+	Res2 int64
+}
+
+// Context is an AIO context. Submit and GetEvents may be called from any goroutine.
+type Context struct{ id uint64 }
+
+// New sets up a context for n requests in flight at once.
+func New(n int) (*Context, error) {
+	c := &Context{}
+	if _, _, e := unix.Syscall(unix.SYS_IO_SETUP, uintptr(n), uintptr(unsafe.Pointer(&c.id)), 0); e != 0 {
+		return nil, fmt.Errorf("io_setup(%d): %w", n, e)
+	}
+	return c, nil
+}
+
+// Destroy tears the context down; the kernel waits for what is still in flight, so call it
+// only once nothing is.
+func (c *Context) Destroy() error {
+	if _, _, e := unix.Syscall(unix.SYS_IO_DESTROY, uintptr(c.id), 0, 0); e != 0 {
+		return fmt.Errorf("io_destroy: %w", e)
+	}
+	return nil
+}
+
+// Submit submits the requests in order and returns how many the kernel took. It takes the
+// first ones up to the first it refuses: that refusal is the error only when it took none
+// (EAGAIN: no resources, or, with RWF_NOWAIT, the request would block).
+func (c *Context) Submit(cbs []*IOCB) (int, error) {
+	if len(cbs) == 0 {
+		return 0, nil
+	}
+	for {
+		n, _, e := unix.Syscall(unix.SYS_IO_SUBMIT, uintptr(c.id), uintptr(len(cbs)), uintptr(unsafe.Pointer(&cbs[0])))
+		switch e {
+		case 0:
+			return int(n), nil
+		case unix.EINTR:
+			continue
+		default:
+			return 0, fmt.Errorf("io_submit: %w", e)
+		}
+	}
+}
+
+// GetEvents waits up to timeout for at least one completion and moves up to len(ev) of them
+// into ev; it returns how many (0 when the time ran out).
+func (c *Context) GetEvents(ev []Event, timeout time.Duration) (int, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		ts := unix.NsecToTimespec(max(time.Until(deadline), 0).Nanoseconds())
+		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, uintptr(c.id), 1, uintptr(len(ev)), uintptr(unsafe.Pointer(&ev[0])), uintptr(unsafe.Pointer(&ts)), 0)
+		switch e {
+		case 0:
+			return int(n), nil
+		case unix.EINTR: // the Go runtime's preemption signals
+			if time.Now().After(deadline) {
+				return 0, nil
+			}
+		default:
+			return 0, fmt.Errorf("io_getevents: %w", e)
+		}
+	}
+}
