@@ -21,7 +21,8 @@ import (
 // of the data in the server's memory, and a WRITE is at the device when it is answered), and
 // through Linux AIO, so no thread waits per IO. The transport's goroutine submits the
 // requests of its receive burst itself, in one io_submit at the burst's end and with
-// RWF_NOWAIT, so it never waits for the device and no other thread is woken to submit; one
+// RWF_NOWAIT, so it does not wait for the device (but for a driver whose queue function
+// sleeps, as nbd's, which runs in the submitter) and no other thread is woken to submit; one
 // goroutine (the reaper) waits for the completions and answers them, and submits, blocking,
 // what could not go without waiting. io_uring would need a thread of its own per ring and
 // a wake-up of it per burst (docs/design.md).
@@ -43,8 +44,9 @@ type directIO struct {
 	free      []uint16
 	inflight  int // slots taken
 	closing   bool
-	broken    bool // submission failed for good: submit refuses, and the caller uses the page cache
-	blocking  bool // the device refuses RWF_NOWAIT: only the reaper submits
+	broken    bool  // submission failed for good: submit refuses, and the caller uses the page cache
+	err       error // why
+	blocking  bool  // the device refuses RWF_NOWAIT: only the reaper submits
 }
 
 // dioOp is one READ or WRITE, or what is left of it after a short transfer.
@@ -62,12 +64,14 @@ const (
 	// sessions' paths, which the server sizes.
 	dioEntries = 128
 	udBell     = 1 << 32
-	// dioWaitSlice bounds one wait of the reaper.
-	dioWaitSlice = time.Second
 	// dioStuckTimeout bounds how long the reaper keeps trying requests the kernel refuses
 	// for want of resources, with nothing at the device to free them, before it gives up.
 	dioStuckTimeout = 10 * time.Second
 )
+
+// dioWaitSlice bounds one wait of the reaper; a variable for the tests, which show that
+// nothing waits for it.
+var dioWaitSlice = time.Second
 
 // dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the reaper
 // running (and the descriptors open) rather than hang: a device that stopped answering. A
@@ -89,7 +93,13 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 	if writable {
 		flags = unix.O_RDWR
 	}
-	fd, err := unix.Open(path, flags|unix.O_DIRECT|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	flags |= unix.O_DIRECT | unix.O_CLOEXEC | unix.O_NOCTTY
+	// No access time to update on the transport's goroutine at each READ; only the owner
+	// (or CAP_FOWNER) may ask.
+	fd, err := unix.Open(path, flags|unix.O_NOATIME, 0)
+	if err == unix.EPERM {
+		fd, err = unix.Open(path, flags, 0)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("open %s O_DIRECT: %w", path, err)
 	}
@@ -158,11 +168,13 @@ func probeDirect(fd, lbs int) error {
 }
 
 // submit queues a READ (into buf) or a WRITE (of buf, durable before it is answered with
-// fua) at off, to be submitted at the end of the transport's burst it came in (at once when
-// it came otherwise); false if O_DIRECT cannot take buf (not aligned to the logical block),
-// or submission failed for good, which the caller then serves through the page cache. The
-// caller holds the device open: close comes after every submit.
-func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, off int64) bool {
+// fua) at off. inBurst says the caller is the transport's goroutine handing up r in a
+// receive burst: the request is then submitted at the burst's end, with the burst's others;
+// any other caller may wait, and submits it at once. False if O_DIRECT cannot take buf (not
+// aligned to the logical block), or submission failed for good, which the caller then
+// serves through the page cache. The caller holds the device open: close comes after every
+// submit.
+func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, off int64, inBurst bool) bool {
 	if len(buf) == 0 {
 		d.answer(r, nil)
 		return true
@@ -176,6 +188,11 @@ func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, 
 		return false
 	}
 	d.queued = append(d.queued, dioOp{r: r, write: write, fua: fua, buf: buf, off: off})
+	if !inBurst {
+		d.mu.Unlock()
+		d.push(false)
+		return true
+	}
 	if d.blocking {
 		d.mu.Unlock()
 		d.wake()
@@ -232,7 +249,9 @@ func (d *directIO) push(nowait bool) (left bool) {
 		d.prep(slot)
 		slots[i], cbs[i] = slot, &d.cbs[slot]
 	}
-	d.queued = d.queued[:copy(d.queued, d.queued[n:])]
+	k := copy(d.queued, d.queued[n:])
+	clear(d.queued[k:]) // no answered request stays reachable from the tail
+	d.queued = d.queued[:k]
 	d.inflight += n
 	d.mu.Unlock()
 
@@ -252,7 +271,7 @@ func (d *directIO) push(nowait bool) (left bool) {
 	var fails []dioOp
 	if err != nil {
 		fails = append(back, d.queued...)
-		d.queued, d.broken = nil, true
+		d.queued, d.broken, d.err = nil, true, err
 	} else if len(back) > 0 {
 		d.queued = append(back, d.queued...)
 	}
@@ -360,7 +379,7 @@ func (d *directIO) run() {
 func (d *directIO) giveUp(err error) {
 	d.mu.Lock()
 	q := d.queued
-	d.queued, d.broken = nil, true
+	d.queued, d.broken, d.err = nil, true, err
 	d.mu.Unlock()
 	d.fail(q, err)
 }
@@ -375,9 +394,11 @@ func (d *directIO) fail(ops []dioOp, err error) {
 // completion handles one completion: the bell's poll, or an operation's.
 func (d *directIO) completion(ev aio.Event) {
 	if ev.Data == udBell {
-		d.rung.Store(false)
+		// Read, then clear: a wake between the two is seen by the look at the queue and
+		// the closing flag that follows this round; one after it writes again.
 		var b [8]byte
 		_, _ = unix.Read(d.bell, b[:])
+		d.rung.Store(false)
 		if err := d.armBell(); err != nil {
 			d.giveUp(fmt.Errorf("the reaper's bell: %w", err))
 		}
@@ -391,6 +412,10 @@ func (d *directIO) completion(ev aio.Event) {
 	d.inflight--
 	var err error
 	switch {
+	case d.broken && (op.nowait && (ev.Res == -int64(unix.EAGAIN) || ev.Res == -int64(unix.EOPNOTSUPP)) ||
+		ev.Res > 0 && ev.Res < int64(len(op.buf))):
+		// It would go again, but nothing is submitted any more.
+		err = d.err
 	case op.nowait && (ev.Res == -int64(unix.EAGAIN) || ev.Res == -int64(unix.EOPNOTSUPP)):
 		// It would have waited (no request free at the device), or the device does not
 		// take RWF_NOWAIT at all: the reaper submits it again, blocking.

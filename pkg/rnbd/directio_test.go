@@ -152,17 +152,17 @@ func TestDirectIOQueue(t *testing.T) {
 			}
 			copy(want[off:], b)
 		}
-		if !d.submit(&reqs[i], write, i%4 == 0, b, off) {
+		if !d.submit(&reqs[i], write, i%4 == 0, b, off, i%2 == 0) {
 			t.Fatalf("request %d refused", i)
 		}
 	}
-	if d.submit(&reqs[n], false, false, buf[n*bs+1:n*bs+1+512], 0) {
+	if d.submit(&reqs[n], false, false, buf[n*bs+1:n*bs+1+512], 0, true) {
 		t.Fatal("a buffer one byte off the block accepted")
 	}
-	if !d.submit(&reqs[n+1], false, false, buf[:0], 0) {
+	if !d.submit(&reqs[n+1], false, false, buf[:0], 0, true) {
 		t.Fatal("an empty request refused")
 	}
-	if !d.submit(&reqs[n+2], false, false, buf[n*bs:n*bs+bs], loopSize) {
+	if !d.submit(&reqs[n+2], false, false, buf[n*bs:n*bs+bs], loopSize, true) {
 		t.Fatal("a read at the end refused")
 	}
 	if err := d.close(); err != nil {
@@ -546,7 +546,7 @@ func TestDirectIOSubmitRefused(t *testing.T) {
 	}
 	defer unix.Munmap(buf)
 	for i := range n {
-		if !d.submit(&reqs[i], false, false, buf[i*bs:(i+1)*bs], int64(i*bs)) {
+		if !d.submit(&reqs[i], false, false, buf[i*bs:(i+1)*bs], int64(i*bs), true) {
 			t.Fatalf("request %d refused", i)
 		}
 		if i%16 == 0 {
@@ -607,18 +607,18 @@ func TestDirectIOSubmitFailsWithIOAtDevice(t *testing.T) {
 	defer unix.Munmap(buf)
 	f.shut()
 	defer f.open()
-	if !d.submit(&held, true, false, buf[:4096], 0) {
+	if !d.submit(&held, true, false, buf[:4096], 0, true) {
 		t.Fatal("write refused")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
 	broken.Store(true)
-	if !d.submit(&next, true, false, buf[4096:8192], 4096) {
+	if !d.submit(&next, true, false, buf[4096:8192], 4096, true) {
 		t.Fatal("second write refused before the submission failed")
 	}
 	if r := <-answers; r != &next || !errors.Is(errs[r], unix.EBADF) {
 		t.Fatalf("the write the kernel never took: answered %v (held: %v), want EBADF", errs[r], r == &held)
 	}
-	if d.submit(&last, true, false, buf[8192:], 8192) {
+	if d.submit(&last, true, false, buf[8192:], 8192, true) {
 		t.Fatal("a write taken for direct IO after a submission failed for good")
 	}
 	if err := d.close(); !errors.Is(err, syscall.EBUSY) {
@@ -680,7 +680,7 @@ func TestDirectIOReapFails(t *testing.T) {
 	f.shut()
 	defer f.open()
 	var held transport.SrvRequest
-	if !d.submit(&held, true, false, buf, 0) {
+	if !d.submit(&held, true, false, buf, 0, true) {
 		t.Fatal("write refused")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
@@ -700,4 +700,52 @@ func TestDirectIOReapFails(t *testing.T) {
 	// What a restart would do: the descriptors go, so the test's loop device and FUSE
 	// mount can.
 	_ = d.release()
+}
+
+// TestDirectIOPreflushWrite: a WRITE with PREFLUSH reaches direct IO from the goroutine that
+// ran its flush, not the transport's in a burst, and is submitted from there at once (it was
+// left for a burst end that would never come, and waited for the reaper's next round); the
+// data is on the device.
+func TestDirectIOPreflushWrite(t *testing.T) {
+	leakcheck.Check(t)
+	old := dioWaitSlice
+	dioWaitSlice = 15 * time.Second // longer than a request is given below
+	t.Cleanup(func() { dioWaitSlice = old })
+	name, file, _ := loopExport(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	c := e.client(t, 5*time.Second)
+	d := mustMap(t, e, c, "pf", name, AccessRW)
+	s := c.Session("pf")
+	want := make([]byte, 6*4096)
+	for i := range 6 {
+		block := bytes.Repeat([]byte{byte(0x40 + i)}, 4096)
+		copy(want[i*4096:], block)
+		usr := make([]byte, IOSize)
+		MsgIO{DeviceID: d.ID(), Sector: uint64(i * 8), RW: uint32(OpWrite) | FlagSync | FlagPreflush, BiSize: 4096}.Put(usr)
+		done := make(chan error, 1)
+		go func() { done <- s.Do(context.Background(), transport.Write, usr, block) }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("WRITE with PREFLUSH %d: %v", i, err)
+			}
+		case <-time.After(10 * time.Second):
+			<-done // the reaper's round submits it: the test's cleanup then finds nothing held
+			t.Fatalf("WRITE with PREFLUSH %d waited for the reaper's round", i)
+		}
+	}
+	got := make([]byte, len(want))
+	f, err := os.Open(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the writes are not in the device's file")
+	}
 }

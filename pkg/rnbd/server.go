@@ -841,7 +841,7 @@ func (s *Server) runIO(r *transport.SrvRequest, m *MsgIO, op Op, b *backing, off
 				return backingErr(err)
 			}
 		}
-		if b.dio != nil && b.dio.submit(r, false, false, r.Data, off) {
+		if b.dio != nil && b.dio.submit(r, false, false, r.Data, off, nowait) {
 			s.Stats.Reads.Inc(r.ID())
 			return errResponded
 		}
@@ -849,7 +849,7 @@ func (s *Server) runIO(r *transport.SrvRequest, m *MsgIO, op Op, b *backing, off
 			s.Stats.Reads.Inc(r.ID())
 		}
 	case OpWrite:
-		if b.dio != nil && b.dio.submit(r, true, fua, r.Data, off) {
+		if b.dio != nil && b.dio.submit(r, true, fua, r.Data, off, nowait) {
 			s.Stats.Writes.Inc(r.ID())
 			if fua {
 				s.Stats.FUAWrites.Inc(r.ID())

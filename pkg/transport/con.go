@@ -87,7 +87,8 @@ func (c *con) signal() rdma.SendFlags {
 }
 
 // drain polls c's queue empty, passing each completion to handle, and returns how many there
-// were (for wc_completion).
+// were (for wc_completion). A burst (SrvRequest.AtBurstEnd) ends with each poll's batch, so
+// that under steady load its first request does not wait for the queue to run dry.
 func (c *con) drain(wc []rdma.WC, handle func(rdma.WC)) int {
 	total := 0
 	for n := c.cq.Poll(wc); n > 0; n = c.cq.Poll(wc) {
@@ -95,6 +96,7 @@ func (c *con) drain(wc []rdma.WC, handle func(rdma.WC)) int {
 		for _, w := range wc[:n] {
 			handle(w)
 		}
+		c.endBurst()
 	}
 	return total
 }

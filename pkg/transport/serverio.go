@@ -10,7 +10,6 @@ import (
 
 // onCompletions is connection c's completion handler.
 func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
-	defer c.endBurst()
 	p.Stats.HandlerCall(c.drain(wc, func(w rdma.WC) {
 		if w.Status != rdma.WCSuccess {
 			if w.Status != rdma.WCFlushErr {
@@ -137,10 +136,12 @@ type SrvRequest struct {
 	done atomic.Bool
 }
 
-// AtBurstEnd has fn called once the burst of requests this one came in has been handed up,
-// on the same goroutine, so that a handler can gather what the burst's requests start (one
-// system call for many). Only from Handler.Request, on its goroutine; false when the request
-// came otherwise, and fn is then the caller's to call.
+// AtBurstEnd has fn called once the burst of requests this one came in (one poll of the
+// connection's completions) has been handed up, on the same goroutine, so that a handler can
+// gather what the burst's requests start (one system call for many). Only from
+// Handler.Request, on its goroutine, before it returns: from anywhere else it races with the
+// burst's end. False for a request that came through no connection (a test's), and fn is then
+// the caller's to call.
 func (r *SrvRequest) AtBurstEnd(fn func()) bool {
 	if r.slot == nil || r.slot.con == nil {
 		return false
