@@ -299,14 +299,19 @@ func gatedLoop(t *testing.T) (*gatedFile, string) {
 	return f, name
 }
 
+// withDrain sets dioDrainTimeout for the test.
+func withDrain(t *testing.T, drain time.Duration) {
+	old := dioDrainTimeout
+	dioDrainTimeout = drain
+	t.Cleanup(func() { dioDrainTimeout = old })
+}
+
 // gatedEnv starts a server exporting /dev with a gatedLoop device in it, dioDrainTimeout
 // set to drain for the test; the gate opens before the server stops, which waits for what
 // the device holds.
 func gatedEnv(t *testing.T, drain time.Duration) (*gatedFile, string, *testEnv) {
 	t.Helper()
-	old := dioDrainTimeout
-	dioDrainTimeout = drain
-	t.Cleanup(func() { dioDrainTimeout = old })
+	withDrain(t, drain)
 	f, name := gatedLoop(t)
 	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
 	e.start(t, 0)
@@ -575,9 +580,7 @@ func TestDirectIOSubmitRefused(t *testing.T) {
 // write already at the device is answered when it ends, and the device is let go only then.
 func TestDirectIOSubmitFailsWithIOAtDevice(t *testing.T) {
 	leakcheck.Check(t)
-	old := dioDrainTimeout
-	dioDrainTimeout = 200 * time.Millisecond
-	t.Cleanup(func() { dioDrainTimeout = old })
+	withDrain(t, 200*time.Millisecond)
 	f, name := gatedLoop(t)
 	var broken atomic.Bool
 	dioSubmit = func(c *aio.Context, cbs []*aio.IOCB) (int, error) {
@@ -653,9 +656,7 @@ func TestDirectIOSubmitFailsWithIOAtDevice(t *testing.T) {
 // chunk, so the access mode keeps counting and the descriptors stay open.
 func TestDirectIOReapFails(t *testing.T) {
 	leakcheck.Check(t)
-	old := dioDrainTimeout
-	dioDrainTimeout = 200 * time.Millisecond
-	t.Cleanup(func() { dioDrainTimeout = old })
+	withDrain(t, 200*time.Millisecond)
 	f, name := gatedLoop(t)
 	var broken atomic.Bool
 	var once sync.Once
