@@ -69,6 +69,11 @@ const (
 	dioStuckTimeout = 10 * time.Second
 )
 
+// dioHandOff is the size from which the transport's goroutine leaves a request's
+// submission to the reaper: building the bios of a large IO (its pages pinned) costs more
+// than the wake-up, and runs beside the transport's next receives.
+const dioHandOff = 64 << 10
+
 // dioWaitSlice bounds one wait of the reaper; a variable for the tests, which show that
 // nothing waits for it.
 var dioWaitSlice = time.Second
@@ -193,7 +198,7 @@ func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, 
 		d.push(false)
 		return true
 	}
-	if d.blocking {
+	if d.blocking || len(buf) >= dioHandOff {
 		d.mu.Unlock()
 		d.wake()
 		return true
