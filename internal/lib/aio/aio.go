@@ -27,10 +27,10 @@ const (
 // IOCB is struct iocb, 64 bytes. The kernel reads it during Submit only.
 type IOCB struct {
 	Data    uint64 // handed back in the Event
-	key     uint32
+	_       uint32 // aio_key: the kernel's
 	RWFlags uint32 // RWF_* for reads and writes
 	Opcode  uint16
-	reqprio int16
+	_       int16 // aio_reqprio
 	Fd      uint32
 	Buf     uint64 // an address; for CmdPoll, the poll events
 	Nbytes  uint64
