@@ -344,7 +344,7 @@ func (d *directIO) run() {
 	}()
 	events := make([]aio.Event, dioEntries)
 	var replies transport.Replies // a round's responses, posted together
-	var stuck time.Time           // since when the kernel has refused requests with nothing in flight
+	var stuck time.Time // since when the kernel has refused requests with nothing in flight
 	for {
 		left := d.push(false)
 		d.mu.Lock()
