@@ -384,7 +384,7 @@ func unsupported(err error) bool { return err == unix.EOPNOTSUPP || err == unix.
 
 // openDirect starts direct IO on a block device, answering through answer. The device is
 // opened again through its descriptor, not its name, which may have changed since.
-func (b *backing) openDirect(answer dioAnswer) error {
+func (b *backing) openDirect(answer func(*transport.SrvRequest, error)) error {
 	d, err := newDirectIO(fmt.Sprintf("/proc/self/fd/%d", b.fd), b.writable, b.lbs, answer)
 	if err != nil {
 		return err

@@ -29,7 +29,7 @@ import (
 type directIO struct {
 	fd     int // the device, opened O_DIRECT
 	align  uintptr
-	answer dioAnswer
+	answer func(r *transport.SrvRequest, err error)
 	ctx    *aio.Context
 	bell   int         // an eventfd the reaper polls through ctx: wakes it to submit or to end
 	bellCB aio.IOCB    // the poll; only the reaper re-arms it
@@ -48,10 +48,6 @@ type directIO struct {
 	err       error // why
 	blocking  bool  // the device refuses RWF_NOWAIT: only the reaper submits
 }
-
-// dioAnswer answers a request direct IO has finished; the reaper passes the Replies that
-// posts its round's responses together, others nil.
-type dioAnswer func(r *transport.SrvRequest, err error, b *transport.Replies)
 
 // dioOp is one READ or WRITE, or what is left of it after a short transfer.
 type dioOp struct {
@@ -97,7 +93,7 @@ var (
 // newDirectIO opens the block device at path O_DIRECT (writable or not) and starts its
 // reaper; answer is called once per request when it is done, on the reaper's goroutine or,
 // for a request refused at submission, on the submitter's.
-func newDirectIO(path string, writable bool, lbs int, answer dioAnswer) (*directIO, error) {
+func newDirectIO(path string, writable bool, lbs int, answer func(*transport.SrvRequest, error)) (*directIO, error) {
 	flags := unix.O_RDONLY
 	if writable {
 		flags = unix.O_RDWR
@@ -185,7 +181,7 @@ func probeDirect(fd, lbs int) error {
 // submit.
 func (d *directIO) submit(r *transport.SrvRequest, write, fua bool, buf []byte, off int64, inBurst bool) bool {
 	if len(buf) == 0 {
-		d.answer(r, nil, nil)
+		d.answer(r, nil)
 		return true
 	}
 	if uintptr(unsafe.Pointer(&buf[0]))%d.align != 0 || uintptr(len(buf))%d.align != 0 || uintptr(off)%d.align != 0 {
@@ -343,7 +339,6 @@ func (d *directIO) run() {
 		}
 	}()
 	events := make([]aio.Event, dioEntries)
-	var replies transport.Replies // a round's responses, posted together
 	var stuck time.Time // since when the kernel has refused requests with nothing in flight
 	for {
 		left := d.push(false)
@@ -380,9 +375,8 @@ func (d *directIO) run() {
 			return
 		}
 		for _, ev := range events[:n] {
-			d.completion(ev, &replies)
+			d.completion(ev)
 		}
-		replies.Flush()
 	}
 }
 
@@ -398,13 +392,12 @@ func (d *directIO) giveUp(err error) {
 // fail answers ops with err.
 func (d *directIO) fail(ops []dioOp, err error) {
 	for _, op := range ops {
-		d.answer(op.r, err, nil)
+		d.answer(op.r, err)
 	}
 }
 
-// completion handles one completion: the bell's poll, or an operation's, whose response
-// goes out with the round's others (rep).
-func (d *directIO) completion(ev aio.Event, rep *transport.Replies) {
+// completion handles one completion: the bell's poll, or an operation's.
+func (d *directIO) completion(ev aio.Event) {
 	if ev.Data == udBell {
 		// Read, then clear: a wake between the two is seen by the look at the queue and
 		// the closing flag that follows this round; one after it writes again.
@@ -447,7 +440,7 @@ func (d *directIO) completion(ev aio.Event, rep *transport.Replies) {
 		return
 	}
 	d.mu.Unlock()
-	d.answer(op.r, err, rep)
+	d.answer(op.r, err)
 }
 
 func opName(write bool) string {

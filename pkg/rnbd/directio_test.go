@@ -123,7 +123,7 @@ func TestDirectIOQueue(t *testing.T) {
 	name, file, model := loopExport(t)
 	var mu sync.Mutex
 	answers := map[*transport.SrvRequest][]error{}
-	answer := func(r *transport.SrvRequest, err error, _ *transport.Replies) {
+	answer := func(r *transport.SrvRequest, err error) {
 		mu.Lock()
 		answers[r] = append(answers[r], err)
 		mu.Unlock()
@@ -535,7 +535,7 @@ func TestDirectIOSubmitRefused(t *testing.T) {
 	t.Cleanup(func() { dioSubmit = (*aio.Context).Submit })
 	var mu sync.Mutex
 	answers := map[*transport.SrvRequest][]error{}
-	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error, _ *transport.Replies) {
+	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(r *transport.SrvRequest, err error) {
 		mu.Lock()
 		answers[r] = append(answers[r], err)
 		mu.Unlock()
@@ -594,7 +594,7 @@ func TestDirectIOSubmitFailsWithIOAtDevice(t *testing.T) {
 	answers := make(chan *transport.SrvRequest, 2)
 	errs := map[*transport.SrvRequest]error{}
 	var mu sync.Mutex
-	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(r *transport.SrvRequest, err error, _ *transport.Replies) {
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(r *transport.SrvRequest, err error) {
 		mu.Lock()
 		errs[r] = err
 		mu.Unlock()
@@ -669,7 +669,7 @@ func TestDirectIOReapFails(t *testing.T) {
 		return c.GetEvents(ev, timeout)
 	}
 	t.Cleanup(func() { dioGetEvents = (*aio.Context).GetEvents })
-	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(*transport.SrvRequest, error, *transport.Replies) {})
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(*transport.SrvRequest, error) {})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -298,14 +298,13 @@ func (s *Server) blockGroup(r *transport.SrvRequest) (group any, limit int, coun
 // sessions. A variable for the tests.
 var maxLoops = 512
 
-// ioDone answers a READ or WRITE the device's direct IO has finished, through rep when the
-// reaper gathers its round's responses.
-func (s *Server) ioDone(r *transport.SrvRequest, err error, rep *transport.Replies) {
+// ioDone answers a READ or WRITE the device's direct IO has finished.
+func (s *Server) ioDone(r *transport.SrvRequest, err error) {
 	if err != nil {
 		err = backingErr(err)
 		s.failed(r, err)
 	}
-	rep.Respond(r, errno.Neg(err))
+	r.Respond(errno.Neg(err))
 }
 
 func (s *Server) failed(r *transport.SrvRequest, err error) {

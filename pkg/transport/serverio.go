@@ -278,25 +278,8 @@ func (r *SrvRequest) RespondFile(src *FileSource, off int64) error {
 func (r *SrvRequest) respond(errno int, fmr rdma.MR, off int64) {
 	p := r.path
 	defer p.opDone()
-	c, wrs := r.chain(errno, fmr, off)
-	if wrs == nil {
-		return // dropped
-	}
-	if _, err := c.qp.PostSend(wrs); err != nil {
-		p.lg().WithError(err).Warn("response not sent")
-		go p.Close()
-	}
-}
-
-// chain builds the response chain in the request's slot and returns it with the connection
-// it goes out on; nil for a path that is closing, whose responses are dropped. The chunk is
-// free from here: the client may send its next request as soon as the response lands,
-// possibly before the post returns, and a request that comes early touches neither the
-// chain nor its SGEs before it is answered itself.
-func (r *SrvRequest) chain(errno int, fmr rdma.MR, off int64) (*con, []rdma.SendWR) {
-	p := r.path
 	if !p.live.Load() {
-		return nil, nil
+		return // dropped
 	}
 	sr := r.slot
 	o := p.sess.srv.opts
@@ -331,70 +314,12 @@ func (r *SrvRequest) chain(errno int, fmr rdma.MR, off int64) (*con, []rdma.Send
 	}
 	wrs[n].ID, wrs[n].Flags = wrResp|uint64(sr.id), c.signal()
 	n++
+	// The chunk is free before the post: the client may send its next request as soon as
+	// the response lands, possibly before PostSend returns. A request that comes early
+	// touches neither the chain nor its SGEs before it is answered itself.
 	sr.busy.Store(false)
-	return c, wrs[:n]
-}
-
-// Replies gathers responses so that those going out on one connection are posted together:
-// one post, and on verbs one doorbell, for a round of completions instead of one each. The
-// zero value is ready; one goroutine uses it at a time, and reuses it after Flush.
-type Replies struct {
-	cons []replyCon
-}
-
-// replyCon is what a Replies holds for one connection.
-type replyCon struct {
-	c     *con
-	path  *SrvPath
-	wrs   []rdma.SendWR
-	count int // requests answered in wrs
-}
-
-// Respond answers r with errno as r.Respond does, but the response waits for Flush. A nil
-// Replies posts it at once.
-func (b *Replies) Respond(r *SrvRequest, errno int) {
-	if b == nil {
-		r.Respond(errno)
-		return
+	if _, err := c.qp.PostSend(wrs[:n]); err != nil {
+		p.lg().WithError(err).Warn("response not sent")
+		go p.Close()
 	}
-	if r.done.Swap(true) {
-		return
-	}
-	c, wrs := r.chain(errno, nil, 0)
-	if wrs == nil {
-		r.path.opDone()
-		return
-	}
-	i := 0
-	for i < len(b.cons) && b.cons[i].c != c {
-		i++
-	}
-	if i == len(b.cons) {
-		if i < cap(b.cons) {
-			b.cons = b.cons[:i+1] // keeps the entry's buffer
-		} else {
-			b.cons = append(b.cons, replyCon{})
-		}
-		b.cons[i].c, b.cons[i].path = c, r.path
-	}
-	rc := &b.cons[i]
-	rc.wrs = append(rc.wrs, wrs...) // copied: the slot's chain is built again for its next request
-	rc.count++
-}
-
-// Flush posts what was gathered, a post per connection, and ends those requests.
-func (b *Replies) Flush() {
-	for i := range b.cons {
-		rc := &b.cons[i]
-		if _, err := rc.c.qp.PostSend(rc.wrs); err != nil {
-			rc.path.lg().WithError(err).Warnf("%d responses not sent", rc.count)
-			go rc.path.Close()
-		}
-		for range rc.count {
-			rc.path.opDone()
-		}
-		clear(rc.wrs) // nothing stays reachable through a kept request
-		rc.c, rc.path, rc.wrs, rc.count = nil, nil, rc.wrs[:0], 0
-	}
-	b.cons = b.cons[:0]
 }
