@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -23,17 +24,23 @@ import (
 // requests of its receive burst itself, in one io_submit at the burst's end and with
 // RWF_NOWAIT, so it does not wait for the device (but for a driver whose queue function
 // sleeps, as nbd's, which runs in the submitter) and no other thread is woken to submit; one
-// goroutine (the reaper) waits for the completions and answers them, and submits, blocking,
-// what could not go without waiting. io_uring would need a thread of its own per ring and
-// a wake-up of it per burst (docs/design.md).
+// goroutine (the reaper) answers the completions, and submits, blocking, what could not go
+// without waiting. Each request's completion signals an eventfd the reaper waits on in Go's
+// netpoller, beside the connections' completion channels, so that a thread the runtime
+// wakes for one finds the other ready too, where a thread blocked in io_getevents was one
+// more to wake. io_uring would need a thread of its own per ring and a wake-up of it per
+// burst (docs/design.md).
 type directIO struct {
 	fd     int // the device, opened O_DIRECT
 	align  uintptr
 	answer func(r *transport.SrvRequest, err error)
 	ctx    *aio.Context
-	bell   int         // an eventfd the reaper polls through ctx: wakes it to submit or to end
-	bellCB aio.IOCB    // the poll; only the reaper re-arms it
-	rung   atomic.Bool // the bell was written and its poll has not come back yet
+	// bell is an eventfd that every request's completion signals (aio.FlagResFd) and wake
+	// writes; the reaper waits on it in the netpoller.
+	bell   *os.File
+	bellC  syscall.RawConn
+	bellFd uint32      // its descriptor (File.Fd would make it blocking)
+	rung   atomic.Bool // wake wrote the bell and the reaper has not read it since
 	ended  chan struct{}
 
 	mu        sync.Mutex
@@ -59,11 +66,10 @@ type dioOp struct {
 }
 
 const (
-	// dioEntries is the AIO context's size: a slot per IO in flight, one for the bell's
-	// poll. More requests than that wait in the queue, bounded by the chunks of the
-	// sessions' paths, which the server sizes.
+	// dioEntries is the AIO context's size: a slot per IO in flight. More requests than
+	// that wait in the queue, bounded by the chunks of the sessions' paths, which the
+	// server sizes.
 	dioEntries = 128
-	udBell     = 1 << 32
 	// dioStuckTimeout bounds how long the reaper keeps trying requests the kernel refuses
 	// for want of resources, with nothing at the device to free them, before it gives up.
 	dioStuckTimeout = 10 * time.Second
@@ -74,8 +80,8 @@ const (
 // than the wake-up, and runs beside the transport's next receives.
 const dioHandOff = 64 << 10
 
-// dioWaitSlice bounds one wait of the reaper; a variable for the tests, which show that
-// nothing waits for it.
+// dioWaitSlice bounds one wait of the reaper for its bell; a variable for the tests, which
+// show that nothing waits for it.
 var dioWaitSlice = time.Second
 
 // dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the reaper
@@ -83,11 +89,11 @@ var dioWaitSlice = time.Second
 // variable for the tests.
 var dioDrainTimeout = 30 * time.Second
 
-// dioSubmit and dioGetEvents are the context's calls; variables for the tests, which make
+// dioSubmit and dioReady are the context's calls; variables for the tests, which make
 // them fail.
 var (
-	dioSubmit    = (*aio.Context).Submit
-	dioGetEvents = (*aio.Context).GetEvents
+	dioSubmit = (*aio.Context).Submit
+	dioReady  = (*aio.Context).Ready
 )
 
 // newDirectIO opens the block device at path O_DIRECT (writable or not) and starts its
@@ -113,7 +119,7 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 		return nil, err
 	}
 	d := &directIO{fd: fd, align: uintptr(lbs), answer: answer, ended: make(chan struct{}),
-		ops: make([]dioOp, dioEntries-1), cbs: make([]aio.IOCB, dioEntries-1)}
+		ops: make([]dioOp, dioEntries), cbs: make([]aio.IOCB, dioEntries)}
 	for i := range d.ops {
 		d.free = append(d.free, uint16(i))
 	}
@@ -121,12 +127,14 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 		unix.Close(fd)
 		return nil, err
 	}
-	if d.bell, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
 		_ = d.ctx.Destroy()
 		unix.Close(fd)
 		return nil, fmt.Errorf("eventfd: %w", err)
 	}
-	if err := d.armBell(); err != nil {
+	d.bell, d.bellFd = os.NewFile(uintptr(efd), "direct IO bell"), uint32(efd) // non-blocking: in the netpoller
+	if d.bellC, err = d.bell.SyscallConn(); err != nil {
 		_ = d.release()
 		return nil, err
 	}
@@ -134,20 +142,30 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 	return d, nil
 }
 
-// armBell (re)submits the bell's poll.
-func (d *directIO) armBell() error {
-	d.bellCB = aio.IOCB{Data: udBell, Opcode: aio.CmdPoll, Fd: uint32(d.bell), Buf: unix.POLLIN}
-	_, err := d.ctx.Submit([]*aio.IOCB{&d.bellCB})
-	return err
-}
-
 // wake has the reaper look at the queue and the closing flag, which the caller set before.
 func (d *directIO) wake() {
 	if d.rung.CompareAndSwap(false, true) {
 		var one [8]byte
 		binary.LittleEndian.PutUint64(one[:], 1)
-		_, _ = unix.Write(d.bell, one[:])
+		_ = d.bellC.Write(func(fd uintptr) bool {
+			_, err := unix.Write(int(fd), one[:])
+			return err != unix.EAGAIN // only at a count of 2^64-2: the bell rings already
+		})
 	}
+}
+
+// waitBell waits up to wait for the bell (a completion, or wake) and clears it; at once when
+// it rang since the last call.
+func (d *directIO) waitBell(wait time.Duration) {
+	_ = d.bell.SetReadDeadline(time.Now().Add(wait))
+	var b [8]byte
+	_ = d.bellC.Read(func(fd uintptr) bool {
+		_, err := unix.Read(int(fd), b[:])
+		return err != unix.EAGAIN
+	})
+	// Cleared after the read: a wake between the two is seen by the look at the queue and
+	// the closing flag that follows; one after it writes again.
+	d.rung.Store(false)
 }
 
 // probeDirect reads the device's first block with O_DIRECT into a page-aligned buffer, as the
@@ -294,7 +312,8 @@ func (d *directIO) prep(slot uint16) {
 	op := &d.ops[slot]
 	cb := &d.cbs[slot]
 	*cb = aio.IOCB{Data: uint64(slot), Opcode: aio.CmdPread, Fd: uint32(d.fd),
-		Buf: uint64(uintptr(unsafe.Pointer(&op.buf[0]))), Nbytes: uint64(len(op.buf)), Offset: op.off}
+		Buf: uint64(uintptr(unsafe.Pointer(&op.buf[0]))), Nbytes: uint64(len(op.buf)), Offset: op.off,
+		Flags: aio.FlagResFd, ResFd: d.bellFd}
 	if op.write {
 		cb.Opcode = aio.CmdPwrite
 		if op.fua {
@@ -322,15 +341,16 @@ func (d *directIO) close() error {
 	return d.release()
 }
 
-// release tears the context down (which cancels the bell's poll), and closes the bell and
-// the device, once nothing is at the device.
+// release tears the context down, and closes the bell and the device, once nothing is at
+// the device.
 func (d *directIO) release() error {
 	_ = d.ctx.Destroy()
-	unix.Close(d.bell)
+	_ = d.bell.Close()
 	return unix.Close(d.fd)
 }
 
-// run is the reaper: submit what is queued, wait for completions or the bell, answer.
+// run is the reaper: submit what is queued, answer the completions there are, wait for the
+// bell.
 func (d *directIO) run() {
 	stranded := false
 	defer func() {
@@ -363,20 +383,26 @@ func (d *directIO) run() {
 		} else {
 			stuck = time.Time{}
 		}
-		n, err := dioGetEvents(d.ctx, events, wait)
-		if err != nil {
-			// What is at the device may still reach it (and the chunks): the device is
-			// then never let go (ended stays open), so its access mode keeps counting
-			// and its descriptors stay open.
-			d.mu.Lock()
-			stranded = d.inflight > 0
-			d.mu.Unlock()
-			d.giveUp(fmt.Errorf("io_getevents: %w", err))
-			return
+		for {
+			n, err := dioReady(d.ctx, events)
+			if err != nil {
+				// What is at the device may still reach it (and the chunks): the device
+				// is then never let go (ended stays open), so its access mode keeps
+				// counting and its descriptors stay open.
+				d.mu.Lock()
+				stranded = d.inflight > 0
+				d.mu.Unlock()
+				d.giveUp(fmt.Errorf("io_getevents: %w", err))
+				return
+			}
+			for _, ev := range events[:n] {
+				d.completion(ev)
+			}
+			if n < len(events) {
+				break
+			}
 		}
-		for _, ev := range events[:n] {
-			d.completion(ev)
-		}
+		d.waitBell(wait)
 	}
 }
 
@@ -396,19 +422,8 @@ func (d *directIO) fail(ops []dioOp, err error) {
 	}
 }
 
-// completion handles one completion: the bell's poll, or an operation's.
+// completion handles an operation's completion.
 func (d *directIO) completion(ev aio.Event) {
-	if ev.Data == udBell {
-		// Read, then clear: a wake between the two is seen by the look at the queue and
-		// the closing flag that follows this round; one after it writes again.
-		var b [8]byte
-		_, _ = unix.Read(d.bell, b[:])
-		d.rung.Store(false)
-		if err := d.armBell(); err != nil {
-			d.giveUp(fmt.Errorf("the reaper's bell: %w", err))
-		}
-		return
-	}
 	slot := uint16(ev.Data)
 	d.mu.Lock()
 	op := d.ops[slot]

@@ -660,15 +660,15 @@ func TestDirectIOReapFails(t *testing.T) {
 	f, name := gatedLoop(t)
 	var broken atomic.Bool
 	var once sync.Once
-	failed := make(chan struct{}) // the reaper's last call: its read of dioGetEvents came before
-	dioGetEvents = func(c *aio.Context, ev []aio.Event, timeout time.Duration) (int, error) {
+	failed := make(chan struct{}) // the reaper's last call: its read of dioReady came before
+	dioReady = func(c *aio.Context, ev []aio.Event) (int, error) {
 		if broken.Load() {
 			once.Do(func() { close(failed) })
 			return 0, fmt.Errorf("io_getevents: %w", unix.EBADF)
 		}
-		return c.GetEvents(ev, timeout)
+		return c.Ready(ev)
 	}
-	t.Cleanup(func() { dioGetEvents = (*aio.Context).GetEvents })
+	t.Cleanup(func() { dioReady = (*aio.Context).Ready })
 	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(*transport.SrvRequest, error) {})
 	if err != nil {
 		t.Fatal(err)
@@ -686,7 +686,7 @@ func TestDirectIOReapFails(t *testing.T) {
 	}
 	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
 	broken.Store(true)
-	d.wake() // the reaper's next wait fails
+	d.wake() // the reaper's next look fails
 	<-failed
 	if err := d.close(); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("close with a write at the device: %v, want EBUSY", err)

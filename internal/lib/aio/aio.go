@@ -24,6 +24,10 @@ const (
 	CmdPoll   = 5
 )
 
+// FlagResFd (IOCB_FLAG_RESFD) in IOCB.Flags has the request's completion add one to the
+// eventfd in ResFd, which Go's netpoller can wait on.
+const FlagResFd = 1
+
 // IOCB is struct iocb, 64 bytes. The kernel reads it during Submit only.
 type IOCB struct {
 	Data    uint64 // handed back in the Event
@@ -103,6 +107,22 @@ func (c *Context) GetEvents(ev []Event, timeout time.Duration) (int, error) {
 			if time.Now().After(deadline) {
 				return 0, nil
 			}
+		default:
+			return 0, fmt.Errorf("io_getevents: %w", e)
+		}
+	}
+}
+
+// Ready moves up to len(ev) completions that are there into ev without waiting, and returns
+// how many.
+func (c *Context) Ready(ev []Event) (int, error) {
+	var ts unix.Timespec // zero: do not wait
+	for {
+		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, uintptr(c.id), 0, uintptr(len(ev)), uintptr(unsafe.Pointer(&ev[0])), uintptr(unsafe.Pointer(&ts)), 0)
+		switch e {
+		case 0:
+			return int(n), nil
+		case unix.EINTR:
 		default:
 			return 0, fmt.Errorf("io_getevents: %w", e)
 		}

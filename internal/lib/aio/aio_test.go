@@ -87,4 +87,28 @@ func TestWriteReadPoll(t *testing.T) {
 	if n != 1 || err != nil || ev[0].Data != 3 || ev[0].Res&unix.POLLIN == 0 {
 		t.Fatalf("poll completion: %d, %v, %+v", n, err, ev[0])
 	}
+	if _, err := unix.Read(efd, one[:]); err != nil {
+		t.Fatal(err)
+	}
+
+	// A request with FlagResFd adds one to the eventfd when it completes; Ready then finds
+	// its completion without waiting, and nothing after it.
+	if n, err := c.Ready(ev); n != 0 || err != nil {
+		t.Fatalf("Ready with nothing done: %d, %v", n, err)
+	}
+	cb := &IOCB{Data: 4, Opcode: CmdPread, Fd: uint32(f.Fd()), Buf: uint64(uintptr(unsafe.Pointer(&got[0]))), Nbytes: uint64(len(got)), Offset: 4096,
+		Flags: FlagResFd, ResFd: uint32(efd)}
+	if n, err := c.Submit([]*IOCB{cb}); n != 1 || err != nil {
+		t.Fatalf("read with an eventfd: %d, %v", n, err)
+	}
+	pfd := []unix.PollFd{{Fd: int32(efd), Events: unix.POLLIN}}
+	if n, err := unix.Poll(pfd, 5000); n != 1 || err != nil {
+		t.Fatalf("the eventfd was not signalled: %d, %v", n, err)
+	}
+	if _, err := unix.Read(efd, one[:]); err != nil || binary.LittleEndian.Uint64(one[:]) != 1 {
+		t.Fatalf("eventfd read %v, count %d", err, binary.LittleEndian.Uint64(one[:]))
+	}
+	if n, err := c.Ready(ev); n != 1 || err != nil || ev[0].Data != 4 || ev[0].Res != int64(len(got)) {
+		t.Fatalf("Ready after the eventfd: %d, %v, %+v", n, err, ev[0])
+	}
 }
