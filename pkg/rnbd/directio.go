@@ -155,17 +155,29 @@ func (d *directIO) wake() {
 }
 
 // waitBell waits up to wait for the bell (a completion, or wake) and clears it; at once when
-// it rang since the last call.
-func (d *directIO) waitBell(wait time.Duration) {
-	_ = d.bell.SetReadDeadline(time.Now().Add(wait))
+// it rang since the last call. An error is one that would recur at every wait.
+func (d *directIO) waitBell(wait time.Duration) error {
+	if err := d.bell.SetReadDeadline(time.Now().Add(wait)); err != nil {
+		return err
+	}
 	var b [8]byte
-	_ = d.bellC.Read(func(fd uintptr) bool {
-		_, err := unix.Read(int(fd), b[:])
-		return err != unix.EAGAIN
+	var rerr error
+	err := d.bellC.Read(func(fd uintptr) bool {
+		_, rerr = unix.Read(int(fd), b[:])
+		return rerr != unix.EAGAIN
 	})
 	// Cleared after the read: a wake between the two is seen by the look at the queue and
 	// the closing flag that follows; one after it writes again.
 	d.rung.Store(false)
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return nil
+	case err != nil:
+		return err
+	case rerr != nil && rerr != unix.EINTR:
+		return rerr
+	}
+	return nil
 }
 
 // probeDirect reads the device's first block with O_DIRECT into a page-aligned buffer, as the
@@ -360,7 +372,24 @@ func (d *directIO) run() {
 	}()
 	events := make([]aio.Event, dioEntries)
 	var stuck time.Time // since when the kernel has refused requests with nothing in flight
+	// A round: the completions there are, then the queue and the closing flag, which they
+	// may change (a slot freed, IO to go again, the last IO ended), then the bell. Each
+	// completion rings it after its event is in the ring, so one that comes after the look
+	// has the wait return at once.
 	for {
+		for {
+			n, err := dioReady(d.ctx, events)
+			if err != nil {
+				d.stop(&stranded, fmt.Errorf("io_getevents: %w", err))
+				return
+			}
+			for _, ev := range events[:n] {
+				d.completion(ev)
+			}
+			if n < len(events) {
+				break
+			}
+		}
 		left := d.push(false)
 		d.mu.Lock()
 		idle := d.closing && d.inflight == 0 && len(d.queued) == 0
@@ -383,27 +412,22 @@ func (d *directIO) run() {
 		} else {
 			stuck = time.Time{}
 		}
-		for {
-			n, err := dioReady(d.ctx, events)
-			if err != nil {
-				// What is at the device may still reach it (and the chunks): the device
-				// is then never let go (ended stays open), so its access mode keeps
-				// counting and its descriptors stay open.
-				d.mu.Lock()
-				stranded = d.inflight > 0
-				d.mu.Unlock()
-				d.giveUp(fmt.Errorf("io_getevents: %w", err))
-				return
-			}
-			for _, ev := range events[:n] {
-				d.completion(ev)
-			}
-			if n < len(events) {
-				break
-			}
+		if err := d.waitBell(wait); err != nil {
+			d.stop(&stranded, fmt.Errorf("the reaper's bell: %w", err))
+			return
 		}
-		d.waitBell(wait)
 	}
+}
+
+// stop ends the reaper for err: what is queued is answered with it, and later requests go
+// through the page cache. What is at the device may still reach it (and the chunks): the
+// device is then never let go (ended stays open), so its access mode keeps counting and its
+// descriptors stay open.
+func (d *directIO) stop(stranded *bool, err error) {
+	d.mu.Lock()
+	*stranded = d.inflight > 0
+	d.mu.Unlock()
+	d.giveUp(err)
 }
 
 // giveUp answers what is queued with err; later requests go through the page cache.

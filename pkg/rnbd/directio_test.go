@@ -750,3 +750,80 @@ func TestDirectIOPreflushWrite(t *testing.T) {
 		t.Fatal("the writes are not in the device's file")
 	}
 }
+
+// withLongWait makes the reaper's wait for its bell longer than the tests below give
+// anything, so that a wake-up it sleeps through fails them instead of passing a second late.
+func withLongWait(t *testing.T) {
+	old := dioWaitSlice
+	dioWaitSlice = 15 * time.Second
+	t.Cleanup(func() { dioWaitSlice = old })
+}
+
+// TestDirectIOShortReadGoesAgainAtOnce: a read that reaches past the device's end comes back
+// short; its rest is submitted again in the same round of the reaper (it waited for the
+// reaper's next wait to run out, the completion's bell read already), and is answered EIO.
+func TestDirectIOShortReadGoesAgainAtOnce(t *testing.T) {
+	leakcheck.Check(t)
+	withLongWait(t)
+	name, _, _ := loopExport(t)
+	done := make(chan error, 1)
+	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(_ *transport.SrvRequest, err error) { done <- err })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.close()
+	buf, err := unix.Mmap(-1, 0, 8192, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	time.Sleep(100 * time.Millisecond) // the reaper at its bell
+	var r transport.SrvRequest
+	if !d.submit(&r, false, false, buf, loopSize-4096, false) { // its second half beyond the end
+		t.Fatal("read refused")
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, syscall.EIO) {
+			t.Fatalf("answered %v, want EIO", err)
+		}
+	case <-time.After(dioWaitSlice * 2 / 3):
+		t.Fatal("the short read's rest waited for the reaper's wait to run out")
+	}
+}
+
+// TestDirectIOCloseEndsWithLastIO: a close waiting for a write held at the device returns
+// once that write ends, not when the reaper's wait runs out.
+func TestDirectIOCloseEndsWithLastIO(t *testing.T) {
+	leakcheck.Check(t)
+	withLongWait(t)
+	f, name := gatedLoop(t)
+	d, err := newDirectIO("/dev/"+name, true, SectorSize, func(*transport.SrvRequest, error) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	f.shut()
+	defer f.open()
+	var r transport.SrvRequest
+	if !d.submit(&r, true, false, buf, 0, true) {
+		t.Fatal("write refused")
+	}
+	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	closed := make(chan error, 1)
+	go func() { closed <- d.close() }()
+	time.Sleep(100 * time.Millisecond) // the reaper back at its bell
+	f.open()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(dioWaitSlice * 2 / 3):
+		t.Fatal("the close waited for the reaper's wait to run out")
+	}
+}
