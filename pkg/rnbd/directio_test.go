@@ -379,8 +379,8 @@ func TestDirectIOCloseKeepsWriterUntilIOEnds(t *testing.T) {
 	})
 }
 
-// TestDirectLoopsBounded: past maxLoops devices open with direct IO (a thread, a ring and two
-// descriptors each), an open goes through the page cache; a close gives its loop back.
+// TestDirectLoopsBounded: past maxLoops devices open with direct IO (a goroutine, an AIO
+// context and two descriptors each), an open goes through the page cache; a close gives its loop back.
 func TestDirectLoopsBounded(t *testing.T) {
 	leakcheck.Check(t)
 	old := maxLoops

@@ -107,9 +107,9 @@ type Server struct {
 	closed   bool
 	wg       sync.WaitGroup // IO and control requests on goroutines of their own
 	blk      *blockers      // runs those goroutines
-	// loops counts the devices open with direct IO, each with a reaper (a thread while it
-	// waits), an AIO context and two descriptors, per session and open device: past
-	// maxLoops, opens use the page cache.
+	// loops counts the devices open with direct IO, each with a reaper goroutine, an AIO
+	// context and two descriptors, per session and open device: past maxLoops, opens use
+	// the page cache.
 	loops int
 	// ioDevs indexes every session's devices for IO, which looks them up without s.mu: a
 	// copy rebuilt under s.mu whenever a device opens or closes.

@@ -52,7 +52,7 @@ type Event struct {
 	Res2 int64
 }
 
-// Context is an AIO context. Submit and GetEvents may be called from any goroutine.
+// Context is an AIO context. Submit, Ready and GetEvents may be called from any goroutine.
 type Context struct{ id uint64 }
 
 // New sets up a context for n requests in flight at once.
