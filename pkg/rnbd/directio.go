@@ -26,9 +26,8 @@ import (
 // sleeps, as nbd's, which runs in the submitter) and no other thread is woken to submit; one
 // goroutine (the reaper) answers the completions, and submits, blocking, what could not go
 // without waiting. Each request's completion signals an eventfd the reaper waits on in Go's
-// netpoller, beside the connections' completion channels, so that a thread the runtime
-// wakes for one finds the other ready too, where a thread blocked in io_getevents was one
-// more to wake. io_uring would need a thread of its own per ring and a wake-up of it per
+// netpoller, so an idle device holds no thread (a reaper blocked in io_getevents held one;
+// the two measured even). io_uring would need a thread of its own per ring and a wake-up of it per
 // burst (docs/design.md).
 type directIO struct {
 	fd     int // the device, opened O_DIRECT
@@ -361,7 +360,7 @@ func (d *directIO) release() error {
 	return unix.Close(d.fd)
 }
 
-// run is the reaper: submit what is queued, answer the completions there are, wait for the
+// run is the reaper: answer the completions there are, submit what is queued, wait for the
 // bell.
 func (d *directIO) run() {
 	stranded := false
