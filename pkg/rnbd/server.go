@@ -50,8 +50,8 @@ type ServerOptions struct {
 type ExportIO int
 
 const (
-	// ExportIODirect: O_DIRECT, through an io_uring per open device, as the kernel's server
-	// sends bios. The data passes through no page cache, a WRITE has reached the device
+	// ExportIODirect: O_DIRECT, through a Linux AIO context per open device, as the kernel's
+	// server sends bios. The data passes through no page cache, a WRITE has reached the device
 	// (its volatile cache, or the medium with FUA) when it is answered, and no thread waits
 	// per IO.
 	ExportIODirect ExportIO = iota

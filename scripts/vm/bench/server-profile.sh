@@ -7,16 +7,17 @@
 # randread QD32 and rw 4 KiB randwrite QD32. fio's exec_prerun, right before the job's IO,
 # snapshots the server's /proc/PID/stat and every thread's /proc/PID/task/*/status and the
 # guest's /proc/stat and then sends SIGUSR1 (blkserver starts its CPU profile); its
-# exec_postrun, right after the IO, sends SIGUSR2 (the profile stops, blkserver.sched is
-# written: goroutine wake-ups (estimated: 8 × the runtime's sampled scheduling latencies), GC
-# cycles, calls into C) and snapshots the same again. Per job in results/server-profile/:
+# exec_postrun, right after the IO, snapshots the same again and then sends SIGUSR2 (the
+# profile stops, blkserver.sched is written: goroutine wake-ups (estimated: 8 × the runtime's
+# sampled scheduling latencies), GC cycles, calls into C). Per job in results/server-profile/:
 # JOB.pprof and JOB.sched, JOB.fio (terse v3), JOB.{pre,post}.{srv,stat}; the table
 # results/server-profile/summary.md (printed too): IOPS, the server's CPU (utime + stime) per
 # IO, the whole guest's busy CPU (/proc/stat: all but idle and iowait) per IO, the server's
 # context switches (voluntary and involuntary, summed over its threads) per IO, and wake-ups
 # and calls into C per IO from .sched. The rtrs-bench binary is copied beside the profiles:
 #   go tool pprof -top -nodecount=40 DIR/server-profile/rtrs-bench DIR/server-profile/rr.pprof
-# Reports; asserts nothing (a failing step fails the suite); kept out of CI's run.
+# Reports; asserts nothing (a failing step fails the suite, and leaves its mapping and loop
+# device to the VM's end: run it alone); kept out of CI's run.
 #
 # Run (root): PROF_SECS=20 RTRS_VM_RESULTS=DIR scripts/vmtest.sh -k 6.12 scripts/vm/bench/server-profile.sh
 # (PROF_SECS, default 20, reaches the guest through a file host() writes, since vmtest.sh passes
@@ -90,7 +91,9 @@ guest() {
 	# shellcheck disable=SC2016
 	printf '%s\n' '#!/bin/sh' "\"$T/snap\" \"\$1\"" "kill -USR1 $pid" >"$T"/pre
 	# shellcheck disable=SC2016
-	printf '%s\n' '#!/bin/sh' "kill -USR2 $pid" "\"$T/snap\" \"\$1\"" >"$T"/post
+	# (The snapshot first: writing the profile is not the job's CPU.)
+	# shellcheck disable=SC2016
+	printf '%s\n' '#!/bin/sh' "\"$T/snap\" \"\$1\"" "kill -USR2 $pid" >"$T"/post
 	chmod +x "$T"/snap "$T"/pre "$T"/post
 
 	local j rw rc=0
@@ -118,6 +121,7 @@ guest() {
 	echo normal >"/sys/block/${dev#/dev/}/rnbd/unmap_device"
 	vm_wait 10 test ! -e "$dev"
 	kill "$pid"
+	vm_wait 20 sh -c "! kill -0 $pid 2>/dev/null" || kill -KILL "$pid"
 	wait "$pid" || true
 	losetup -d "$lb"
 	rm -f "$T"/disk
