@@ -827,3 +827,53 @@ func TestDirectIOCloseEndsWithLastIO(t *testing.T) {
 		t.Fatal("the close waited for the reaper's wait to run out")
 	}
 }
+
+// TestDirectIONowaitRefusalGoesAgainAtOnce: a read submitted with RWF_NOWAIT that comes back
+// EAGAIN (the device had no request free) is submitted again, blocking, in the same round of
+// the reaper that took the refusal, not when its wait runs out, and is answered with the
+// device's data.
+func TestDirectIONowaitRefusalGoesAgainAtOnce(t *testing.T) {
+	leakcheck.Check(t)
+	withLongWait(t)
+	name, _, model := loopExport(t)
+	var refused atomic.Int32
+	dioReady = func(c *aio.Context, ev []aio.Event) (int, error) {
+		n, err := c.Ready(ev)
+		if n > 0 && refused.Load() == 0 {
+			refused.Add(1)
+			ev[0].Res = -int64(unix.EAGAIN) // as the block layer answers a nowait bio it would wait for
+		}
+		return n, err
+	}
+	t.Cleanup(func() { dioReady = (*aio.Context).Ready })
+	done := make(chan error, 1)
+	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(_ *transport.SrvRequest, err error) { done <- err })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.close()
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	time.Sleep(100 * time.Millisecond) // the reaper at its bell
+	var r transport.SrvRequest
+	if !d.submit(&r, false, false, buf, 8192, true) { // a burst of one, with RWF_NOWAIT
+		t.Fatal("read refused")
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(dioWaitSlice * 2 / 3):
+		t.Fatal("the refused read waited for the reaper's wait to run out")
+	}
+	if refused.Load() != 1 {
+		t.Fatal("no refusal was made")
+	}
+	if !bytes.Equal(buf, model[8192:8192+4096]) {
+		t.Fatal("the read does not hold the device's data")
+	}
+}
