@@ -11,7 +11,6 @@ package aio
 
 import (
 	"fmt"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -21,7 +20,6 @@ import (
 const (
 	CmdPread  = 0
 	CmdPwrite = 1
-	CmdPoll   = 5
 )
 
 // FlagResFd (IOCB_FLAG_RESFD) in IOCB.Flags has the request's completion add one to the
@@ -36,7 +34,7 @@ type IOCB struct {
 	Opcode  uint16
 	_       int16 // aio_reqprio
 	Fd      uint32
-	Buf     uint64 // an address; for CmdPoll, the poll events
+	Buf     uint64 // an address
 	Nbytes  uint64
 	Offset  int64
 	_       uint64
@@ -52,7 +50,7 @@ type Event struct {
 	Res2 int64
 }
 
-// Context is an AIO context. Submit, Ready and GetEvents may be called from any goroutine.
+// Context is an AIO context. Submit and Ready may be called from any goroutine.
 type Context struct{ id uint64 }
 
 // New sets up a context for n requests in flight at once.
@@ -89,26 +87,6 @@ func (c *Context) Submit(cbs []*IOCB) (int, error) {
 			continue
 		default:
 			return 0, fmt.Errorf("io_submit: %w", e)
-		}
-	}
-}
-
-// GetEvents waits up to timeout for at least one completion and moves up to len(ev) of them
-// into ev; it returns how many (0 when the time ran out).
-func (c *Context) GetEvents(ev []Event, timeout time.Duration) (int, error) {
-	deadline := time.Now().Add(timeout)
-	for {
-		ts := unix.NsecToTimespec(max(time.Until(deadline), 0).Nanoseconds())
-		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, uintptr(c.id), 1, uintptr(len(ev)), uintptr(unsafe.Pointer(&ev[0])), uintptr(unsafe.Pointer(&ts)), 0)
-		switch e {
-		case 0:
-			return int(n), nil
-		case unix.EINTR: // the Go runtime's preemption signals
-			if time.Now().After(deadline) {
-				return 0, nil
-			}
-		default:
-			return 0, fmt.Errorf("io_getevents: %w", e)
 		}
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -27,9 +26,9 @@ func TestLayout(t *testing.T) {
 	}
 }
 
-// TestWriteReadPoll writes a block, reads it back, and polls an eventfd, each completion
-// carrying its request's Data.
-func TestWriteReadPoll(t *testing.T) {
+// TestWriteRead writes a block and reads it back, each request signalling an eventfd when it
+// completes (FlagResFd), and Ready finding its completion, with its Data, without waiting.
+func TestWriteRead(t *testing.T) {
 	c, err := New(8)
 	if err != nil {
 		t.Fatal(err)
@@ -40,15 +39,32 @@ func TestWriteReadPoll(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(efd)
 	want := bytes.Repeat([]byte("aio!"), 1024)
 	got := make([]byte, len(want))
 	ev := make([]Event, 4)
+	if n, err := c.Ready(ev); n != 0 || err != nil {
+		t.Fatalf("Ready with nothing submitted: %d, %v", n, err)
+	}
 	do := func(cb *IOCB) Event {
 		t.Helper()
+		cb.Flags, cb.ResFd = FlagResFd, uint32(efd)
 		if n, err := c.Submit([]*IOCB{cb}); n != 1 || err != nil {
 			t.Fatalf("submit: %d, %v", n, err)
 		}
-		n, err := c.GetEvents(ev, 5*time.Second)
+		pfd := []unix.PollFd{{Fd: int32(efd), Events: unix.POLLIN}}
+		if n, err := unix.Poll(pfd, 5000); n != 1 || err != nil {
+			t.Fatalf("the eventfd was not signalled: %d, %v", n, err)
+		}
+		var cnt [8]byte
+		if _, err := unix.Read(efd, cnt[:]); err != nil || binary.LittleEndian.Uint64(cnt[:]) != 1 {
+			t.Fatalf("eventfd read %v, count %d", err, binary.LittleEndian.Uint64(cnt[:]))
+		}
+		n, err := c.Ready(ev)
 		if n != 1 || err != nil {
 			t.Fatalf("events: %d, %v", n, err)
 		}
@@ -62,53 +78,11 @@ func TestWriteReadPoll(t *testing.T) {
 	if w.Res != int64(len(want)) || r.Res != int64(len(got)) || !bytes.Equal(got, want) {
 		t.Fatalf("write %d, read %d, data equal %v", w.Res, r.Res, bytes.Equal(got, want))
 	}
+	if n, err := c.Ready(ev); n != 0 || err != nil {
+		t.Fatalf("Ready after both were taken: %d, %v", n, err)
+	}
 	// A read of a bad descriptor is refused at submission.
 	if n, err := c.Submit([]*IOCB{{Opcode: CmdPread, Fd: 1 << 30, Buf: uint64(uintptr(unsafe.Pointer(&got[0]))), Nbytes: 1}}); n != 0 || err == nil {
 		t.Fatalf("bad descriptor: %d, %v", n, err)
-	}
-
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(efd)
-	if n, err := c.Submit([]*IOCB{{Data: 3, Opcode: CmdPoll, Fd: uint32(efd), Buf: unix.POLLIN}}); n != 1 || err != nil {
-		t.Fatalf("poll: %d, %v", n, err)
-	}
-	if n, err := c.GetEvents(ev, 20*time.Millisecond); n != 0 || err != nil {
-		t.Fatalf("before the eventfd is written: %d events, %v", n, err)
-	}
-	var one [8]byte
-	binary.LittleEndian.PutUint64(one[:], 1)
-	if _, err := unix.Write(efd, one[:]); err != nil {
-		t.Fatal(err)
-	}
-	n, err := c.GetEvents(ev, 5*time.Second)
-	if n != 1 || err != nil || ev[0].Data != 3 || ev[0].Res&unix.POLLIN == 0 {
-		t.Fatalf("poll completion: %d, %v, %+v", n, err, ev[0])
-	}
-	if _, err := unix.Read(efd, one[:]); err != nil {
-		t.Fatal(err)
-	}
-
-	// A request with FlagResFd adds one to the eventfd when it completes; Ready then finds
-	// its completion without waiting, and nothing after it.
-	if n, err := c.Ready(ev); n != 0 || err != nil {
-		t.Fatalf("Ready with nothing done: %d, %v", n, err)
-	}
-	cb := &IOCB{Data: 4, Opcode: CmdPread, Fd: uint32(f.Fd()), Buf: uint64(uintptr(unsafe.Pointer(&got[0]))), Nbytes: uint64(len(got)), Offset: 4096,
-		Flags: FlagResFd, ResFd: uint32(efd)}
-	if n, err := c.Submit([]*IOCB{cb}); n != 1 || err != nil {
-		t.Fatalf("read with an eventfd: %d, %v", n, err)
-	}
-	pfd := []unix.PollFd{{Fd: int32(efd), Events: unix.POLLIN}}
-	if n, err := unix.Poll(pfd, 5000); n != 1 || err != nil {
-		t.Fatalf("the eventfd was not signalled: %d, %v", n, err)
-	}
-	if _, err := unix.Read(efd, one[:]); err != nil || binary.LittleEndian.Uint64(one[:]) != 1 {
-		t.Fatalf("eventfd read %v, count %d", err, binary.LittleEndian.Uint64(one[:]))
-	}
-	if n, err := c.Ready(ev); n != 1 || err != nil || ev[0].Data != 4 || ev[0].Res != int64(len(got)) {
-		t.Fatalf("Ready after the eventfd: %d, %v, %+v", n, err, ev[0])
 	}
 }
