@@ -673,18 +673,8 @@ func TestDirectIOReapFails(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(buf)
-	f.shut()
-	defer f.open()
 	var held transport.SrvRequest
-	if !d.submit(&held, true, false, buf, 0, true) {
-		t.Fatal("write refused")
-	}
-	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	holdWrite(t, f, d, &held)
 	broken.Store(true)
 	d.wake() // the reaper's next look fails
 	<-failed
@@ -802,18 +792,8 @@ func TestDirectIOCloseEndsWithLastIO(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(buf)
-	f.shut()
-	defer f.open()
 	var r transport.SrvRequest
-	if !d.submit(&r, true, false, buf, 0, true) {
-		t.Fatal("write refused")
-	}
-	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
+	holdWrite(t, f, d, &r)
 	closed := make(chan error, 1)
 	go func() { closed <- d.close() }()
 	time.Sleep(100 * time.Millisecond) // the reaper back at its bell
@@ -876,4 +856,21 @@ func TestDirectIONowaitRefusalGoesAgainAtOnce(t *testing.T) {
 	if !bytes.Equal(buf, model[8192:8192+4096]) {
 		t.Fatal("the read does not hold the device's data")
 	}
+}
+
+// holdWrite submits a 4 KiB write at 0 to d, over f's loop device, with f shut, and waits
+// until the write is held at the device; f opens again at the test's end at the latest.
+func holdWrite(t *testing.T, f *gatedFile, d *directIO, r *transport.SrvRequest) {
+	t.Helper()
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(buf) })
+	f.shut()
+	t.Cleanup(f.open) // before the buffer goes
+	if !d.submit(r, true, false, buf, 0, true) {
+		t.Fatal("write refused")
+	}
+	testutil.WaitFor(t, 5*time.Second, "the write held at the device", func() bool { return f.waiting.Load() > 0 })
 }

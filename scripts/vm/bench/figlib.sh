@@ -267,3 +267,21 @@ fig_table() {
 			}
 		}' "$FIG_RAW"
 }
+
+# fig_map TARGET LOOP DEVICE_PATH: the kernel's rnbd-client maps DEVICE_PATH (LOOP as the
+# target's server names it) from the target's server over both paths, session fig-TARGET;
+# sets FIG_DEV[TARGET] to its /dev/rnbdX. The caller's FIG_PORT[TARGET] is the server's port.
+fig_map() {
+	local t=$1 loop=$2 dp=$3 s=fig-$1
+	local line="sessname=$s dest_port=${FIG_PORT[$t]} path=ip:$RTRS_VM_ADDR1@ip:$RTRS_VM_ADDR1 path=ip:$RTRS_VM_ADDR2@ip:$RTRS_VM_ADDR1 device_path=$dp"
+	echo "$t: $line"
+	if ! echo "$line" >/sys/class/rnbd-client/ctl/map_device; then
+		echo "$t: map_device failed ($loop)"
+		dmesg | tail -20
+		fig_logs
+		return 1
+	fi
+	vm_wait 20 fig_rnbd_of "$s" "$dp" >/dev/null || { fig_logs; return 1; }
+	FIG_DEV[$t]=$(fig_rnbd_of "$s" "$dp")
+	vm_wait 10 test -b "${FIG_DEV[$t]}"
+}

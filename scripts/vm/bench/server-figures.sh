@@ -133,23 +133,6 @@ guest() {
 
 declare -A FIG_PID=()
 
-# fig_map TARGET LOOP DEVICE_PATH: the kernel's rnbd-client maps DEVICE_PATH (LOOP as the
-# target's server names it) from the target's server over both paths, session fig-TARGET;
-# sets FIG_DEV[TARGET] to its /dev/rnbdX.
-fig_map() {
-	local t=$1 loop=$2 dp=$3 s=fig-$1
-	local line="sessname=$s dest_port=${FIG_PORT[$t]} path=ip:$RTRS_VM_ADDR1@ip:$RTRS_VM_ADDR1 path=ip:$RTRS_VM_ADDR2@ip:$RTRS_VM_ADDR1 device_path=$dp"
-	echo "$t: $line"
-	if ! echo "$line" >/sys/class/rnbd-client/ctl/map_device; then
-		echo "$t: map_device failed ($loop)"
-		dmesg | tail -20
-		fig_logs
-		return 1
-	fi
-	vm_wait 20 fig_rnbd_of "$s" "$dp" >/dev/null || { fig_logs; return 1; }
-	FIG_DEV[$t]=$(fig_rnbd_of "$s" "$dp")
-	vm_wait 10 test -b "${FIG_DEV[$t]}"
-}
 
 # fig_daemons: our two server daemons' memory, threads and CPU time after the rounds, and the
 # kernel server's module sizes, as markdown.

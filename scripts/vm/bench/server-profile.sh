@@ -38,15 +38,15 @@ host() {
 	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-bench)
 }
 
-PROF_PORT=1235
+declare -A FIG_PORT=([prof]=1235)
 
 guest() {
 	export PATH=$RTRS_VM_WORK/bin:$PATH
 	local PROF_SECS
 	# shellcheck source=/dev/null # written by host()
 	. "$RTRS_VM_WORK/server-profile.env"
-	local O=$RTRS_VM_WORK/results/server-profile T=/tmp/prof A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2
-	local hz lb pid dev sess=prof dp line t0
+	local O=$RTRS_VM_WORK/results/server-profile T=/tmp/prof A1=$RTRS_VM_ADDR1
+	local hz lb pid dev t0
 	hz=$(getconf CLK_TCK)
 	mkdir -p "$O" "$T"
 	cp "$RTRS_VM_WORK/bin/rtrs-bench" "$O/"
@@ -59,9 +59,9 @@ guest() {
 
 	vm_load_kernel_rtrs rtrs-core rtrs-client rnbd-client
 
-	echo "== rtrs-bench blkserver, verbs, $A1:$PROF_PORT, -dir /dev"
+	echo "== rtrs-bench blkserver, verbs, $A1:${FIG_PORT[prof]}, -dir /dev"
 	FIG_LOGS=$O/blkserver.log
-	rtrs-bench blkserver -listen "$A1:$PROF_PORT" -dir /dev -provider verbs -export-io direct \
+	rtrs-bench blkserver -listen "$A1:${FIG_PORT[prof]}" -dir /dev -provider verbs -export-io direct \
 		-profile-dir "$O" >"$O"/blkserver.log 2>&1 &
 	pid=$!
 	vm_wait 30 grep -q provider "$O"/blkserver.log || { fig_logs; return 1; }
@@ -69,18 +69,8 @@ guest() {
 	echo "blkserver: pid $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline")"
 
 	echo "== the kernel's rnbd-client maps $lb over both paths"
-	dp=${lb#/dev/}
-	line="sessname=$sess dest_port=$PROF_PORT path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 device_path=$dp"
-	echo "$line"
-	if ! echo "$line" >/sys/class/rnbd-client/ctl/map_device; then
-		echo "map_device failed"
-		dmesg | tail -20
-		fig_logs
-		return 1
-	fi
-	vm_wait 20 fig_rnbd_of "$sess" "$dp" >/dev/null || { fig_logs; return 1; }
-	dev=$(fig_rnbd_of "$sess" "$dp")
-	vm_wait 10 test -b "$dev"
+	fig_map prof "$lb" "${lb#/dev/}"
+	dev=${FIG_DEV[prof]}
 	echo "$dev: $(($(cat /sys/block/"${dev#/dev/}"/size) / 2048)) MiB, $(find /sys/block/"${dev#/dev/}"/mq -mindepth 1 -maxdepth 1 | wc -l) hardware queues"
 
 	# exec_prerun / exec_postrun: SNAP FILE PREFIX (server stat and threads' status, /proc/stat).
