@@ -2,9 +2,10 @@
 # Server profile: a CPU profile of our RNBD server's data path (rtrs-bench blkserver, -provider
 # verbs, -export-io direct) under the Linux kernel's own rnbd-client, over rxe on two paths, the
 # server exporting one loop device over a 256M file in the guest's tmpfs (the first 200M random
-# data), as scripts/vm/bench/server-figures.sh sets its ko target up. Two fio jobs, one at a time
-# (libaio direct=1 size=200m time_based, PROF_SECS seconds each, on /dev/rnbdX): rr 4 KiB
-# randread QD32 and rw 4 KiB randwrite QD32. fio's exec_prerun, right before the job's IO,
+# data), as scripts/vm/bench/server-figures.sh sets its ko target up. fio jobs, one at a time
+# (libaio direct=1 size=200m time_based, PROF_SECS seconds each, on /dev/rnbdX), PROF_JOBS
+# of: rr 4 KiB randread QD32, rw 4 KiB randwrite QD32, sr 1 MiB read QD8, sw 1 MiB write
+# QD8 (default "rr rw"). fio's exec_prerun, right before the job's IO,
 # snapshots the server's /proc/PID/stat and every thread's /proc/PID/task/*/status and the
 # guest's /proc/stat and then sends SIGUSR1 (blkserver starts its CPU profile); its
 # exec_postrun, right after the IO, snapshots the same again and then sends SIGUSR2 (the
@@ -20,8 +21,8 @@
 # device to the VM's end: run it alone); kept out of CI's run.
 #
 # Run (root): PROF_SECS=20 RTRS_VM_RESULTS=DIR scripts/vmtest.sh -k 6.12 scripts/vm/bench/server-profile.sh
-# (PROF_SECS, default 20, reaches the guest through a file host() writes, since vmtest.sh passes
-# no other environment to the guest.)
+# (PROF_SECS, default 20, and PROF_JOBS reach the guest through a file host() writes, since
+# vmtest.sh passes no other environment to the guest.)
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev fio util-linux"
@@ -31,8 +32,12 @@ SUITE_PACKAGES="libibverbs-dev librdmacm-dev fio util-linux"
 
 host() {
 	local secs=${PROF_SECS:-20}
+	local pjobs=${PROF_JOBS:-rr rw} j
 	[[ $secs =~ ^[1-9][0-9]*$ ]] || vm_die "PROF_SECS=$secs: a whole number of seconds, at least 1"
-	printf 'PROF_SECS=%s\n' "$secs" >"$RTRS_VM_WORK/server-profile.env"
+	for j in $pjobs; do
+		[[ $j =~ ^(rr|rw|sr|sw)$ ]] || vm_die "PROF_JOBS=$pjobs: words of rr rw sr sw"
+	done
+	printf 'PROF_SECS=%s\nPROF_JOBS=%q\n' "$secs" "$pjobs" >"$RTRS_VM_WORK/server-profile.env"
 	vm_build_kernel_rtrs
 	mkdir -p "$RTRS_VM_WORK/bin"
 	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-bench)
@@ -42,7 +47,7 @@ declare -A FIG_PORT=([prof]=1235)
 
 guest() {
 	export PATH=$RTRS_VM_WORK/bin:$PATH
-	local PROF_SECS
+	local PROF_SECS PROF_JOBS
 	# shellcheck source=/dev/null # written by host()
 	. "$RTRS_VM_WORK/server-profile.env"
 	local O=$RTRS_VM_WORK/results/server-profile T=/tmp/prof A1=$RTRS_VM_ADDR1
@@ -86,14 +91,19 @@ guest() {
 	printf '%s\n' '#!/bin/sh' "\"$T/snap\" \"\$1\"" "kill -USR2 $pid" >"$T"/post
 	chmod +x "$T"/snap "$T"/pre "$T"/post
 
-	local j rw rc=0
-	for j in rr rw; do
-		case $j in rr) rw=randread ;; rw) rw=randwrite ;; esac
+	local j rw bs qd rc=0
+	for j in $PROF_JOBS; do
+		case $j in
+		rr) rw=randread bs=4k qd=32 ;;
+		rw) rw=randwrite bs=4k qd=32 ;;
+		sr) rw=read bs=1m qd=8 ;;
+		sw) rw=write bs=1m qd=8 ;;
+		esac
 		rm -f "$O"/blkserver.pprof "$O"/blkserver.sched
-		echo "== $j: fio 4 KiB $rw QD32, $PROF_SECS s"
+		echo "== $j: fio $bs $rw QD$qd, $PROF_SECS s"
 		t0=$(vm_now)
 		fio --name="$j" --filename="$dev" --ioengine=libaio --direct=1 --size=200m --time_based \
-			--runtime="$PROF_SECS" --rw="$rw" --bs=4k --iodepth=32 \
+			--runtime="$PROF_SECS" --rw="$rw" --bs="$bs" --iodepth="$qd" \
 			--exec_prerun="$T/pre $O/$j.pre" --exec_postrun="$T/post $O/$j.post" \
 			--output-format=terse --terse-version=3 >"$O/$j.fio" 2>&1 || rc=$?
 		echo "fio rc $rc in $(vm_since "$t0") s"
@@ -131,16 +141,16 @@ prof_table() {
 	local O=$1 hz=$2 j s0 s1 b0 b1
 	echo "## server profile: kernel $(uname -r), 2 vCPUs (qemu TCG), rxe, two paths, the kernel's rnbd-client → rtrs-bench blkserver (verbs, direct)"
 	echo ""
-	echo "fio libaio direct=1 size=200m, 4 KiB QD32, $PROF_SECS s per job; windows from fio's exec_prerun to its exec_postrun. Server CPU: utime+stime (/proc/PID/stat); guest CPU: /proc/stat busy (all but idle and iowait), CLK_TCK $hz; switches: voluntary+involuntary summed over the server's threads; wake-ups (estimated) and calls into C from blkserver's .sched."
+	echo "fio libaio direct=1 size=200m, 4 KiB QD32 (rr, rw) or 1 MiB QD8 (sr, sw), $PROF_SECS s per job; windows from fio's exec_prerun to its exec_postrun. Server CPU: utime+stime (/proc/PID/stat); guest CPU: /proc/stat busy (all but idle and iowait), CLK_TCK $hz; switches: voluntary+involuntary summed over the server's threads; wake-ups (estimated) and calls into C from blkserver's .sched."
 	echo ""
 	echo "| job | IOPS | IOs | server CPU µs/IO | guest CPU µs/IO | server ctx sw/IO (vol+invol) | wake-ups/IO | C calls/IO | GCs |"
 	echo "|---|---|---|---|---|---|---|---|---|"
-	for j in rr rw; do
+	for j in $PROF_JOBS; do
 		s0=$(prof_srv "$O/$j.pre.srv") s1=$(prof_srv "$O/$j.post.srv")
 		b0=$(fig_busy "$O/$j.pre.stat") b1=$(fig_busy "$O/$j.post.stat")
 		awk -F';' -v j="$j" -v s0="$s0" -v s1="$s1" -v busy="$((b1 - b0))" -v hz="$hz" -v sched="$O/$j.sched" '
 			$1 == "3" {
-				kib = $6 + $47; iops = $8 + $49; ios = kib / 4
+				kib = $6 + $47; iops = $8 + $49; ios = kib / (j ~ /^s/ ? 1024 : 4)
 				split(s0, a, " "); split(s1, b, " ")
 				while ((getline l < sched) > 0) { split(l, kv, " "); S[kv[1]] = kv[2] }
 				printf "| %s | %.0f | %.0f | %.1f | %.1f | %.2f (%.2f+%.2f) | %.2f | %.2f | %d |\n", j, iops, ios,
