@@ -41,6 +41,13 @@ func requireRoot(t *testing.T) {
 // test die first (with its last opener).
 func attachLoop(t *testing.T, path string) string {
 	t.Helper()
+	return attachLoopBlock(t, path, 0)
+}
+
+// attachLoopBlock is attachLoop with a logical block of bs bytes (0: the loop driver's 512;
+// LoopConfig.Size is struct loop_config's block_size).
+func attachLoopBlock(t *testing.T, path string, bs uint32) string {
+	t.Helper()
 	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
 	if err != nil {
 		t.Fatalf("loop devices: %v", err)
@@ -61,7 +68,7 @@ func attachLoop(t *testing.T, path string) string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		cfg := unix.LoopConfig{Fd: uint32(back.Fd()), Info: unix.LoopInfo64{Flags: unix.LO_FLAGS_AUTOCLEAR}}
+		cfg := unix.LoopConfig{Fd: uint32(back.Fd()), Size: bs, Info: unix.LoopInfo64{Flags: unix.LO_FLAGS_AUTOCLEAR}}
 		err = unix.IoctlLoopConfigure(int(dev.Fd()), &cfg)
 		if err == nil {
 			t.Cleanup(func() {

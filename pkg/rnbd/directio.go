@@ -50,9 +50,11 @@ type directIO struct {
 	free      []uint16
 	inflight  int // slots taken
 	closing   bool
-	broken    bool  // submission failed for good: submit refuses, and the caller uses the page cache
-	err       error // why
-	blocking  bool  // the device refuses RWF_NOWAIT: only the reaper submits
+	late      bool   // the open's probe read had not come back by dioProbeTimeout
+	probeBuf  []byte // its buffer (mapped), let go with the device
+	broken    bool   // submission failed for good: submit refuses, and the caller uses the page cache
+	err       error  // why
+	blocking  bool   // the device refuses RWF_NOWAIT: only the reaper submits
 }
 
 // dioOp is one READ or WRITE, or what is left of it after a short transfer.
@@ -83,6 +85,10 @@ const dioHandOff = 64 << 10
 // show that nothing waits for it.
 var dioWaitSlice = time.Second
 
+// dioProbeTimeout bounds how long an open waits for its probe read; a variable for the
+// tests.
+var dioProbeTimeout = 10 * time.Second
+
 // dioDrainTimeout bounds how long a close waits for IO in flight before it leaves the reaper
 // running (and the descriptors open) rather than hang: a device that stopped answering. A
 // variable for the tests.
@@ -95,9 +101,9 @@ var (
 	dioReady  = (*aio.Context).Ready
 )
 
-// newDirectIO opens the block device at path O_DIRECT (writable or not) and starts its
-// reaper; answer is called once per request when it is done, on the reaper's goroutine or,
-// for a request refused at submission, on the submitter's.
+// newDirectIO opens the block device at path O_DIRECT (writable or not), probes it and starts
+// its reaper; answer is called once per request when it is done, on the reaper's goroutine
+// or, for a request refused at submission, on the submitter's.
 func newDirectIO(path string, writable bool, lbs int, answer func(*transport.SrvRequest, error)) (*directIO, error) {
 	flags := unix.O_RDONLY
 	if writable {
@@ -112,10 +118,6 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 	}
 	if err != nil {
 		return nil, fmt.Errorf("open %s O_DIRECT: %w", path, err)
-	}
-	if err := probeDirect(fd, lbs); err != nil {
-		unix.Close(fd)
-		return nil, err
 	}
 	d := &directIO{fd: fd, align: uintptr(lbs), answer: answer, ended: make(chan struct{}),
 		ops: make([]dioOp, dioEntries), cbs: make([]aio.IOCB, dioEntries)}
@@ -137,8 +139,62 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 		_ = d.release()
 		return nil, err
 	}
+	if d.late, err = d.probe(lbs); err != nil {
+		_ = d.release()
+		return nil, err
+	}
 	go d.run()
 	return d, nil
+}
+
+// probe reads the device's first block into a page-aligned buffer, as the chunks are, through
+// the context: a device that takes the open but not the IO (or wants more alignment than a
+// page) is found here, at open, rather than failing a client's IO. An empty device reads
+// nothing and passes. A device that has not answered after dioProbeTimeout is taken as it
+// is (late), as the kernel's server opens a device without reading it: the read stays at the
+// device, the reaper takes its completion, and the OPEN (and the session's control requests
+// behind it) no longer waits for a device that may never answer.
+func (d *directIO) probe(lbs int) (late bool, err error) {
+	if d.probeBuf, err = unix.Mmap(-1, 0, lbs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+		return false, err
+	}
+	d.mu.Lock()
+	slot := d.free[len(d.free)-1]
+	d.free = d.free[:len(d.free)-1]
+	d.ops[slot] = dioOp{buf: d.probeBuf} // no request: the reaper answers nobody
+	d.prep(slot)
+	d.inflight++
+	d.mu.Unlock()
+	if _, err := dioSubmit(d.ctx, []*aio.IOCB{&d.cbs[slot]}); err != nil {
+		return false, fmt.Errorf("an O_DIRECT read of %d bytes: io_submit: %w", lbs, err)
+	}
+	deadline := time.Now().Add(dioProbeTimeout)
+	var ev [1]aio.Event
+	for {
+		// An error here is the reaper's too, which then stops with the read still counted.
+		n, err := dioReady(d.ctx, ev[:])
+		if err != nil {
+			return true, nil
+		}
+		if n == 1 {
+			d.mu.Lock()
+			d.ops[slot] = dioOp{}
+			d.free = append(d.free, slot)
+			d.inflight--
+			d.mu.Unlock()
+			if ev[0].Res < 0 {
+				return false, fmt.Errorf("an O_DIRECT read of %d bytes: %w", lbs, unix.Errno(-ev[0].Res))
+			}
+			return false, nil
+		}
+		wait := time.Until(deadline)
+		if wait <= 0 {
+			return true, nil
+		}
+		if err := d.waitBell(wait); err != nil {
+			return true, nil
+		}
+	}
 }
 
 // wake has the reaper look at the queue and the closing flag, which the caller set before.
@@ -175,28 +231,6 @@ func (d *directIO) waitBell(wait time.Duration) error {
 		return err
 	case rerr != nil && rerr != unix.EINTR:
 		return rerr
-	}
-	return nil
-}
-
-// probeDirect reads the device's first block with O_DIRECT into a page-aligned buffer, as the
-// chunks are: a device that takes the open but not the IO (or wants more alignment than a
-// page) is found here, at open, rather than failing a client's IO. An empty device reads
-// nothing and passes.
-func probeDirect(fd, lbs int) error {
-	buf, err := unix.Mmap(-1, 0, lbs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
-		return err
-	}
-	defer unix.Munmap(buf)
-	for {
-		_, err = unix.Pread(fd, buf, 0)
-		if err != unix.EINTR {
-			break
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("an O_DIRECT read of %d bytes: %w", lbs, err)
 	}
 	return nil
 }
@@ -357,6 +391,9 @@ func (d *directIO) close() error {
 func (d *directIO) release() error {
 	_ = d.ctx.Destroy()
 	_ = d.bell.Close()
+	if d.probeBuf != nil {
+		_ = unix.Munmap(d.probeBuf)
+	}
 	return unix.Close(d.fd)
 }
 
@@ -453,6 +490,11 @@ func (d *directIO) completion(ev aio.Event) {
 	d.ops[slot] = dioOp{}
 	d.free = append(d.free, slot)
 	d.inflight--
+	if op.r == nil {
+		// The open's probe, come back late: nobody waits for it.
+		d.mu.Unlock()
+		return
+	}
 	var err error
 	switch {
 	case d.broken && (op.nowait && (ev.Res == -int64(unix.EAGAIN) || ev.Res == -int64(unix.EOPNOTSUPP)) ||

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -194,26 +195,89 @@ func TestDirectIOQueue(t *testing.T) {
 	}
 }
 
-// The open's probe passes a device that reads with O_DIRECT, and refuses a descriptor that
-// took the open but cannot do the IO (a pipe: ESPIPE), which then stays on the page cache.
+// The open's probe passes a device that reads with O_DIRECT, and refuses one that took the
+// open but not the IO: a device of 4 KiB blocks probed as one of 512 bytes (EINVAL), which
+// then stays on the page cache.
 func TestDirectIOProbe(t *testing.T) {
-	name, _, _ := loopExport(t)
-	f, err := os.OpenFile("/dev/"+name, os.O_RDONLY|syscall.O_DIRECT, 0)
+	leakcheck.Check(t)
+	name, file, _ := loopExport(t)
+	d, err := newDirectIO("/dev/"+name, false, SectorSize, func(*transport.SrvRequest, error) {})
 	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := probeDirect(int(f.Fd()), SectorSize); err != nil {
 		t.Fatalf("loop device: %v", err)
 	}
-	var p [2]int
-	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+	if d.late {
+		t.Error("a loop device over tmpfs did not answer its probe in time")
+	}
+	if err := d.close(); err != nil {
 		t.Fatal(err)
 	}
-	defer unix.Close(p[0])
-	defer unix.Close(p[1])
-	if err := probeDirect(p[0], SectorSize); !errors.Is(err, syscall.ESPIPE) {
-		t.Fatalf("pipe: %v, want ESPIPE", err)
+	big := attachLoopBlock(t, file, 4096)
+	// (The open itself succeeds: the EINVAL is the read's.)
+	if d, err := newDirectIO("/dev/"+big, false, SectorSize, func(*transport.SrvRequest, error) {}); !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), "read") {
+		if err == nil {
+			_ = d.close()
+		}
+		t.Fatalf("a 512-byte probe of a device of 4 KiB blocks: %v, want the read's EINVAL", err)
+	}
+}
+
+// TestStuckOpenGoesOnAfterProbe: an OPEN of a device that does not answer its probe read waits
+// dioProbeTimeout, no longer: it is answered with the device open and the read still at the
+// device. The device's IO then waits at the device like any other, is served once the
+// device answers, and the close finds nothing left behind (the probe's late completion taken
+// by the reaper).
+func TestStuckOpenGoesOnAfterProbe(t *testing.T) {
+	leakcheck.Check(t)
+	old := dioProbeTimeout
+	dioProbeTimeout = 300 * time.Millisecond
+	t.Cleanup(func() { dioProbeTimeout = old })
+	f, name, e := gatedEnv(t, dioDrainTimeout)
+	want := bytes.Repeat([]byte{0x5a}, 4096)
+	copy(f.Data[2<<20:], want)
+	c := e.client(t, 5*time.Second)
+	f.shut()
+	defer f.open()
+	opened := make(chan error, 1)
+	var d *Device
+	go func() {
+		var err error
+		d, err = e.mapDev(t, c, "a", name, AccessRO)
+		opened <- err
+	}()
+	select {
+	case err := <-opened:
+		if err != nil {
+			t.Fatalf("the OPEN of a device that does not answer: %v", err)
+		}
+	case <-time.After(8 * time.Second):
+		f.open()
+		<-opened
+		t.Fatal("the OPEN waited for the device past its probe's timeout")
+	}
+	if f.waiting.Load() == 0 {
+		t.Fatal("the probe read is no longer held at the device: the test proves nothing")
+	}
+	got := make([]byte, 4096)
+	read := make(chan error, 1)
+	d.ReadAsync(context.Background(), got, 2<<20, func(err error) { read <- err })
+	select {
+	case err := <-read:
+		t.Fatalf("a read answered while the device is shut: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	f.open()
+	select {
+	case err := <-read:
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("the read once the device answers: %v (right data: %v)", err, bytes.Equal(got, want))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the read was not answered once the device answered")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := d.Unmap(ctx); err != nil {
+		t.Fatalf("unmap: %v", err)
 	}
 }
 
@@ -521,7 +585,11 @@ func TestDirectIOSubmitRefused(t *testing.T) {
 	leakcheck.Check(t)
 	name, _, model := loopExport(t)
 	var calls, refused, partial atomic.Int32
+	var armed atomic.Bool // past the open's probe
 	dioSubmit = func(c *aio.Context, cbs []*aio.IOCB) (int, error) {
+		if !armed.Load() {
+			return c.Submit(cbs)
+		}
 		switch n := calls.Add(1); {
 		case n%3 == 1 && refused.Load() < 30:
 			refused.Add(1)
@@ -543,6 +611,7 @@ func TestDirectIOSubmitRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	armed.Store(true)
 	const n, bs = 2 * dioEntries, 4096
 	reqs := make([]transport.SrvRequest, n)
 	buf, err := unix.Mmap(-1, 0, n*bs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
@@ -817,9 +886,10 @@ func TestDirectIONowaitRefusalGoesAgainAtOnce(t *testing.T) {
 	withLongWait(t)
 	name, _, model := loopExport(t)
 	var refused atomic.Int32
+	var armed atomic.Bool // past the open's probe
 	dioReady = func(c *aio.Context, ev []aio.Event) (int, error) {
 		n, err := c.Ready(ev)
-		if n > 0 && refused.Load() == 0 {
+		if n > 0 && armed.Load() && refused.Load() == 0 {
 			refused.Add(1)
 			ev[0].Res = -int64(unix.EAGAIN) // as the block layer answers a nowait bio it would wait for
 		}
@@ -831,6 +901,7 @@ func TestDirectIONowaitRefusalGoesAgainAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	armed.Store(true)
 	defer d.close()
 	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {

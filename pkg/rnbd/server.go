@@ -534,6 +534,8 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 			d.direct = false
 			s.loops--
 			s.mu.Unlock()
+		} else if b.dio.late {
+			s.log.WithField("session", ts.Name()).Warnf("%q did not answer a read of its first block in %v: opened, its IO waits at the device", m.DevName, dioProbeTimeout)
 		}
 	} else if b.bdev && s.opts.ExportIO == ExportIODirect {
 		s.log.WithField("session", ts.Name()).Warnf("%q: %d devices open with direct IO already, this one goes through the page cache", m.DevName, maxLoops)
