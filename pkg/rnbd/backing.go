@@ -393,27 +393,34 @@ func (b *backing) openDirect(answer func(*transport.SrvRequest, error)) error {
 	return nil
 }
 
+// closing is what a device's close leaves behind: io is closed once none of the session's IO
+// is at the device any more (its access mode may stop counting), gone once its descriptors
+// and direct IO's context have been let go.
+type closing struct{ io, gone <-chan struct{} }
+
+// closed is a close that left nothing behind.
+var closed = closing{closedChan, closedChan}
+
 // close unmaps and closes. No IO may be starting (the device's lock sees to it). Direct IO
-// in flight is waited for, dioDrainTimeout at most: the channel returned is closed once the
-// device is let go, at once or, when the device still holds IO after that, once the last of
-// it is answered; its descriptors stay open until then.
-func (b *backing) close() <-chan struct{} {
-	gone := make(chan struct{})
+// in flight is waited for, dioDrainTimeout at most, and the open's late probe read not at
+// all: what is still at the device after that is let go when it ends, and the descriptors
+// stay open until then.
+func (b *backing) close() closing {
 	if d := b.dio; d != nil {
 		b.dio = nil
 		if err := d.close(); err != nil {
+			gone := make(chan struct{})
 			go func() {
 				<-d.ended
 				_ = d.release()
 				_ = b.closeFiles()
 				close(gone)
 			}()
-			return gone
+			return closing{io: d.quiet, gone: gone}
 		}
 	}
 	_ = b.closeFiles()
-	close(gone)
-	return gone
+	return closed
 }
 
 // closeFiles closes what close closes besides direct IO.

@@ -199,6 +199,8 @@ func TestStuckOpenHoldsNoIOPlace(t *testing.T) {
 	oldExport, oldAll := maxBlockingPerExport, maxBlocking
 	maxBlockingPerExport, maxBlocking = 1, 1
 	t.Cleanup(func() { maxBlockingPerExport, maxBlocking = oldExport, oldAll })
+	// The OPEN must stay held through the test's wait for the FLUSH.
+	withProbeTimeout(t, time.Minute)
 	f, name, e := gatedEnv(t, dioDrainTimeout)
 	other, _, _ := loopExport(t)
 	c := e.client(t, 5*time.Second)

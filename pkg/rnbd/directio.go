@@ -40,7 +40,10 @@ type directIO struct {
 	bellC  syscall.RawConn
 	bellFd uint32      // its descriptor (File.Fd would make it blocking)
 	rung   atomic.Bool // wake wrote the bell and the reaper has not read it since
-	ended  chan struct{}
+	// quiet is closed once the device is closing and none of the session's IO is queued or at
+	// the device (the open's late probe may be); ended once nothing is, and the reaper is gone.
+	quiet chan struct{}
+	ended chan struct{}
 
 	mu        sync.Mutex
 	queued    []dioOp // not yet submitted
@@ -51,7 +54,9 @@ type directIO struct {
 	inflight  int // slots taken
 	closing   bool
 	late      bool   // the open's probe read had not come back by dioProbeTimeout
-	probeBuf  []byte // its buffer (mapped), let go with the device
+	probeOut  bool   // and is still at the device (a slot, counted in inflight)
+	probeBuf  []byte // its buffer (mapped), let go when it comes back
+	quieted   bool   // quiet is closed
 	broken    bool   // submission failed for good: submit refuses, and the caller uses the page cache
 	err       error  // why
 	blocking  bool   // the device refuses RWF_NOWAIT: only the reaper submits
@@ -119,7 +124,7 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 	if err != nil {
 		return nil, fmt.Errorf("open %s O_DIRECT: %w", path, err)
 	}
-	d := &directIO{fd: fd, align: uintptr(lbs), answer: answer, ended: make(chan struct{}),
+	d := &directIO{fd: fd, align: uintptr(lbs), answer: answer, quiet: make(chan struct{}), ended: make(chan struct{}),
 		ops: make([]dioOp, dioEntries), cbs: make([]aio.IOCB, dioEntries)}
 	for i := range d.ops {
 		d.free = append(d.free, uint16(i))
@@ -150,51 +155,100 @@ func newDirectIO(path string, writable bool, lbs int, answer func(*transport.Srv
 // probe reads the device's first block into a page-aligned buffer, as the chunks are, through
 // the context: a device that takes the open but not the IO (or wants more alignment than a
 // page) is found here, at open, rather than failing a client's IO. An empty device reads
-// nothing and passes. A device that has not answered after dioProbeTimeout is taken as it
-// is (late), as the kernel's server opens a device without reading it: the read stays at the
-// device, the reaper takes its completion, and the OPEN (and the session's control requests
-// behind it) no longer waits for a device that may never answer.
+// nothing and passes. The read is submitted with RWF_NOWAIT, again while the device has no
+// request free, so that io_submit does not sleep either. A device that has not answered
+// after dioProbeTimeout is taken as it is (late), as the kernel's server opens a device
+// without reading it: the read, if the device took it, stays there (probeOut) and the reaper
+// takes its completion; the OPEN, and the session's control requests behind it, no longer
+// wait for a device that may never answer.
 func (d *directIO) probe(lbs int) (late bool, err error) {
 	if d.probeBuf, err = unix.Mmap(-1, 0, lbs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
 		return false, err
 	}
-	d.mu.Lock()
-	slot := d.free[len(d.free)-1]
-	d.free = d.free[:len(d.free)-1]
-	d.ops[slot] = dioOp{buf: d.probeBuf} // no request: the reaper answers nobody
-	d.prep(slot)
-	d.inflight++
-	d.mu.Unlock()
-	if _, err := dioSubmit(d.ctx, []*aio.IOCB{&d.cbs[slot]}); err != nil {
-		return false, fmt.Errorf("an O_DIRECT read of %d bytes: io_submit: %w", lbs, err)
+	fail := func(err error) (bool, error) {
+		return false, fmt.Errorf("an O_DIRECT read of %d bytes: %w", lbs, err)
 	}
 	deadline := time.Now().Add(dioProbeTimeout)
+	slot := d.free[len(d.free)-1] // before the reaper: nothing else takes slots yet
+	nowait := true
 	var ev [1]aio.Event
 	for {
-		// An error here is the reaper's too, which then stops with the read still counted.
-		n, err := dioReady(d.ctx, ev[:])
+		d.mu.Lock()
+		d.ops[slot] = dioOp{buf: d.probeBuf, nowait: nowait} // no request: the reaper answers nobody
+		d.prep(slot)
+		d.mu.Unlock()
+		took, err := dioSubmit(d.ctx, []*aio.IOCB{&d.cbs[slot]})
+		switch {
+		case nowait && errors.Is(err, unix.EOPNOTSUPP):
+			nowait = false // the device cannot say it would wait: ask as the reaper would
+			continue
+		case err != nil && !errors.Is(err, unix.EAGAIN):
+			return fail(err)
+		case err != nil || took == 0:
+			// No request free at the device: again shortly, until the deadline.
+			if time.Now().After(deadline) {
+				return true, nil
+			}
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		d.mu.Lock()
+		d.free = d.free[:len(d.free)-1]
+		d.inflight++
+		d.probeOut = true
+		d.mu.Unlock()
+		res, done := d.probeWait(deadline, ev[:])
+		if !done {
+			return true, nil // the reaper takes it
+		}
+		d.probeDone(slot)
+		switch {
+		case nowait && (res == -int64(unix.EAGAIN) || res == -int64(unix.EOPNOTSUPP)):
+			nowait = nowait && res == -int64(unix.EAGAIN)
+			if time.Now().After(deadline) {
+				return true, nil
+			}
+			if nowait {
+				time.Sleep(time.Millisecond)
+			}
+		case res < 0:
+			return fail(unix.Errno(-res))
+		default:
+			return false, nil
+		}
+	}
+}
+
+// probeWait waits until deadline for the probe's completion and returns its result; not done
+// if it is still at the device, or the context or the bell failed (which the reaper then
+// meets too, and stops with the read counted).
+func (d *directIO) probeWait(deadline time.Time, ev []aio.Event) (res int64, done bool) {
+	for {
+		n, err := dioReady(d.ctx, ev)
 		if err != nil {
-			return true, nil
+			return 0, false
 		}
 		if n == 1 {
-			d.mu.Lock()
-			d.ops[slot] = dioOp{}
-			d.free = append(d.free, slot)
-			d.inflight--
-			d.mu.Unlock()
-			if ev[0].Res < 0 {
-				return false, fmt.Errorf("an O_DIRECT read of %d bytes: %w", lbs, unix.Errno(-ev[0].Res))
-			}
-			return false, nil
+			return ev[0].Res, true
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
-			return true, nil
+			return 0, false
 		}
 		if err := d.waitBell(wait); err != nil {
-			return true, nil
+			return 0, false
 		}
 	}
+}
+
+// probeDone gives the probe's slot back once its read has come back (under no lock).
+func (d *directIO) probeDone(slot uint16) {
+	d.mu.Lock()
+	d.ops[slot] = dioOp{}
+	d.free = append(d.free, slot)
+	d.inflight--
+	d.probeOut = false
+	d.mu.Unlock()
 }
 
 // wake has the reaper look at the queue and the closing flag, which the caller set before.
@@ -370,17 +424,35 @@ func (d *directIO) prep(slot uint16) {
 	}
 }
 
+// errProbeOut is close's answer when the session's IO has ended but the open's late probe
+// read is still at the device.
+var errProbeOut = errors.New("the open's probe read is still at the device")
+
 // close waits for the IO queued and in flight to be answered, ends the reaper and closes the
-// device; after dioDrainTimeout it gives up with EBUSY and leaves both to finish on their
-// own: release, once ended is closed, lets the descriptors go.
+// device. After dioDrainTimeout it gives up with EBUSY and leaves both to finish on their
+// own; when only the open's late probe is left it does not wait for it (errProbeOut). In
+// both cases release, once ended is closed, lets the descriptors go.
 func (d *directIO) close() error {
 	d.mu.Lock()
 	d.closing = true
 	d.mu.Unlock()
 	d.wake()
+	timeout := time.NewTimer(dioDrainTimeout)
+	defer timeout.Stop()
+	select {
+	case <-d.quiet:
+	case <-timeout.C:
+		return fmt.Errorf("direct IO still in flight after %v: %w", dioDrainTimeout, syscall.EBUSY)
+	}
+	d.mu.Lock()
+	probe := d.probeOut
+	d.mu.Unlock()
+	if probe {
+		return errProbeOut
+	}
 	select {
 	case <-d.ended:
-	case <-time.After(dioDrainTimeout):
+	case <-timeout.C:
 		return fmt.Errorf("direct IO still in flight after %v: %w", dioDrainTimeout, syscall.EBUSY)
 	}
 	return d.release()
@@ -429,6 +501,10 @@ func (d *directIO) run() {
 		left := d.push(false)
 		d.mu.Lock()
 		idle := d.closing && d.inflight == 0 && len(d.queued) == 0
+		if d.closing && !d.quieted && len(d.queued) == 0 && (d.inflight == 0 || d.inflight == 1 && d.probeOut) {
+			d.quieted = true
+			close(d.quiet)
+		}
 		starved := left && d.inflight == 0
 		d.mu.Unlock()
 		if idle {
@@ -491,7 +567,11 @@ func (d *directIO) completion(ev aio.Event) {
 	d.free = append(d.free, slot)
 	d.inflight--
 	if op.r == nil {
-		// The open's probe, come back late: nobody waits for it.
+		// The open's probe, come back late: nobody waits for it. (Its result is not acted
+		// on: the device's errors reach the requests that meet them.)
+		d.probeOut = false
+		_ = unix.Munmap(d.probeBuf)
+		d.probeBuf = nil
 		d.mu.Unlock()
 		return
 	}

@@ -228,9 +228,7 @@ func TestDirectIOProbe(t *testing.T) {
 // by the reaper).
 func TestStuckOpenGoesOnAfterProbe(t *testing.T) {
 	leakcheck.Check(t)
-	old := dioProbeTimeout
-	dioProbeTimeout = 300 * time.Millisecond
-	t.Cleanup(func() { dioProbeTimeout = old })
+	withProbeTimeout(t, 300*time.Millisecond)
 	f, name, e := gatedEnv(t, dioDrainTimeout)
 	want := bytes.Repeat([]byte{0x5a}, 4096)
 	copy(f.Data[2<<20:], want)
@@ -254,8 +252,8 @@ func TestStuckOpenGoesOnAfterProbe(t *testing.T) {
 		<-opened
 		t.Fatal("the OPEN waited for the device past its probe's timeout")
 	}
-	if f.waiting.Load() == 0 {
-		t.Fatal("the probe read is no longer held at the device: the test proves nothing")
+	if dio := directOf(t, e, "a"); dio == nil || !dio.late || f.waiting.Load() == 0 {
+		t.Fatalf("direct IO %v, its probe late and held at the device: want all (the test proves nothing otherwise)", dio != nil)
 	}
 	got := make([]byte, 4096)
 	read := make(chan error, 1)
@@ -279,6 +277,65 @@ func TestStuckOpenGoesOnAfterProbe(t *testing.T) {
 	if err := d.Unmap(ctx); err != nil {
 		t.Fatalf("unmap: %v", err)
 	}
+}
+
+// TestLateOpenClosesAtOnce: a device opened while its probe read is still at the device, and
+// closed before that read comes back, closes at once (not after dioDrainTimeout: none of the
+// session's IO is there) and stops counting against rw opens; its place among the direct IO
+// devices comes back only once the read has ended and the device is let go.
+func TestLateOpenClosesAtOnce(t *testing.T) {
+	leakcheck.Check(t)
+	withProbeTimeout(t, 300*time.Millisecond)
+	f, name, e := gatedEnv(t, 20*time.Second)
+	f.shut()
+	defer f.open()
+	d := mustMap(t, e, e.client(t, 5*time.Second), "a", name, AccessRW)
+	if dio := directOf(t, e, "a"); dio == nil || !dio.late {
+		t.Fatal("the device was not opened with its probe late: the test proves nothing")
+	}
+	rs := e.server()
+	loops := func() int { rs.mu.Lock(); defer rs.mu.Unlock(); return rs.loops }
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := d.Unmap(ctx); err != nil {
+		t.Fatalf("unmap while only the probe is at the device: %v", err)
+	}
+	if _, err := e.mapDev(t, e.client(t, 5*time.Second), "b", name, AccessRW); err != nil {
+		t.Fatalf("another session's rw open once the first has closed: %v", err)
+	}
+	if n := loops(); n != 2 {
+		t.Fatalf("%d devices counted with direct IO, want 2 (the closed one until its probe ends)", n)
+	}
+	f.open()
+	testutil.WaitFor(t, 10*time.Second, "the closed device let go once its probe ended", func() bool { return loops() == 1 })
+}
+
+// withProbeTimeout sets dioProbeTimeout for the test.
+func withProbeTimeout(t *testing.T, d time.Duration) {
+	old := dioProbeTimeout
+	dioProbeTimeout = d
+	t.Cleanup(func() { dioProbeTimeout = old })
+}
+
+// directOf is the direct IO of the device session sess has open on e's server, nil if it
+// has none or it goes through the page cache.
+func directOf(t *testing.T, e *testEnv, sess string) *directIO {
+	t.Helper()
+	rs := e.server()
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	for _, ss := range rs.sessions {
+		for _, d := range ss.devs {
+			if ss.name == sess {
+				if !d.direct {
+					return nil
+				}
+				return d.b.dio
+			}
+		}
+	}
+	t.Fatalf("session %q has no device open", sess)
+	return nil
 }
 
 // gatedFile is a FUSE file in memory whose reads and writes wait while its gate is shut:
@@ -454,20 +511,7 @@ func TestDirectLoopsBounded(t *testing.T) {
 	e := &testEnv{prov: soft.New(soft.Options{}), dir: "/dev"}
 	e.start(t, 0)
 	t.Cleanup(e.stop)
-	direct := func(sess string) bool {
-		rs := e.server()
-		rs.mu.Lock()
-		defer rs.mu.Unlock()
-		for _, ss := range rs.sessions {
-			for _, d := range ss.devs {
-				if ss.name == sess {
-					return d.direct && d.b.dio != nil
-				}
-			}
-		}
-		t.Fatalf("session %q has no device open", sess)
-		return false
-	}
+	direct := func(sess string) bool { return directOf(t, e, sess) != nil }
 	loops := func() int { rs := e.server(); rs.mu.Lock(); defer rs.mu.Unlock(); return rs.loops }
 	ctx := context.Background()
 	a := mustMap(t, e, e.client(t, 5*time.Second), "a", name, AccessRO)

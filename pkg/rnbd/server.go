@@ -338,14 +338,19 @@ func (s *Server) destroySess(ts *transport.SrvSess) {
 	}
 }
 
-// release stops d's access mode counting once gone is closed: at once, or, for a device that
-// still holds the session's IO after dioDrainTimeout, when that IO has ended, so that no
-// other session opens it rw and writes beside writes still on their way (the kernel's
-// server waits for them without a bound).
-func (s *Server) release(d *sessDev, gone <-chan struct{}) {
+// release stops d's access mode counting once the session's IO has left the device: at once,
+// or, for a device that still holds it after dioDrainTimeout, when that IO has ended, so that
+// no other session opens it rw and writes beside writes still on their way (the kernel's
+// server waits for them without a bound). Its place among the direct IO devices is given back
+// once the device is let go.
+func (s *Server) release(d *sessDev, c closing) {
 	put := func() {
 		s.mu.Lock()
 		s.putDevLocked(d)
+		s.mu.Unlock()
+	}
+	unloop := func() {
+		s.mu.Lock()
 		if d.direct {
 			d.direct = false
 			s.loops--
@@ -353,14 +358,26 @@ func (s *Server) release(d *sessDev, gone <-chan struct{}) {
 		s.mu.Unlock()
 	}
 	select {
-	case <-gone:
+	case <-c.io:
 		put()
 	default:
 		s.log.Warnf("%q (device %d): IO still at the device after %v; it stays open for it and counts against rw opens until that IO ends", d.name, d.id, dioDrainTimeout)
 		go func() {
-			<-gone
+			<-c.io
 			put()
 			s.log.Infof("%q (device %d): its last IO ended, the device is closed", d.name, d.id)
+		}()
+	}
+	select {
+	case <-c.gone:
+		unloop()
+	default:
+		if chanClosed(c.io) {
+			s.log.Infof("%q (device %d): closed; the read of its first block at open is still at the device, whose descriptors are let go when it ends", d.name, d.id)
+		}
+		go func() {
+			<-c.gone
+			unloop()
 		}()
 	}
 }
@@ -706,19 +723,29 @@ func (s *Server) publishLocked() {
 	s.ioDevs.Store(&idx)
 }
 
-// close closes the device for its session once the IO running on it has returned; the
-// channel is closed when the device has let go (backing.close).
-func (d *sessDev) close() <-chan struct{} {
+// close closes the device for its session once the IO running on it has returned
+// (backing.close).
+func (d *sessDev) close() closing {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		return closedChan
+		return closed
 	}
 	d.closed = true
 	d.mu.Unlock()
 	// Outside the lock: IO to the device, refused from now on, must not wait behind the
 	// drain of direct IO (up to dioDrainTimeout) on the transport's goroutine.
 	return d.b.close()
+}
+
+// chanClosed reports whether c is closed.
+func chanClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }
 
 // closedChan is a channel closed from the start.
