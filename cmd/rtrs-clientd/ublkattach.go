@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"math/bits"
 	"runtime"
 	"strconv"
@@ -17,9 +18,22 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/ublk"
 )
 
-// ublkMark is what rtrs-clientd leaves in its ublk devices' ublksrv_flags ("rtrs"): a
-// restarted daemon recovers only devices that carry it.
+// ublkMark is what rtrs-clientd leaves in the low half of its ublk devices' ublksrv_flags
+// ("rtrs"); the high half names the mapping (ublkOwner). A restarted daemon recovers only a
+// device that carries both for the mapping that asks: waiting IO and open file systems must
+// not resume against another volume.
 const ublkMark = 0x72747273
+
+// ublkOwner is the mark of a mapping's device: ublkMark, and a hash of the mapping's session
+// and device path. (Daemons before 2026-11-26 left ublkMark alone; their devices are
+// recovered on the size alone.)
+func ublkOwner(sess, path string) uint64 {
+	h := fnv.New32a()
+	h.Write([]byte(sess))
+	h.Write([]byte{0})
+	h.Write([]byte(path))
+	return uint64(max(h.Sum32(), 1))<<32 | ublkMark
+}
 
 // ublkRecoverWait bounds how long an attach waits for the driver to quiesce a device whose
 // server died (it notices at once when the process exits; this covers a slow exit).
@@ -37,11 +51,13 @@ type ublkAttacher struct {
 	ctx    context.Context        // the daemon's: IO of the devices ends with it
 	lg     *log.Entry
 
-	mu     sync.Mutex
-	ctrl   *ublk.Ctrl // opened at the first attach
-	closed bool
-	devs   map[*rnbd.Device]*ublk.Device
-	tokens map[*rnbd.Device]control.Attach
+	mu      sync.Mutex
+	ctrl    *ublk.Ctrl // opened at the first attach
+	closed  bool
+	busy    sync.WaitGroup // attaches and detaches under way, which detachAll waits for
+	devs    map[*rnbd.Device]*ublk.Device
+	tokens  map[*rnbd.Device]control.Attach
+	pending map[int]bool // device numbers an attach is taking
 }
 
 // newUblkAttacher is the daemon's ublk front end as its settings say; IO of its devices ends
@@ -54,7 +70,7 @@ func newUblkAttacher(ctx context.Context, c *config, r *resolved, rc *rnbd.Clien
 			}
 			return 1
 		},
-		devs: map[*rnbd.Device]*ublk.Device{}, tokens: map[*rnbd.Device]control.Attach{}}
+		devs: map[*rnbd.Device]*ublk.Device{}, tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}}
 }
 
 func parseUblkQueues(v string) error {
@@ -149,13 +165,28 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 		u.mu.Unlock()
 		return nil
 	}
+	if at >= 0 {
+		if u.pending[int(at)] {
+			u.mu.Unlock()
+			return fmt.Errorf("ublk=%v: another mapping is being attached to /dev/ublkb%d: %w", at, at, syscall.EBUSY)
+		}
+		u.pending[int(at)] = true
+		defer func() {
+			u.mu.Lock()
+			delete(u.pending, int(at))
+			u.mu.Unlock()
+		}()
+	}
 	c, err := u.control()
-	u.mu.Unlock()
 	if err != nil {
+		u.mu.Unlock()
 		return fmt.Errorf("ublk=%v: %w", at, err)
 	}
+	u.busy.Add(1)
+	defer u.busy.Done()
+	u.mu.Unlock()
 	name := d.Session() + "/" + control.DeviceFileName(d.Path())
-	h := &ublkHandler{d: d, ctx: u.ctx}
+	h := &ublkHandler{d: d, ctx: u.ctx, name: name, lg: u.lg}
 	var dev *ublk.Device
 	recovered := false
 	if at >= 0 {
@@ -169,7 +200,7 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 			id = int(at)
 		}
 		dev, err = ublk.Create(c, ublk.Options{ID: id, Queues: u.nqueues(d), Depth: u.depth, MaxIO: maxIO,
-			Params: ublkParams(d, maxIO), SrvFlags: ublkMark}, h)
+			Params: ublkParams(d, maxIO), SrvFlags: ublkOwner(d.Session(), d.Path())}, h)
 	}
 	if err != nil {
 		return fmt.Errorf("%s: ublk=%v: %w", name, at, err)
@@ -191,8 +222,9 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 	return nil
 }
 
-// recoverOwn takes device id back if it is one of ours whose server died, of d's size;
-// (nil, false, nil) if there is no device id.
+// recoverOwn takes device id back if it is d's (its mark, and its size) and its server
+// died; (nil, false, nil) if there is no device id, or there was one of d's that never
+// started (dead: no IO waits on it), which is deleted for d's to be created.
 func (u *ublkAttacher) recoverOwn(c *ublk.Ctrl, d *rnbd.Device, id int, h ublk.Handler) (*ublk.Device, bool, error) {
 	info, err := c.DevInfo(uint32(id))
 	if errors.Is(err, syscall.ENODEV) {
@@ -201,18 +233,57 @@ func (u *ublkAttacher) recoverOwn(c *ublk.Ctrl, d *rnbd.Device, id int, h ublk.H
 	if err != nil {
 		return nil, false, err
 	}
-	if info.SrvFlags != ublkMark {
-		return nil, false, fmt.Errorf("/dev/ublkb%d exists and is not rtrs-clientd's: %w", id, syscall.EEXIST)
-	}
 	p, err := c.Params(uint32(id))
 	if err != nil {
 		return nil, false, err
 	}
-	if want := uint64(d.Size() >> 9); p.Basic.DevSectors != want {
-		return nil, false, fmt.Errorf("/dev/ublkb%d has %d sectors, the device %d: not its device: %w", id, p.Basic.DevSectors, want, syscall.EEXIST)
+	switch act, err := ublkClaim(info, p, d.Session(), d.Path(), d.Size()); act {
+	case claimRefuse:
+		return nil, false, fmt.Errorf("/dev/ublkb%d: %w", id, err)
+	case claimLegacy:
+		u.lg.Warnf("/dev/ublkb%d carries the mark of an older rtrs-clientd, which does not name its mapping: recovered for %s %s on its size alone", id, d.Session(), d.Path())
+	case claimDelete:
+		if err := c.DelDev(uint32(id)); err != nil && !errors.Is(err, syscall.ENODEV) {
+			return nil, false, fmt.Errorf("/dev/ublkb%d, left added but not started: deleting it: %w", id, err)
+		}
+		u.lg.Infof("/dev/ublkb%d was left added but not started: deleted, to be created again", id)
+		return nil, false, nil
 	}
 	dev, err := ublk.Recover(c, id, h, ublkRecoverWait)
 	return dev, err == nil, err
+}
+
+// claim is what an attach does with an existing ublk device it was told to take.
+type claim int
+
+const (
+	claimRecover claim = iota // d's: take it over
+	claimLegacy               // marked by an older daemon, of d's size: take it over
+	claimDelete               // d's, never started: delete it and create d's
+	claimRefuse               // not d's
+)
+
+// ublkClaim decides what an attach of the mapping of sess and path, of size bytes, does with
+// an existing device of that info and those parameters: only a device that carries the
+// mapping's mark (or an older daemon's) and has its size is its own.
+func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, size int64) (claim, error) {
+	act := claimRecover
+	switch {
+	case info.SrvFlags == ublkOwner(sess, path):
+	case info.SrvFlags == ublkMark:
+		act = claimLegacy
+	case uint32(info.SrvFlags) == ublkMark:
+		return claimRefuse, fmt.Errorf("rtrs-clientd's device for another mapping: %w", syscall.EEXIST)
+	default:
+		return claimRefuse, fmt.Errorf("exists and is not rtrs-clientd's: %w", syscall.EEXIST)
+	}
+	if want := uint64(size >> 9); p.Basic.DevSectors != want {
+		return claimRefuse, fmt.Errorf("%d sectors, the device %d: not its device: %w", p.Basic.DevSectors, want, syscall.EEXIST)
+	}
+	if info.State == ublk.StateDead {
+		return claimDelete, nil
+	}
+	return act, nil
 }
 
 func (u *ublkAttacher) Busy(d *rnbd.Device) error {
@@ -233,17 +304,31 @@ func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device) error {
 		return err
 	}
 	u.mu.Lock()
+	if u.closed {
+		u.mu.Unlock()
+		return fmt.Errorf("rtrs-clientd is stopping: %w", syscall.ESHUTDOWN)
+	}
 	dev := u.devs[d]
-	delete(u.devs, d)
-	delete(u.tokens, d)
-	u.mu.Unlock()
 	if dev == nil {
+		delete(u.tokens, d)
+		u.mu.Unlock()
 		return nil
 	}
+	u.busy.Add(1)
+	defer u.busy.Done()
+	u.mu.Unlock()
+	// Forgotten only once stopped: a device a failed Stop leaves behind stays listed, in
+	// the write-back too, and the unmap that failed may be tried again.
 	if err := dev.Stop(); err != nil {
 		u.lg.WithError(err).Warnf("detaching %s", dev.BlockPath())
 		return err
 	}
+	u.mu.Lock()
+	if u.devs[d] == dev {
+		delete(u.devs, d)
+	}
+	delete(u.tokens, d)
+	u.mu.Unlock()
 	u.lg.Infof("%s detached", dev.BlockPath())
 	return nil
 }
@@ -282,6 +367,11 @@ func (u *ublkAttacher) count() int {
 func (u *ublkAttacher) detachAll() {
 	u.mu.Lock()
 	u.closed = true
+	u.mu.Unlock()
+	// An attach under way stops its own device when it sees closed; the control device
+	// must stay open until it has.
+	u.busy.Wait()
+	u.mu.Lock()
 	all := u.devs
 	u.devs = map[*rnbd.Device]*ublk.Device{}
 	c := u.ctrl
@@ -306,8 +396,15 @@ func (u *ublkAttacher) detachAll() {
 
 // ublkHandler serves a ublk device's requests from its RNBD device.
 type ublkHandler struct {
-	d   *rnbd.Device
-	ctx context.Context
+	d    *rnbd.Device
+	ctx  context.Context
+	name string
+	lg   *log.Entry
+}
+
+// QueueFailed logs a queue loop that ended on an error (ublk.FailureReporter).
+func (h *ublkHandler) QueueFailed(q int, err error) {
+	h.lg.WithError(err).Errorf("%s: ublk queue %d stopped; its requests wait until the device is unmapped", h.name, q)
 }
 
 // Serve starts the request: reads and writes asynchronously, the rest in a goroutine.

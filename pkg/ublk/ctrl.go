@@ -16,8 +16,13 @@ import (
 const ControlPath = "/dev/ublk-control"
 
 // ctrlTimeout bounds one control command. START_DEV and END_USER_RECOVERY wait for every
-// queue to have fetched and then scan the new disk's partitions, which reads from it.
-const ctrlTimeout = 30 * time.Second
+// queue to have fetched and then scan the new disk's partitions, which reads from it; a
+// variable for the tests.
+var ctrlTimeout = 30 * time.Second
+
+// maxAbandoned is how many rings a Ctrl leaves behind, each with a command the kernel never
+// completed, before it gives up.
+const maxAbandoned = 4
 
 // ErrNoDriver says the kernel has no ublk (module not loaded, or not built: Debian's 6.1).
 var ErrNoDriver = errors.New("no ublk driver: " + ControlPath + " is missing (modprobe ublk_drv; Linux 6.0 or later)")
@@ -29,7 +34,18 @@ type Ctrl struct {
 	ring     *uring.Ring
 	features uint64
 	buf      *ctrlBuf // the command's in/out buffer, in the heap: the kernel writes to it
-	broken   error    // a command that never completed: the ring is not usable
+	seq      uint64   // the last command's user data
+	// abandoned are the rings (with their descriptors and buffers) of commands that did not
+	// complete in time or whose submission failed: the kernel may still complete them, so
+	// they stay open and reachable, never freed, and the Ctrl goes on with a new ring.
+	abandoned []abandonedRing
+	broken    error // too many of them: the Ctrl refuses every command
+}
+
+type abandonedRing struct {
+	f    *os.File
+	ring *uring.Ring
+	buf  *ctrlBuf
 }
 
 // ctrlBuf holds whatever a control command reads or writes.
@@ -70,15 +86,40 @@ func OpenCtrl() (*Ctrl, error) {
 // Features is the driver's UBLK_F_* set.
 func (c *Ctrl) Features() uint64 { return c.features }
 
-// Close closes the control device.
+// Close closes the control device (the abandoned rings stay: see Ctrl).
 func (c *Ctrl) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.ring != nil && c.broken == nil {
-		_ = c.ring.Close()
+	if c.ring == nil {
+		return os.ErrClosed
 	}
+	_ = c.ring.Close()
 	c.ring = nil
 	return c.f.Close()
+}
+
+// abandon leaves the current ring to a command the kernel may still complete and goes on
+// with a new one; err is what the command returns.
+func (c *Ctrl) abandon(err error) error {
+	c.abandoned = append(c.abandoned, abandonedRing{c.f, c.ring, c.buf})
+	c.ring, c.f, c.buf = nil, nil, nil
+	if len(c.abandoned) >= maxAbandoned {
+		c.broken = fmt.Errorf("ublk control: %d commands never completed, the last: %w", len(c.abandoned), err)
+		return err
+	}
+	f, ferr := os.OpenFile(ControlPath, os.O_RDWR, 0)
+	if ferr != nil {
+		c.broken = fmt.Errorf("ublk control: reopening after %v: %w", err, ferr)
+		return err
+	}
+	r, rerr := uring.New(4, uring.SetupSQE128)
+	if rerr != nil {
+		f.Close()
+		c.broken = fmt.Errorf("ublk control: a new ring after %v: %w", err, rerr)
+		return err
+	}
+	c.f, c.ring, c.buf = f, r, new(ctrlBuf)
+	return err
 }
 
 func addr[T any](p *T) uint64 { return uint64(uintptr(unsafe.Pointer(p))) }
@@ -90,30 +131,41 @@ func (c *Ctrl) do(nr uint32, cmd CtrlCmd) error {
 	return c.doLocked(nr, cmd)
 }
 
-func (c *Ctrl) doLocked(nr uint32, cmd CtrlCmd) error {
+// unusable is why a Ctrl without a ring takes no command.
+func (c *Ctrl) unusable() error {
 	if c.broken != nil {
 		return c.broken
 	}
+	return os.ErrClosed
+}
+
+func (c *Ctrl) doLocked(nr uint32, cmd CtrlCmd) error {
 	if c.ring == nil {
-		return os.ErrClosed
+		return c.unusable()
 	}
 	s := c.ring.GetSQE()
-	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(c.f.Fd()), uint64(ctrlOp(nr)), uint64(nr)
+	c.seq++
+	seq := c.seq
+	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(c.f.Fd()), uint64(ctrlOp(nr)), seq
 	*(*CtrlCmd)(unsafe.Pointer(&c.ring.Cmd(s)[0])) = cmd
 	deadline := time.Now().Add(ctrlTimeout)
 	var res *int32
 	for res == nil {
 		left := time.Until(deadline)
 		if left <= 0 {
-			// The command still holds c.buf and a ring entry: nothing more goes through
-			// this ring (it is leaked, not closed, so the kernel never writes freed memory).
-			c.broken = fmt.Errorf("ublk control command %#x on device %d did not complete in %v: %w", nr, cmd.DevID, ctrlTimeout, syscall.ETIMEDOUT)
-			return c.broken
+			// The command still holds c.buf and a ring entry: the ring is left to it.
+			return c.abandon(fmt.Errorf("ublk control command %#x on device %d did not complete in %v: %w", nr, cmd.DevID, ctrlTimeout, syscall.ETIMEDOUT))
 		}
 		if _, err := c.ring.Submit(1, left); err != nil {
-			return err
+			// The entry may still be in the ring, to go with the next submission.
+			return c.abandon(fmt.Errorf("ublk control command %#x on device %d: %w", nr, cmd.DevID, err))
 		}
-		c.ring.Completions(func(cq uring.CQE) { r := cq.Res; res = &r })
+		c.ring.Completions(func(cq uring.CQE) {
+			if cq.UserData == seq {
+				r := cq.Res
+				res = &r
+			}
+		})
 	}
 	if *res < 0 {
 		return syscall.Errno(-*res)
@@ -126,24 +178,35 @@ func (c *Ctrl) doLocked(nr uint32, cmd CtrlCmd) error {
 func (c *Ctrl) AddDev(info DevInfo) (DevInfo, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.buf.info = info
-	err := c.doLocked(cmdAddDev, CtrlCmd{DevID: info.DevID, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(info)), Addr: addr(&c.buf.info)})
-	return c.buf.info, err
+	if c.ring == nil {
+		return DevInfo{}, c.unusable()
+	}
+	b := c.buf
+	b.info = info
+	err := c.doLocked(cmdAddDev, CtrlCmd{DevID: info.DevID, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(info)), Addr: addr(&b.info)})
+	return b.info, err
 }
 
 // DevInfo reads device id's info (GET_DEV_INFO); ENODEV when there is no such device.
 func (c *Ctrl) DevInfo(id uint32) (DevInfo, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.buf.info = DevInfo{}
-	err := c.doLocked(cmdGetDevInfo, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(DevInfo{})), Addr: addr(&c.buf.info)})
-	return c.buf.info, err
+	if c.ring == nil {
+		return DevInfo{}, c.unusable()
+	}
+	b := c.buf
+	b.info = DevInfo{}
+	err := c.doLocked(cmdGetDevInfo, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(DevInfo{})), Addr: addr(&b.info)})
+	return b.info, err
 }
 
 // SetParams sets a device's parameters before START_DEV.
 func (c *Ctrl) SetParams(id uint32, p Params) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.ring == nil {
+		return c.unusable()
+	}
 	p.Len = uint32(unsafe.Sizeof(p))
 	c.buf.params = p
 	return c.doLocked(cmdSetParams, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(p.Len), Addr: addr(&c.buf.params)})
@@ -153,9 +216,13 @@ func (c *Ctrl) SetParams(id uint32, p Params) error {
 func (c *Ctrl) Params(id uint32) (Params, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.buf.params = Params{Len: uint32(unsafe.Sizeof(Params{}))}
-	err := c.doLocked(cmdGetParams, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(c.buf.params.Len), Addr: addr(&c.buf.params)})
-	return c.buf.params, err
+	if c.ring == nil {
+		return Params{}, c.unusable()
+	}
+	b := c.buf
+	b.params = Params{Len: uint32(unsafe.Sizeof(Params{}))}
+	err := c.doLocked(cmdGetParams, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(b.params.Len), Addr: addr(&b.params)})
+	return b.params, err
 }
 
 // simple runs a command whose only argument is the device and, in data[0], our pid.

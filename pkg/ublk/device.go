@@ -34,8 +34,9 @@ type Device struct {
 	queues []*queue
 	wg     sync.WaitGroup
 
-	stopOnce sync.Once
-	stopErr  error
+	stopMu     sync.Mutex
+	devStopped bool // STOP_DEV was answered
+	stopped    bool // and the device deleted
 }
 
 // Create adds a device, sets its parameters, starts a queue loop per queue serving
@@ -211,21 +212,33 @@ func (d *Device) Info() DevInfo { return d.info }
 func (d *Device) Busy() bool { return BlockBusy(d.BlockPath()) }
 
 // Stop stops and deletes the device: the disk goes, requests still queued fail, the queue
-// loops end. A second Stop returns the first's result.
+// loops end. A Stop that failed (a control command that did not complete, say) may be
+// called again: it deletes what is left; once one has succeeded, Stop returns nil.
 func (d *Device) Stop() error {
-	d.stopOnce.Do(func() {
-		err := d.ctrl.StopDev(d.id)
-		if err == nil && !d.loopsEnd(stopTimeout) {
-			err = fmt.Errorf("queues still running %v after STOP_DEV: %w", stopTimeout, syscall.ETIMEDOUT)
+	d.stopMu.Lock()
+	defer d.stopMu.Unlock()
+	if d.stopped {
+		return nil
+	}
+	var err error
+	if !d.devStopped {
+		if err = d.ctrl.StopDev(d.id); err == nil {
+			d.devStopped = true
+			if !d.loopsEnd(stopTimeout) {
+				err = fmt.Errorf("queues still running %v after STOP_DEV: %w", stopTimeout, syscall.ETIMEDOUT)
+			}
 		}
-		// On error the loops would wait for aborts that may never come.
-		d.abort()
-		if derr := d.ctrl.DelDev(d.id); derr != nil && err == nil {
-			err = derr
-		}
-		if err != nil {
-			d.stopErr = fmt.Errorf("ublk: stopping device %d: %w", d.id, err)
-		}
-	})
-	return d.stopErr
+	}
+	// On error the loops would wait for aborts that may never come. (DEL_DEV stops a device
+	// not stopped yet.)
+	d.abort()
+	if derr := d.ctrl.DelDev(d.id); derr != nil && !errors.Is(derr, syscall.ENODEV) && err == nil {
+		err = derr
+	} else if derr == nil || errors.Is(derr, syscall.ENODEV) {
+		d.stopped, err = true, nil
+	}
+	if err != nil {
+		return fmt.Errorf("ublk: stopping device %d: %w", d.id, err)
+	}
+	return nil
 }

@@ -67,6 +67,14 @@ const (
 // State is a device's state as the driver reports it (UBLK_S_DEV_*).
 type State uint16
 
+// Device states a daemon tells apart when it takes a device back.
+const (
+	// StateDead is a device added and not started (or stopped): no disk, no IO waiting on it.
+	StateDead State = stateDead
+	// StateQuiesced is a device whose server died: its IO waits for a new one.
+	StateQuiesced State = stateQuiesced
+)
+
 // String names the state as ublk's documentation does.
 func (s State) String() string {
 	switch s {

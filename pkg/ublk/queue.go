@@ -23,6 +23,12 @@ type Handler interface {
 	Serve(r *Request)
 }
 
+// FailureReporter is a Handler told when one of the device's queue loops ends on an error
+// of its ring: that queue's requests then wait until the device is stopped.
+type FailureReporter interface {
+	QueueFailed(queue int, err error)
+}
+
 // Request is one block request: an op (OpRead, OpWrite, OpFlush, OpDiscard,
 // OpWriteZeroes) on Len bytes at Off, with its UBLK_IO_F_* flags. Buf holds the data of a
 // read (to fill) or a write (to send). A Request is reused once Done is called.
@@ -177,6 +183,17 @@ func (q *queue) run(ready chan<- error) {
 			}
 		}
 		if _, err := ring.Submit(wait, waitSlice); err != nil {
+			q.bell.Awake()
+			if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EBUSY) {
+				// Short of memory, or completions to take before more can be submitted:
+				// take them and go again.
+				ring.Completions(q.completion)
+				time.Sleep(time.Millisecond)
+				continue
+			}
+			if fr, ok := q.h.(FailureReporter); ok {
+				fr.QueueFailed(q.id, err)
+			}
 			q.quit.Store(true)
 			break
 		}

@@ -307,3 +307,45 @@ func TestCreateErrors(t *testing.T) {
 		t.Errorf("a second device %d: %v", d.ID(), err)
 	}
 }
+
+// TestCtrlCommandTimeout: a control command that does not complete in time (DEL_DEV, which
+// waits until nothing holds the device, while this process still has its char device open)
+// fails with ETIMEDOUT and leaves its ring to the kernel; the Ctrl goes on with a new ring,
+// so devices can still be created and stopped through it, and the first device is let go
+// once its Stop closes what held it (the abandoned DEL_DEV then completes).
+func TestCtrlCommandTimeout(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	d, err := Create(c, testOptions(), newMem(testSize))
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := ctrlTimeout
+	ctrlTimeout = time.Second
+	err = c.simple(cmdDelDev, d.id)
+	ctrlTimeout = old
+	if !errors.Is(err, syscall.ETIMEDOUT) {
+		_ = d.Stop()
+		t.Fatalf("DEL_DEV with the char device still open: %v, want ETIMEDOUT", err)
+	}
+	d2, err := Create(c, testOptions(), newMem(testSize))
+	if err != nil {
+		_ = d.Stop()
+		t.Fatalf("a device created after the timed-out command: %v", err)
+	}
+	if err := d2.Stop(); err != nil {
+		t.Errorf("stopping it: %v", err)
+	}
+	if err := d.Stop(); err != nil {
+		t.Errorf("stopping the first: %v", err)
+	}
+	for t0 := time.Now(); ; time.Sleep(50 * time.Millisecond) {
+		_, err := c.DevInfo(d.id)
+		if errors.Is(err, syscall.ENODEV) {
+			break
+		}
+		if time.Since(t0) > 10*time.Second {
+			t.Fatalf("device %d still there 10 s after its Stop: %v", d.id, err)
+		}
+	}
+}

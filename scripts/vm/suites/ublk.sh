@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # rtrs-clientd's ublk front end (map_device … ublk=), on kernels that have ublk_drv (6.12,
 # 7.2); on 6.1, which has none, that ublk= is refused with a clear error and nothing left.
-# - pkg/ublk's own tests against the driver (device IO and limits, recovery, errors);
+# - pkg/ublk's own tests against the driver (device IO and limits, recovery, errors, a control
+#   command that times out);
 # - over rxe, rtrs-clientd → rtrs-serverd and rtrs-clientd → the kernel's rnbd-server:
 #   ext4 over /dev/ublkbN, fsck clean, files read back;
 # - blkdiscard and blkdiscard -z;
@@ -50,7 +51,7 @@ guest() {
 }
 
 unit() {
-	local tests=(TestDeviceIO TestRecover TestCreateErrors)
+	local tests=(TestDeviceIO TestRecover TestCreateErrors TestCtrlCommandTimeout)
 	ublk.test -test.v -test.count 1 -test.timeout 600s 2>&1 | tee /tmp/ublk-unit.out
 	vm_require_tests /tmp/ublk-unit.out "${tests[@]}"
 }

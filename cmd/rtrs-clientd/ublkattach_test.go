@@ -1,0 +1,51 @@
+package main
+
+import (
+	"errors"
+	"syscall"
+	"testing"
+
+	"github.com/rtrs-go/rtrs/pkg/ublk"
+)
+
+// TestUblkClaim: an attach told ublk=N takes device N over only when it is the same mapping's
+// (its mark and its size), or an older daemon's of that size; it deletes one of its own left
+// added but never started, and refuses anything else, so that waiting IO and mounted file
+// systems never resume against another volume.
+func TestUblkClaim(t *testing.T) {
+	const sess, path, size = "store1", "/dev/vol1", 64 << 20
+	own := ublkOwner(sess, path)
+	if uint32(own) != ublkMark || own>>32 == 0 {
+		t.Fatalf("mark %#x: want ublkMark in the low half and a mapping in the high", own)
+	}
+	for _, other := range []uint64{ublkOwner("store2", path), ublkOwner(sess, "/dev/vol2"), ublkOwner(sess+"/dev", "vol1")} {
+		if other == own {
+			t.Fatalf("two mappings share the mark %#x", own)
+		}
+	}
+	live := func(flags uint64) ublk.DevInfo { return ublk.DevInfo{SrvFlags: flags, State: ublk.StateQuiesced} }
+	sized := func(sectors uint64) ublk.Params { return ublk.Params{Basic: ublk.ParamBasic{DevSectors: sectors}} }
+	for _, c := range []struct {
+		name string
+		info ublk.DevInfo
+		p    ublk.Params
+		want claim
+	}{
+		{"its own", live(own), sized(size >> 9), claimRecover},
+		{"an older daemon's", live(ublkMark), sized(size >> 9), claimLegacy},
+		{"its own, never started", ublk.DevInfo{SrvFlags: own, State: ublk.StateDead}, sized(size >> 9), claimDelete},
+		{"another mapping's of the same size", live(ublkOwner("store2", path)), sized(size >> 9), claimRefuse},
+		{"another mapping's, never started", ublk.DevInfo{SrvFlags: ublkOwner("store2", path), State: ublk.StateDead}, sized(size >> 9), claimRefuse},
+		{"another program's", live(0), sized(size >> 9), claimRefuse},
+		{"its mark, another size", live(own), sized(size>>9 + 8), claimRefuse},
+		{"an older daemon's, another size", live(ublkMark), sized(size >> 10), claimRefuse},
+	} {
+		got, err := ublkClaim(c.info, c.p, sess, path, size)
+		if got != c.want {
+			t.Errorf("%s: claim %d (%v), want %d", c.name, got, err, c.want)
+		}
+		if (got == claimRefuse) != (err != nil) || got == claimRefuse && !errors.Is(err, syscall.EEXIST) {
+			t.Errorf("%s: error %v with claim %d", c.name, err, got)
+		}
+	}
+}
