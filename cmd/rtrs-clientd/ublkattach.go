@@ -265,7 +265,8 @@ const (
 
 // ublkClaim decides what an attach of the mapping of sess and path, of size bytes, does with
 // an existing device of that info and those parameters: only a device that carries the
-// mapping's mark (or an older daemon's) and has its size is its own.
+// mapping's mark (or an older daemon's) and has its size is its own to take over; one with
+// the mark that never started is its own to delete.
 func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, size int64) (claim, error) {
 	act := claimRecover
 	switch {
@@ -277,11 +278,13 @@ func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, size int64) 
 	default:
 		return claimRefuse, fmt.Errorf("exists and is not rtrs-clientd's: %w", syscall.EEXIST)
 	}
+	if info.State == ublk.StateDead {
+		// No disk and no IO waiting: whatever size it was given (none, when its daemon died
+		// before SET_PARAMS), nothing can resume against it.
+		return claimDelete, nil
+	}
 	if want := uint64(size >> 9); p.Basic.DevSectors != want {
 		return claimRefuse, fmt.Errorf("%d sectors, the device %d: not its device: %w", p.Basic.DevSectors, want, syscall.EEXIST)
-	}
-	if info.State == ublk.StateDead {
-		return claimDelete, nil
 	}
 	return act, nil
 }

@@ -10,7 +10,7 @@ import (
 
 // TestUblkClaim: an attach told ublk=N takes device N over only when it is the same mapping's
 // (its mark and its size), or an older daemon's of that size; it deletes one of its own left
-// added but never started, and refuses anything else, so that waiting IO and mounted file
+// added but never started, whatever its size, and refuses anything else, so that waiting IO and mounted file
 // systems never resume against another volume.
 func TestUblkClaim(t *testing.T) {
 	const sess, path, size = "store1", "/dev/vol1", 64 << 20
@@ -34,6 +34,7 @@ func TestUblkClaim(t *testing.T) {
 		{"its own", live(own), sized(size >> 9), claimRecover},
 		{"an older daemon's", live(ublkMark), sized(size >> 9), claimLegacy},
 		{"its own, never started", ublk.DevInfo{SrvFlags: own, State: ublk.StateDead}, sized(size >> 9), claimDelete},
+		{"its own, dead before its parameters", ublk.DevInfo{SrvFlags: own, State: ublk.StateDead}, sized(0), claimDelete},
 		{"another mapping's of the same size", live(ublkOwner("store2", path)), sized(size >> 9), claimRefuse},
 		{"another mapping's, never started", ublk.DevInfo{SrvFlags: ublkOwner("store2", path), State: ublk.StateDead}, sized(size >> 9), claimRefuse},
 		{"another program's", live(0), sized(size >> 9), claimRefuse},

@@ -107,19 +107,39 @@ func (c *Ctrl) abandon(err error) error {
 		c.broken = fmt.Errorf("ublk control: %d commands never completed, the last: %w", len(c.abandoned), err)
 		return err
 	}
-	f, ferr := os.OpenFile(ControlPath, os.O_RDWR, 0)
-	if ferr != nil {
-		c.broken = fmt.Errorf("ublk control: reopening after %v: %w", err, ferr)
-		return err
+	c.renew(err)
+	return err
+}
+
+// renew opens a new descriptor and ring after err, or marks the Ctrl broken.
+func (c *Ctrl) renew(after error) {
+	f, err := os.OpenFile(ControlPath, os.O_RDWR, 0)
+	if err != nil {
+		c.broken = fmt.Errorf("ublk control: reopening after %v: %w", after, err)
+		return
 	}
-	r, rerr := uring.New(4, uring.SetupSQE128)
-	if rerr != nil {
+	r, err := uring.New(4, uring.SetupSQE128)
+	if err != nil {
 		f.Close()
-		c.broken = fmt.Errorf("ublk control: a new ring after %v: %w", err, rerr)
-		return err
+		c.broken = fmt.Errorf("ublk control: a new ring after %v: %w", after, err)
+		return
 	}
 	c.f, c.ring, c.buf = f, r, new(ctrlBuf)
-	return err
+}
+
+// reap closes the abandoned rings whose command has completed since.
+func (c *Ctrl) reap() {
+	kept := c.abandoned[:0]
+	for _, a := range c.abandoned {
+		if a.ring.Completions(func(uring.CQE) {}) > 0 {
+			_ = a.ring.Close()
+			_ = a.f.Close()
+			continue
+		}
+		kept = append(kept, a)
+	}
+	clear(c.abandoned[len(kept):])
+	c.abandoned = kept
 }
 
 func addr[T any](p *T) uint64 { return uint64(uintptr(unsafe.Pointer(p))) }
@@ -143,6 +163,7 @@ func (c *Ctrl) doLocked(nr uint32, cmd CtrlCmd) error {
 	if c.ring == nil {
 		return c.unusable()
 	}
+	c.reap()
 	s := c.ring.GetSQE()
 	c.seq++
 	seq := c.seq
@@ -150,16 +171,28 @@ func (c *Ctrl) doLocked(nr uint32, cmd CtrlCmd) error {
 	*(*CtrlCmd)(unsafe.Pointer(&c.ring.Cmd(s)[0])) = cmd
 	deadline := time.Now().Add(ctrlTimeout)
 	var res *int32
+	submitted := false
 	for res == nil {
 		left := time.Until(deadline)
 		if left <= 0 {
 			// The command still holds c.buf and a ring entry: the ring is left to it.
 			return c.abandon(fmt.Errorf("ublk control command %#x on device %d did not complete in %v: %w", nr, cmd.DevID, ctrlTimeout, syscall.ETIMEDOUT))
 		}
-		if _, err := c.ring.Submit(1, left); err != nil {
-			// The entry may still be in the ring, to go with the next submission.
-			return c.abandon(fmt.Errorf("ublk control command %#x on device %d: %w", nr, cmd.DevID, err))
+		n, err := c.ring.Submit(1, left)
+		if err != nil {
+			err = fmt.Errorf("ublk control command %#x on device %d: %w", nr, cmd.DevID, err)
+			if submitted {
+				return c.abandon(err) // only the wait failed: the command is the kernel's
+			}
+			// The kernel took nothing, but the entry is still in the ring, to go with the
+			// next submission: this ring (nothing of it in use) is closed for a new one.
+			_ = c.ring.Close()
+			_ = c.f.Close()
+			c.ring, c.f = nil, nil
+			c.renew(err)
+			return err
 		}
+		submitted = submitted || n > 0
 		c.ring.Completions(func(cq uring.CQE) {
 			if cq.UserData == seq {
 				r := cq.Res

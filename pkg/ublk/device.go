@@ -37,6 +37,7 @@ type Device struct {
 	stopMu     sync.Mutex
 	devStopped bool // STOP_DEV was answered
 	stopped    bool // and the device deleted
+	stopFailed bool // a Stop failed: the number may since be another device's
 }
 
 // Create adds a device, sets its parameters, starts a queue loop per queue serving
@@ -153,6 +154,15 @@ func (d *Device) start(h Handler, final func(uint32) error) error {
 		}
 	}
 	if err := final(d.id); err != nil {
+		if errors.Is(err, syscall.ETIMEDOUT) {
+			// Every queue has fetched, so what the command still waits for is the new
+			// disk's partition scan, whose reads the queues serve (each bounded by the
+			// mapping's IO timeout): the device is served and finishes starting when they
+			// are answered. Aborting instead would leave the scan's reads waiting for a
+			// server (user recovery) and the command holding the device's lock, which the
+			// delete would then wait for.
+			return nil
+		}
 		d.abort()
 		return err
 	}
@@ -220,6 +230,16 @@ func (d *Device) Stop() error {
 	if d.stopped {
 		return nil
 	}
+	if d.stopFailed {
+		// A delete of the last attempt may have completed since, and the number gone to a
+		// new device: only one that still carries this one's mark is this one.
+		info, err := d.ctrl.DevInfo(d.id)
+		if errors.Is(err, syscall.ENODEV) || err == nil && info.SrvFlags != d.info.SrvFlags {
+			d.abort()
+			d.stopped = true
+			return nil
+		}
+	}
 	var err error
 	if !d.devStopped {
 		if err = d.ctrl.StopDev(d.id); err == nil {
@@ -238,6 +258,7 @@ func (d *Device) Stop() error {
 		d.stopped, err = true, nil
 	}
 	if err != nil {
+		d.stopFailed = true
 		return fmt.Errorf("ublk: stopping device %d: %w", d.id, err)
 	}
 	return nil
