@@ -59,6 +59,62 @@ type Options struct {
 	// from one TCP peer address (default 32); past them a new connection is closed at once.
 	MaxConns        int
 	MaxConnsPerAddr int
+	// MaxConnMemory bounds the bytes of request and reply data a connection holds at once
+	// (default 64 MiB, at least MaxRequest); MaxMemory those of all connections (default
+	// 1 GiB). A request waits for its bytes before its payload is read.
+	MaxConnMemory, MaxMemory int64
+	// ReplyTimeout bounds how long a reply may wait for the client to take it (default
+	// 30 s); a client that takes none for that long is disconnected.
+	ReplyTimeout time.Duration
+}
+
+// budget counts bytes held against a bound.
+type budget struct {
+	mu   sync.Mutex
+	free int64
+	wake chan struct{} // closed (and replaced) when bytes come back
+}
+
+func newBudget(n int64) *budget { return &budget{free: n, wake: make(chan struct{})} }
+
+// tryAcquire takes n bytes if they are free.
+func (b *budget) tryAcquire(n int64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.free < n {
+		return false
+	}
+	b.free -= n
+	return true
+}
+
+// acquire waits for n bytes (no more than the bound); false if dead or stop is closed first.
+func (b *budget) acquire(n int64, dead, stop <-chan struct{}) bool {
+	for {
+		b.mu.Lock()
+		if b.free >= n {
+			b.free -= n
+			b.mu.Unlock()
+			return true
+		}
+		w := b.wake
+		b.mu.Unlock()
+		select {
+		case <-w:
+		case <-dead:
+			return false
+		case <-stop:
+			return false
+		}
+	}
+}
+
+func (b *budget) release(n int64) {
+	b.mu.Lock()
+	b.free += n
+	close(b.wake)
+	b.wake = make(chan struct{})
+	b.mu.Unlock()
 }
 
 // Server serves exports to NBD clients on any number of listeners.
@@ -67,6 +123,8 @@ type Server struct {
 	log  *log.Entry
 	ctx  context.Context
 	stop context.CancelFunc
+
+	mem *budget // request and reply data held, over all connections
 
 	mu      sync.Mutex
 	lns     map[net.Listener]struct{}
@@ -82,6 +140,17 @@ func NewServer(opts Options) *Server {
 	if opts.MaxInflight <= 0 {
 		opts.MaxInflight = 128
 	}
+	if opts.MaxConnMemory <= 0 {
+		opts.MaxConnMemory = 64 << 20
+	}
+	if opts.MaxMemory <= 0 {
+		opts.MaxMemory = 1 << 30
+	}
+	opts.MaxConnMemory = max(opts.MaxConnMemory, MaxRequest)
+	opts.MaxMemory = max(opts.MaxMemory, opts.MaxConnMemory)
+	if opts.ReplyTimeout <= 0 {
+		opts.ReplyTimeout = 30 * time.Second
+	}
 	if opts.HandshakeTimeout <= 0 {
 		opts.HandshakeTimeout = 30 * time.Second
 	}
@@ -91,7 +160,7 @@ func NewServer(opts Options) *Server {
 	if opts.MaxConnsPerAddr <= 0 {
 		opts.MaxConnsPerAddr = 32
 	}
-	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"),
+	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"), mem: newBudget(opts.MaxMemory),
 		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}, perAddr: map[netip.Addr]int{}}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	return s
@@ -212,6 +281,9 @@ type conn struct {
 
 	inflight sync.WaitGroup // requests read and not yet answered
 	sem      chan struct{}  // one slot per request in flight
+	mem      *budget        // their data held
+	dead     chan struct{}  // closed with the socket (kill)
+	killOnce sync.Once
 
 	qmu      sync.Mutex // the reply queue
 	pending  []pendingReply
@@ -236,7 +308,7 @@ type conn struct {
 
 // newConn prepares a connection for the handshake or the transmission phase.
 func (s *Server) newConn(nc net.Conn) *conn {
-	c := &conn{s: s, c: nc, r: sockread.New(nc, 64<<10)}
+	c := &conn{s: s, c: nc, r: sockread.New(nc, 64<<10), dead: make(chan struct{})}
 	// Room for a few whole 1 MiB replies where net.core.wmem_max allows, so that a large
 	// read reply leaves in one write instead of a write per 200 KiB and a wait between each.
 	if wb, ok := nc.(interface{ SetWriteBuffer(int) error }); ok {
@@ -500,28 +572,38 @@ type pendingReply struct {
 	err     error
 	data    []byte // READ data to send
 	payload []byte // WRITE payload to recycle
+	cost    int64  // the bytes of data it holds against the budgets
 }
 
-// transmit reads requests and serves up to MaxInflight of them at once; replies go out as
-// they complete, in any order (clients match them by cookie), gathered by one writer.
-func (c *conn) transmit() error {
+// transmit reads requests and serves up to MaxInflight of them at once, holding at most
+// MaxConnMemory of their data; replies go out as they complete, in any order (clients match
+// them by cookie), gathered by one writer.
+func (c *conn) transmit() (err error) {
 	c.sem = make(chan struct{}, c.s.opts.MaxInflight)
+	c.mem = newBudget(c.s.opts.MaxConnMemory)
 	sem := c.sem
-	defer c.inflight.Wait() // every request answered (or dropped with the connection)
 	async, _ := c.exp.Dev.(AsyncDevice)
 	queueAsync := c.queue
 	if b, ok := c.exp.Dev.(BatchingDevice); ok {
 		queueAsync = c.gather
-		defer b.AfterCompletions(c.flushGathered)()
+		defer b.AfterCompletions(c.flushGathered)() // after the Wait below: it writes the replies
 	}
+	defer c.inflight.Wait() // every request answered (or dropped with the connection)
+	defer func() {
+		if err != nil {
+			c.kill() // what is in flight is answered to nobody, and nothing waits for the client
+		}
+	}()
 	// While the next request is already buffered, the device is plugged: requests read in
-	// one go leave in one go. Unplugged before anything that waits.
+	// one go leave in one go. Unplugged before anything that waits, and after maxPlugged
+	// requests in a row, so that a client that streams requests cannot keep the session's
+	// other users' IO back.
 	plugger, _ := c.exp.Dev.(PluggingDevice)
-	plugged := false
+	plugged, inPlug := false, 0
 	unplug := func() {
 		if plugged {
 			plugger.Unplug()
-			plugged = false
+			plugged, inPlug = false, 0
 		}
 	}
 	defer unplug()
@@ -539,55 +621,118 @@ func (c *conn) transmit() error {
 		if err != nil {
 			return err
 		}
+		if req.Type == CmdWrite && req.Length > MaxRequest {
+			return fmt.Errorf("nbd: write of %d bytes", req.Length)
+		}
+		if req.Type == CmdDisc {
+			return nil // the deferred Wait lets the requests in flight answer first
+		}
+		var cost int64
+		if req.Type == CmdRead && req.Length <= MaxRequest || req.Type == CmdWrite {
+			cost = int64(req.Length)
+		}
+		if !c.take(sem, cost, unplug) {
+			if err := c.s.ctx.Err(); err != nil {
+				return err
+			}
+			return fmt.Errorf("nbd: the client took no reply for %v: %w", c.s.opts.ReplyTimeout, net.ErrClosed)
+		}
 		var payload []byte
 		if req.Type == CmdWrite {
-			if req.Length > MaxRequest {
-				return fmt.Errorf("nbd: write of %d bytes", req.Length)
-			}
 			if c.r.Buffered() < int(req.Length) {
 				unplug() // what is plugged must not wait for a payload still on its way
 			}
 			payload = getBuf(int(req.Length))
 			if err := c.r.ReadFull(payload); err != nil {
 				putBuf(payload)
+				c.give(cost)
 				return err
 			}
 		}
-		if req.Type == CmdDisc {
-			return nil // the deferred Wait lets the requests in flight answer first
+		c.inflight.Add(1)
+		// A plug holds at most maxPlugged requests, refused ones counted: a stream of them
+		// must not keep back what a plug holds.
+		if inPlug++; inPlug > maxPlugged {
+			unplug()
 		}
-		select {
-		case sem <- struct{}{}:
-		default:
-			unplug() // slots come back with replies, which need what a plug holds
-			select {
-			case sem <- struct{}{}:
-			case <-c.s.ctx.Done():
-				putBuf(payload)
-				return c.s.ctx.Err()
-			}
+		if err := c.check(req); err != nil {
+			c.queue(pendingReply{cookie: req.Cookie, err: err, payload: payload, cost: cost})
+			continue
 		}
 		if plugger != nil && !plugged && c.r.Buffered() >= requestSize {
 			plugger.Plug()
-			plugged = true
-		}
-		c.inflight.Add(1)
-		if err := c.check(req); err != nil {
-			c.queue(pendingReply{cookie: req.Cookie, err: err, payload: payload})
-			continue
+			plugged, inPlug = true, 1
 		}
 		off, fua := int64(req.Offset), req.Flags&CmdFlagFUA != 0
 		switch {
 		case async != nil && req.Type == CmdRead:
-			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: getBuf(int(req.Length))})
+			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: getBuf(int(req.Length)), cost: cost})
 			async.ReadAsync(c.s.ctx, a.r.data, off, a.cb)
 		case async != nil && req.Type == CmdWrite:
-			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, payload: payload})
+			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, payload: payload, cost: cost})
 			async.WriteAsync(c.s.ctx, payload, off, fua, a.cb)
 		default:
-			go c.serve(req, payload)
+			go c.serve(req, payload, cost)
 		}
 	}
+}
+
+// maxPlugged bounds the requests of a connection that one plug holds back.
+const maxPlugged = 64
+
+// take waits for a slot and for cost bytes of the connection's and the server's budgets;
+// false if the server stops or the connection dies meanwhile. What is plugged goes first
+// when it would wait: slots and bytes come back with replies, which need it.
+func (c *conn) take(sem chan struct{}, cost int64, unplug func()) bool {
+	select {
+	case sem <- struct{}{}:
+	default:
+		unplug()
+		select {
+		case sem <- struct{}{}:
+		case <-c.dead:
+			return false
+		case <-c.s.ctx.Done():
+			return false
+		}
+	}
+	if cost == 0 {
+		return true
+	}
+	if !c.mem.tryAcquire(cost) {
+		unplug()
+		if !c.mem.acquire(cost, c.dead, c.s.ctx.Done()) {
+			<-sem
+			return false
+		}
+	}
+	if !c.s.mem.tryAcquire(cost) {
+		unplug()
+		if !c.s.mem.acquire(cost, c.dead, c.s.ctx.Done()) {
+			c.mem.release(cost)
+			<-sem
+			return false
+		}
+	}
+	return true
+}
+
+// give returns a request's slot and bytes.
+func (c *conn) give(cost int64) {
+	if cost > 0 {
+		c.s.mem.release(cost)
+		c.mem.release(cost)
+	}
+	<-c.sem
+}
+
+// kill closes the socket: the reader and the writer see it, and what waits for the client
+// (a slot, bytes) gives up.
+func (c *conn) kill() {
+	c.killOnce.Do(func() {
+		c.c.Close()
+		close(c.dead)
+	})
 }
 
 // asyncReply is the pending reply of an asynchronous request, pooled with its done callback
@@ -625,7 +770,7 @@ func (a *asyncReply) done(err error) {
 }
 
 // serve runs one request synchronously and queues its reply.
-func (c *conn) serve(req Request, payload []byte) {
+func (c *conn) serve(req Request, payload []byte, cost int64) {
 	ctx := c.s.ctx
 	d := c.exp.Dev
 	var data []byte
@@ -649,7 +794,7 @@ func (c *conn) serve(req Request, payload []byte) {
 			err = d.Flush(ctx)
 		}
 	}
-	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload})
+	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload, cost: cost})
 }
 
 // check refuses what the export cannot take: unknown commands, writes to a read-only export,
@@ -754,9 +899,7 @@ func (c *conn) written(batch []pendingReply) bool {
 
 // finishWrite writes the rest of a batch that a non-blocking write left, then the queue.
 func (c *conn) finishWrite(batch []pendingReply) {
-	if _, c.werr = c.bufs.WriteTo(c.c); c.werr != nil {
-		c.c.Close()
-	}
+	c.blockingWrite()
 	c.release(batch)
 	if c.written(batch) {
 		c.writeAllLocked(true)
@@ -794,22 +937,40 @@ func (c *conn) write(batch []pendingReply, mayBlock bool) bool {
 		return false
 	}
 	if c.werr == nil {
-		if !mayBlock && c.raw != nil {
+		switch {
+		case !mayBlock && c.raw == nil:
+			// No socket to try without waiting (TLS): a goroutine of its own writes.
+			return false
+		case !mayBlock:
 			c.wn, c.we = 0, 0
 			if c.werr = c.raw.Write(c.wfn); c.werr == nil && c.we != 0 {
 				c.werr = c.we
 			}
 			if c.werr != nil {
-				c.c.Close()
+				c.kill()
 			} else if consume(&c.bufs, c.wn); len(c.bufs) > 0 {
 				return false
 			}
-		} else if _, c.werr = c.bufs.WriteTo(c.c); c.werr != nil {
-			c.c.Close() // the reader sees it and the connection ends
+		default:
+			c.blockingWrite()
 		}
 	}
 	c.release(batch)
 	return true
+}
+
+// blockingWrite writes what is left of the batch, waiting up to ReplyTimeout for the client
+// to take it; past that, or on an error, the connection dies.
+func (c *conn) blockingWrite() {
+	if c.werr != nil {
+		return
+	}
+	if c.werr = c.c.SetWriteDeadline(time.Now().Add(c.s.opts.ReplyTimeout)); c.werr == nil {
+		_, c.werr = c.bufs.WriteTo(c.c)
+	}
+	if c.werr != nil {
+		c.kill() // the reader sees it and the connection ends
+	}
 }
 
 // writevOnce is the RawConn callback of a non-blocking write: one writev of c.bufs (as
@@ -861,8 +1022,9 @@ func (c *conn) release(batch []pendingReply) {
 	for i := range batch {
 		putBuf(batch[i].data)
 		putBuf(batch[i].payload)
+		cost := batch[i].cost
 		batch[i] = pendingReply{}
-		<-c.sem
+		c.give(cost)
 		c.inflight.Done()
 	}
 }

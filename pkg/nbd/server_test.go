@@ -116,6 +116,12 @@ func helloOn(t testing.TB, network, addr string) net.Conn {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return helloConn(t, c)
+}
+
+// helloConn does the fixed-newstyle greeting on c, which the test's end closes.
+func helloConn(t testing.TB, c net.Conn) net.Conn {
+	t.Helper()
 	t.Cleanup(func() { c.Close() })
 	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
 	var h [18]byte
@@ -144,7 +150,12 @@ func goData(name string, infos ...uint16) []byte {
 
 func dial(t testing.TB, addr, name string) *client {
 	t.Helper()
-	c := hello(t, addr)
+	return goOn(t, hello(t, addr), name)
+}
+
+// goOn selects export name on c, past the greeting (and STARTTLS, if any).
+func goOn(t testing.TB, c net.Conn, name string) *client {
+	t.Helper()
 	sendOpt(t, c, optGo, goData(name, infoBlockSize))
 	cl := &client{t: t, c: c}
 	for {
@@ -190,21 +201,37 @@ func (cl *client) recv(n int) (cookie uint64, errno uint32, data []byte) {
 
 func startServer(t testing.TB, exps ...Export) string {
 	t.Helper()
+	sock, _ := startServerOpts(t, Options{}, exps...)
+	return sock
+}
+
+// startServerOpts starts a server with o (its Exports set to exps) on a unix socket; Close
+// at the test's end must return within 10 s.
+func startServerOpts(t testing.TB, o Options, exps ...Export) (string, *Server) {
+	t.Helper()
 	sock := t.TempDir() + "/nbd.sock"
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := NewServer(Options{Exports: func() []Export { return exps }})
+	o.Exports = func() []Export { return exps }
+	s := NewServer(o)
 	done := make(chan error, 1)
 	go func() { done <- s.Serve(ln) }()
 	t.Cleanup(func() {
-		s.Close()
+		closed := make(chan struct{})
+		go func() { s.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Error("the server's Close did not return in 10 s")
+			return
+		}
 		if err := <-done; err != nil {
 			t.Error(err)
 		}
 	})
-	return sock
+	return sock, s
 }
 
 func TestHandshakeOptions(t *testing.T) {
@@ -503,10 +530,11 @@ func TestSlowReader(t *testing.T) {
 // that never comes.
 type holdDev struct {
 	*memDev
-	mu    sync.Mutex
-	plugs int
-	held  []func()
-	wg    sync.WaitGroup
+	mu      sync.Mutex
+	plugs   int
+	held    []func()
+	maxHeld int
+	wg      sync.WaitGroup
 }
 
 func (d *holdDev) Plug() { d.mu.Lock(); d.plugs++; d.mu.Unlock() }
@@ -533,6 +561,7 @@ func (d *holdDev) submit(f func()) {
 	d.mu.Lock()
 	if d.plugs > 0 {
 		d.held = append(d.held, f)
+		d.maxHeld = max(d.maxHeld, len(d.held))
 		d.mu.Unlock()
 		return
 	}
@@ -549,7 +578,8 @@ func (d *holdDev) WriteAsync(ctx context.Context, p []byte, off int64, fua bool,
 }
 
 // TestPlugging: requests read together are plugged together, and the plug is let go before
-// the server waits — for the next request, for the rest of a write payload, for a slot.
+// the server waits — for the next request, for the rest of a write payload, for a slot —
+// and after maxPlugged requests in a row.
 func TestPlugging(t *testing.T) {
 	leakcheck.Check(t)
 	dev := &holdDev{memDev: &memDev{b: make([]byte, 1<<20)}}
@@ -574,6 +604,12 @@ func TestPlugging(t *testing.T) {
 		if _, e, _ := cl.recv(4096); e != 0 {
 			t.Fatalf("errno %d", e)
 		}
+	}
+	dev.mu.Lock()
+	maxHeld := dev.maxHeld
+	dev.mu.Unlock()
+	if maxHeld > maxPlugged {
+		t.Fatalf("a plug held %d requests back, more than %d", maxHeld, maxPlugged)
 	}
 	// A read, then a write whose payload is still on its way: the read is answered while
 	// the server waits for the payload.

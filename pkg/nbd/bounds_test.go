@@ -1,0 +1,216 @@
+package nbd
+
+import (
+	"context"
+	"net"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
+)
+
+// gateDev completes its asynchronous requests only while its gate is open, on one goroutine,
+// and then runs its after-completions hooks, as the RNBD device does (a BatchingDevice): a
+// reply gathered by a completion goes out only through the hook.
+type gateDev struct {
+	*memDev
+	mu        sync.Mutex
+	open      bool
+	held      []func()
+	submitted int
+	hooks     map[int]func()
+	next      int
+}
+
+func newGateDev(size int) *gateDev {
+	return &gateDev{memDev: &memDev{b: make([]byte, size)}, hooks: map[int]func(){}}
+}
+
+func (d *gateDev) submit(f func()) {
+	d.mu.Lock()
+	d.submitted++
+	if !d.open {
+		d.held = append(d.held, f)
+		d.mu.Unlock()
+		return
+	}
+	d.mu.Unlock()
+	d.run([]func(){f})
+}
+
+// run completes fs, then calls the hooks, as one round of a transport's completions.
+func (d *gateDev) run(fs []func()) {
+	for _, f := range fs {
+		f()
+	}
+	d.mu.Lock()
+	hooks := make([]func(), 0, len(d.hooks))
+	for _, h := range d.hooks {
+		hooks = append(hooks, h)
+	}
+	d.mu.Unlock()
+	for _, h := range hooks {
+		h()
+	}
+}
+
+// release opens the gate and completes what it held.
+func (d *gateDev) release() {
+	d.mu.Lock()
+	d.open = true
+	held := d.held
+	d.held = nil
+	d.mu.Unlock()
+	d.run(held)
+}
+
+func (d *gateDev) count() int { d.mu.Lock(); defer d.mu.Unlock(); return d.submitted }
+
+func (d *gateDev) ReadAsync(ctx context.Context, p []byte, off int64, done func(error)) {
+	d.submit(func() { done(d.ReadAtContext(ctx, p, off)) })
+}
+
+func (d *gateDev) WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error)) {
+	d.submit(func() { done(d.WriteAtContext(ctx, p, off, fua)) })
+}
+
+func (d *gateDev) AfterCompletions(fn func()) (remove func()) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	id := d.next
+	d.next++
+	d.hooks[id] = fn
+	return func() { d.mu.Lock(); delete(d.hooks, id); d.mu.Unlock() }
+}
+
+// conns is how many connections s serves.
+func conns(s *Server) int { s.mu.Lock(); defer s.mu.Unlock(); return len(s.conns) }
+
+// TestGoneWithRepliesInFlight: a client that sends reads and goes before their replies (a
+// socket closed, or the kernel's nbd after a timeout) ends its connection once the device
+// answers them: the replies, gathered for the after-completions hook, are still sent (to
+// nobody), and the server's Close does not wait for them forever.
+func TestGoneWithRepliesInFlight(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newGateDev(1 << 20)
+	sock, s := startServerOpts(t, Options{}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	for i := range 4 {
+		cl.send(Request{Type: CmdRead, Cookie: uint64(i), Offset: uint64(i) * 4096, Length: 4096}, nil)
+	}
+	testutil.WaitFor(t, 5*time.Second, "the reads at the device", func() bool { return dev.count() == 4 })
+	cl.c.Close()
+	time.Sleep(100 * time.Millisecond) // the server sees the close first
+	dev.release()
+	testutil.WaitFor(t, 5*time.Second, "the connection ended", func() bool { return conns(s) == 0 })
+}
+
+// TestStalledClientDropped: a client that sends reads and takes none of the replies is
+// disconnected once a reply has waited ReplyTimeout for it, and holds nothing after that.
+func TestStalledClientDropped(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newGateDev(64 << 20)
+	dev.open = true
+	sock, s := startServerOpts(t, Options{ReplyTimeout: 300 * time.Millisecond}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	// Far more reply data than the socket's buffers take.
+	go func() {
+		for i := range 64 {
+			b := make([]byte, requestSize)
+			Request{Type: CmdRead, Cookie: uint64(i), Offset: uint64(i) << 20, Length: 1 << 20}.Put(b)
+			if _, err := cl.c.Write(b); err != nil {
+				return
+			}
+		}
+	}()
+	testutil.WaitFor(t, 10*time.Second, "the stalled client disconnected", func() bool { return conns(s) == 0 })
+	cl.c.Close()
+}
+
+// TestConnMemoryBound: a connection holds at most MaxConnMemory of request data: past it,
+// reads wait to be read from the socket until replies free their bytes, and all are
+// answered in the end.
+func TestConnMemoryBound(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newGateDev(64 << 20)
+	sock, _ := startServerOpts(t, Options{MaxConnMemory: MaxRequest}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	const n, size = 48, 1 << 20
+	for i := range n {
+		cl.send(Request{Type: CmdRead, Cookie: uint64(i), Offset: uint64(i) * size, Length: size}, nil)
+	}
+	want := MaxRequest / size
+	testutil.WaitFor(t, 5*time.Second, "the reads the bound admits at the device", func() bool { return dev.count() == want })
+	time.Sleep(200 * time.Millisecond)
+	if got := dev.count(); got != want {
+		t.Fatalf("%d reads of %d bytes at the device, want %d (%d bytes)", got, size, want, MaxRequest)
+	}
+	go dev.release()
+	_ = cl.c.SetDeadline(time.Now().Add(20 * time.Second))
+	for range n {
+		if _, e, _ := cl.recv(size); e != 0 {
+			t.Fatalf("errno %d", e)
+		}
+	}
+	cl.c.Close()
+}
+
+// TestSlowTLSReader: over TLS, where replies cannot be written without waiting, a client
+// that does not read its small replies holds up neither the device's completions nor
+// another client's replies; once it goes, nothing of its connection is left.
+func TestSlowTLSReader(t *testing.T) {
+	leakcheck.Check(t)
+	pki := testutil.NewPKI(t, "nbd")
+	dev := newSerialDev(t, 64<<20)
+	addr := startTLSServer(t, pki, Export{Name: "d", Dev: dev})
+	cert := pki.Issue(t, "client", false)
+	// A receive buffer that fills at once, set before the connection (its window scale).
+	small := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) { _ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
+	}}
+	tcp, err := small.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc, err := startTLS(t, helloConn(t, tcp), &cert, pki)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := goOn(t, tc, "d")
+	// 12.5 MiB of replies in 32 KiB reads: more than the sockets' buffers take (the
+	// server's send buffer may be 8 MiB), from a goroutine, since the client's writes stop
+	// once the server stops reading.
+	const n = 400
+	go func() {
+		for i := range n {
+			b := make([]byte, requestSize)
+			Request{Type: CmdRead, Cookie: uint64(i), Offset: uint64(i%1024) << 15, Length: 32 << 10}.Put(b)
+			if _, err := slow.c.Write(b); err != nil {
+				return
+			}
+		}
+	}()
+	testutil.WaitFor(t, 10*time.Second, "the server holding replies it cannot write", func() bool { return dev.submitted.Load() >= 150 })
+	time.Sleep(300 * time.Millisecond)
+	tcp2, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc2, err := startTLS(t, helloConn(t, tcp2), &cert, pki)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fast := goOn(t, tc2, "d")
+	_ = fast.c.SetDeadline(time.Now().Add(10 * time.Second))
+	for i := range 10 {
+		fast.send(Request{Type: CmdRead, Cookie: uint64(1000 + i), Offset: 4096, Length: 4096}, nil)
+		if cookie, errno, _ := fast.recv(4096); cookie != uint64(1000+i) || errno != 0 {
+			t.Fatalf("fast client: reply %d errno %d", cookie, errno)
+		}
+	}
+	fast.c.Close()
+	slow.c.Close()
+}
