@@ -331,15 +331,22 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 	ok, err := c.handshake()
 	if err != nil || !ok {
 		if err != nil && !errors.Is(err, io.EOF) {
-			lg.Debugf("handshake: %v", err)
+			// Refusals (TLS, an unknown export, a bad option, the handshake's time) are
+			// logged with the peer, rate-limited per peer and cause: the peer chooses how often.
+			s.refusals.Warn(s.log, "handshake refused", nc.RemoteAddr().String(), err.Error())
 		}
 		return
 	}
 	_ = nc.SetDeadline(time.Time{})
 	lg.Debugf("serving %q", c.exp.Name)
-	if err := c.transmit(); err != nil && !errors.Is(err, io.EOF) && s.ctx.Err() == nil {
-		lg.Debugf("connection ends: %v", err)
+	if err := c.transmit(); err != nil && !clientGone(err) && s.ctx.Err() == nil {
+		s.refusals.Warn(s.log, "connection ended", nc.RemoteAddr().String(), err.Error())
 	}
+}
+
+// clientGone says err is the client closing its end, not worth a warning.
+func clientGone(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
 
 // handshake runs the fixed-newstyle negotiation; ok says an export was chosen.
