@@ -28,7 +28,9 @@ import (
 // ServeTransmission serves a connection whose handshake is done elsewhere, or that never
 // has one (a socket handed to the kernel's NBD driver), for export e: requests are read
 // and answered until the client sends DISC, the connection fails or the server closes.
-// It closes nc before it returns; nil means the connection ended normally.
+// It closes nc before it returns; nil means the connection ended normally. Its requests'
+// data counts against the connection's bound but not the server's (MaxMemory): the kernel's
+// own queue bounds what it sends, and its IO must not wait for socket clients.
 func (s *Server) ServeTransmission(nc net.Conn, e Export) error {
 	s.mu.Lock()
 	if s.ctx.Err() != nil {
@@ -47,7 +49,7 @@ func (s *Server) ServeTransmission(nc net.Conn, e Export) error {
 		s.wg.Done()
 	}()
 	c := s.newConn(nc)
-	c.exp = e
+	c.exp, c.kernel = e, true
 	err := c.transmit()
 	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || s.ctx.Err() != nil {
 		return nil

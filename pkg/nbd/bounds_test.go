@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"io"
 	"net"
 	"sync"
 	"syscall"
@@ -213,4 +214,57 @@ func TestSlowTLSReader(t *testing.T) {
 	}
 	fast.c.Close()
 	slow.c.Close()
+}
+
+// TestDeadlineAfterLargeReply: a large reply, written by a goroutine that may wait (with a
+// deadline), leaves no deadline behind: a small reply long after it still goes out.
+func TestDeadlineAfterLargeReply(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newGateDev(4 << 20)
+	dev.open = true
+	sock, _ := startServerOpts(t, Options{ReplyTimeout: 200 * time.Millisecond}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	_ = cl.c.SetDeadline(time.Now().Add(10 * time.Second))
+	cl.send(Request{Type: CmdRead, Cookie: 1, Length: 1 << 20}, nil)
+	if _, e, _ := cl.recv(1 << 20); e != 0 {
+		t.Fatalf("errno %d", e)
+	}
+	time.Sleep(500 * time.Millisecond)
+	cl.send(Request{Type: CmdRead, Cookie: 2, Length: 4096}, nil)
+	if ck, e, _ := cl.recv(4096); ck != 2 || e != 0 {
+		t.Fatalf("reply %d errno %d after a pause", ck, e)
+	}
+	cl.c.Close()
+}
+
+// TestSlowSteadyReader: a client that takes a large reply slowly but steadily is not cut by
+// the reply timeout, which bounds a wait without progress, not the whole reply.
+func TestSlowSteadyReader(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newGateDev(MaxRequest)
+	dev.open = true
+	sock, _ := startServerOpts(t, Options{ReplyTimeout: time.Second}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	_ = cl.c.SetDeadline(time.Now().Add(20 * time.Second))
+	cl.send(Request{Type: CmdRead, Cookie: 1, Length: MaxRequest}, nil)
+	// 32 MiB, more than the socket buffers hold, at about 10 MiB/s: three times the timeout
+	// in all, a tenth of it per megabyte.
+	var h [replySize]byte
+	if _, err := io.ReadFull(cl.c, h[:]); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 256<<10)
+	for left := MaxRequest; left > 0; {
+		n, err := io.ReadFull(cl.c, buf[:min(len(buf), left)])
+		if err != nil {
+			t.Fatalf("after %d bytes: %v", MaxRequest-left, err)
+		}
+		left -= n
+		time.Sleep(25 * time.Millisecond)
+	}
+	cl.send(Request{Type: CmdRead, Cookie: 2, Length: 4096}, nil)
+	if ck, e, _ := cl.recv(4096); ck != 2 || e != 0 {
+		t.Fatalf("reply %d errno %d after the slow read", ck, e)
+	}
+	cl.c.Close()
 }

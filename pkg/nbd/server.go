@@ -70,9 +70,10 @@ type Options struct {
 
 // budget counts bytes held against a bound.
 type budget struct {
-	mu   sync.Mutex
-	free int64
-	wake chan struct{} // closed (and replaced) when bytes come back
+	mu      sync.Mutex
+	free    int64
+	waiters int
+	wake    chan struct{} // closed (and replaced) when bytes come back to a waiter
 }
 
 func newBudget(n int64) *budget { return &budget{free: n, wake: make(chan struct{})} }
@@ -98,12 +99,20 @@ func (b *budget) acquire(n int64, dead, stop <-chan struct{}) bool {
 			return true
 		}
 		w := b.wake
+		b.waiters++
 		b.mu.Unlock()
+		ok := true
 		select {
 		case <-w:
 		case <-dead:
-			return false
+			ok = false
 		case <-stop:
+			ok = false
+		}
+		b.mu.Lock()
+		b.waiters--
+		b.mu.Unlock()
+		if !ok {
 			return false
 		}
 	}
@@ -112,8 +121,10 @@ func (b *budget) acquire(n int64, dead, stop <-chan struct{}) bool {
 func (b *budget) release(n int64) {
 	b.mu.Lock()
 	b.free += n
-	close(b.wake)
-	b.wake = make(chan struct{})
+	if b.waiters > 0 {
+		close(b.wake)
+		b.wake = make(chan struct{})
+	}
 	b.mu.Unlock()
 }
 
@@ -284,6 +295,9 @@ type conn struct {
 	mem      *budget        // their data held
 	dead     chan struct{}  // closed with the socket (kill)
 	killOnce sync.Once
+	nc       net.Conn // the socket under c (which TLS may wrap)
+	kernel   bool     // the kernel's nbd (ServeTransmission): outside the server's budget
+	chunk    net.Buffers
 
 	qmu      sync.Mutex // the reply queue
 	pending  []pendingReply
@@ -308,7 +322,7 @@ type conn struct {
 
 // newConn prepares a connection for the handshake or the transmission phase.
 func (s *Server) newConn(nc net.Conn) *conn {
-	c := &conn{s: s, c: nc, r: sockread.New(nc, 64<<10), dead: make(chan struct{})}
+	c := &conn{s: s, c: nc, nc: nc, r: sockread.New(nc, 64<<10), dead: make(chan struct{})}
 	// Room for a few whole 1 MiB replies where net.core.wmem_max allows, so that a large
 	// read reply leaves in one write instead of a write per 200 KiB and a wait between each.
 	if wb, ok := nc.(interface{ SetWriteBuffer(int) error }); ok {
@@ -332,16 +346,24 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 	if err != nil || !ok {
 		if err != nil && !errors.Is(err, io.EOF) {
 			// Refusals (TLS, an unknown export, a bad option, the handshake's time) are
-			// logged with the peer, rate-limited per peer and cause: the peer chooses how often.
-			s.refusals.Warn(s.log, "handshake refused", nc.RemoteAddr().String(), err.Error())
+			// logged with the peer, rate-limited per cause: the peer chooses how often.
+			s.refusals.Warn(s.log, "handshake refused", nc.RemoteAddr().String(), clip(err.Error()))
 		}
 		return
 	}
 	_ = nc.SetDeadline(time.Time{})
 	lg.Debugf("serving %q", c.exp.Name)
 	if err := c.transmit(); err != nil && !clientGone(err) && s.ctx.Err() == nil {
-		s.refusals.Warn(s.log, "connection ended", nc.RemoteAddr().String(), err.Error())
+		s.refusals.Warn(s.log, "connection ended", nc.RemoteAddr().String(), clip(err.Error()))
 	}
+}
+
+// clip bounds a peer's words in a log line.
+func clip(s string) string {
+	if len(s) > 200 {
+		return s[:200] + "…"
+	}
+	return s
 }
 
 // clientGone says err is the client closing its end, not worth a warning.
@@ -642,7 +664,7 @@ func (c *conn) transmit() (err error) {
 			if err := c.s.ctx.Err(); err != nil {
 				return err
 			}
-			return fmt.Errorf("nbd: the client took no reply for %v: %w", c.s.opts.ReplyTimeout, net.ErrClosed)
+			return fmt.Errorf("nbd: the connection died while a request waited for a slot or bytes (a reply not taken for %v, or a failed write): %w", c.s.opts.ReplyTimeout, net.ErrClosed)
 		}
 		var payload []byte
 		if req.Type == CmdWrite {
@@ -713,6 +735,11 @@ func (c *conn) take(sem chan struct{}, cost int64, unplug func()) bool {
 			return false
 		}
 	}
+	if c.kernel {
+		// The kernel's own queue bounds what it sends, and its IO must not wait for
+		// socket clients to give bytes back.
+		return true
+	}
 	if !c.s.mem.tryAcquire(cost) {
 		unplug()
 		if !c.s.mem.acquire(cost, c.dead, c.s.ctx.Done()) {
@@ -727,7 +754,9 @@ func (c *conn) take(sem chan struct{}, cost int64, unplug func()) bool {
 // give returns a request's slot and bytes.
 func (c *conn) give(cost int64) {
 	if cost > 0 {
-		c.s.mem.release(cost)
+		if !c.kernel {
+			c.s.mem.release(cost)
+		}
 		c.mem.release(cost)
 	}
 	<-c.sem
@@ -737,8 +766,8 @@ func (c *conn) give(cost int64) {
 // (a slot, bytes) gives up.
 func (c *conn) kill() {
 	c.killOnce.Do(func() {
-		c.c.Close()
 		close(c.dead)
+		c.nc.Close() // the socket itself: a TLS close would try to send close_notify first
 	})
 }
 
@@ -966,19 +995,37 @@ func (c *conn) write(batch []pendingReply, mayBlock bool) bool {
 	return true
 }
 
-// blockingWrite writes what is left of the batch, waiting up to ReplyTimeout for the client
-// to take it; past that, or on an error, the connection dies.
+// blockingWrite writes what is left of the batch a megabyte at a time, each waiting up to
+// ReplyTimeout for the client to take it: a client that takes nothing for that long dies, one
+// that reads slowly does not. The deadline is cleared after, since a deadline left behind
+// would fail the next non-blocking write once it has passed.
 func (c *conn) blockingWrite() {
-	if c.werr != nil {
-		return
+	for len(c.bufs) > 0 && c.werr == nil {
+		c.chunk = c.chunk[:0]
+		for left, i := writeChunk, 0; i < len(c.bufs) && left > 0; i++ {
+			b := c.bufs[i][:min(len(c.bufs[i]), left)]
+			c.chunk = append(c.chunk, b)
+			left -= len(b)
+		}
+		if c.werr = c.c.SetWriteDeadline(time.Now().Add(c.s.opts.ReplyTimeout)); c.werr != nil {
+			break
+		}
+		chunk := c.chunk
+		var n int64
+		n, c.werr = chunk.WriteTo(c.c)
+		consume(&c.bufs, int(n))
 	}
-	if c.werr = c.c.SetWriteDeadline(time.Now().Add(c.s.opts.ReplyTimeout)); c.werr == nil {
-		_, c.werr = c.bufs.WriteTo(c.c)
+	clear(c.chunk)
+	if c.werr == nil {
+		c.werr = c.c.SetWriteDeadline(time.Time{})
 	}
 	if c.werr != nil {
 		c.kill() // the reader sees it and the connection ends
 	}
 }
+
+// writeChunk is how much of a blocking write one deadline covers.
+const writeChunk = 1 << 20
 
 // writevOnce is the RawConn callback of a non-blocking write: one writev of c.bufs (as
 // much of it as one call takes), never waiting for the socket.
