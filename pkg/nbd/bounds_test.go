@@ -222,14 +222,14 @@ func TestDeadlineAfterLargeReply(t *testing.T) {
 	leakcheck.Check(t)
 	dev := newGateDev(4 << 20)
 	dev.open = true
-	sock, _ := startServerOpts(t, Options{ReplyTimeout: 200 * time.Millisecond}, Export{Name: "d", Dev: dev})
+	sock, _ := startServerOpts(t, Options{ReplyTimeout: time.Second}, Export{Name: "d", Dev: dev})
 	cl := dial(t, sock, "d")
 	_ = cl.c.SetDeadline(time.Now().Add(10 * time.Second))
 	cl.send(Request{Type: CmdRead, Cookie: 1, Length: 1 << 20}, nil)
 	if _, e, _ := cl.recv(1 << 20); e != 0 {
 		t.Fatalf("errno %d", e)
 	}
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(1500 * time.Millisecond)
 	cl.send(Request{Type: CmdRead, Cookie: 2, Length: 4096}, nil)
 	if ck, e, _ := cl.recv(4096); ck != 2 || e != 0 {
 		t.Fatalf("reply %d errno %d after a pause", ck, e)

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -361,7 +362,7 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 // clip bounds a peer's words in a log line.
 func clip(s string) string {
 	if len(s) > 200 {
-		return s[:200] + "…"
+		return strings.ToValidUTF8(s[:200], "") + "…"
 	}
 	return s
 }
