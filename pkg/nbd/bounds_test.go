@@ -172,15 +172,18 @@ func TestSlowTLSReader(t *testing.T) {
 	small := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
 		return rc.Control(func(fd uintptr) { _ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
 	}}
-	tcp, err := small.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
+	tlsClient := func(d *net.Dialer) *client {
+		tcp, err := d.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tc, err := startTLS(t, helloConn(t, tcp), &cert, pki)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return goOn(t, tc, "d")
 	}
-	tc, err := startTLS(t, helloConn(t, tcp), &cert, pki)
-	if err != nil {
-		t.Fatal(err)
-	}
-	slow := goOn(t, tc, "d")
+	slow := tlsClient(&small)
 	// 12.5 MiB of replies in 32 KiB reads: more than the sockets' buffers take (the
 	// server's send buffer may be 8 MiB), from a goroutine, since the client's writes stop
 	// once the server stops reading.
@@ -196,22 +199,8 @@ func TestSlowTLSReader(t *testing.T) {
 	}()
 	testutil.WaitFor(t, 10*time.Second, "the server holding replies it cannot write", func() bool { return dev.submitted.Load() >= 150 })
 	time.Sleep(300 * time.Millisecond)
-	tcp2, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tc2, err := startTLS(t, helloConn(t, tcp2), &cert, pki)
-	if err != nil {
-		t.Fatal(err)
-	}
-	fast := goOn(t, tc2, "d")
-	_ = fast.c.SetDeadline(time.Now().Add(10 * time.Second))
-	for i := range 10 {
-		fast.send(Request{Type: CmdRead, Cookie: uint64(1000 + i), Offset: 4096, Length: 4096}, nil)
-		if cookie, errno, _ := fast.recv(4096); cookie != uint64(1000+i) || errno != 0 {
-			t.Fatalf("fast client: reply %d errno %d", cookie, errno)
-		}
-	}
+	fast := tlsClient(&net.Dialer{})
+	fastReads(t, fast, 10)
 	fast.c.Close()
 	slow.c.Close()
 }

@@ -504,13 +504,7 @@ func TestSlowReader(t *testing.T) {
 	// All of them ahead of the fast client's in the device's queue.
 	testutil.WaitFor(t, 10*time.Second, "slow requests submitted", func() bool { return dev.submitted.Load() == n })
 	fast := dial(t, sock, "d")
-	_ = fast.c.SetDeadline(time.Now().Add(10 * time.Second))
-	for i := range 20 {
-		fast.send(Request{Type: CmdRead, Cookie: uint64(1000 + i), Offset: 4096, Length: 4096}, nil)
-		if cookie, errno, _ := fast.recv(4096); cookie != uint64(1000+i) || errno != 0 {
-			t.Fatalf("fast client: reply %d errno %d", cookie, errno)
-		}
-	}
+	fastReads(t, fast, 20)
 	// The slow client gets every reply once it reads.
 	_ = slow.c.SetDeadline(time.Now().Add(10 * time.Second))
 	seen := map[uint64]bool{}
@@ -523,6 +517,18 @@ func TestSlowReader(t *testing.T) {
 	}
 	fast.c.Close()
 	slow.c.Close()
+}
+
+// fastReads has cl read 4 KiB n times, each answered within 10 s of the first.
+func fastReads(t *testing.T, cl *client, n int) {
+	t.Helper()
+	_ = cl.c.SetDeadline(time.Now().Add(10 * time.Second))
+	for i := range n {
+		cl.send(Request{Type: CmdRead, Cookie: uint64(1000 + i), Offset: 4096, Length: 4096}, nil)
+		if cookie, errno, _ := cl.recv(4096); cookie != uint64(1000+i) || errno != 0 {
+			t.Fatalf("fast client: reply %d errno %d", cookie, errno)
+		}
+	}
 }
 
 // holdDev holds the requests started while it is plugged until the last Unplug, as the
