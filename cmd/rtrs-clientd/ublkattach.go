@@ -193,8 +193,7 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 		dev, recovered, err = u.recoverOwn(c, d, int(at), h)
 	}
 	if err == nil && dev == nil {
-		maxIO := d.MaxIO() &^ 4095
-		maxIO = min(maxIO, 1<<20)
+		maxIO := ublkMaxIO(d)
 		id := -1
 		if at >= 0 {
 			id = int(at)
@@ -237,7 +236,7 @@ func (u *ublkAttacher) recoverOwn(c *ublk.Ctrl, d *rnbd.Device, id int, h ublk.H
 	if err != nil {
 		return nil, false, err
 	}
-	switch act, err := ublkClaim(info, p, d.Session(), d.Path(), d.Size()); act {
+	switch act, err := ublkClaim(info, p, d.Session(), d.Path(), ublkParams(d, ublkMaxIO(d))); act {
 	case claimRefuse:
 		return nil, false, fmt.Errorf("/dev/ublkb%d: %w", id, err)
 	case claimLegacy:
@@ -263,11 +262,15 @@ const (
 	claimRefuse               // not d's
 )
 
-// ublkClaim decides what an attach of the mapping of sess and path, of size bytes, does with
-// an existing device of that info and those parameters: only a device that carries the
-// mapping's mark (or an older daemon's) and has its size is its own to take over; one with
-// the mark that never started is its own to delete.
-func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, size int64) (claim, error) {
+// ublkMaxIO is the largest request of d's ublk device.
+func ublkMaxIO(d *rnbd.Device) int { return min(d.MaxIO()&^4095, 1<<20) }
+
+// ublkClaim decides what an attach of the mapping of sess and path, whose device would have
+// the parameters want, does with an existing device of that info and those parameters p:
+// only a device that carries the mapping's mark (or an older daemon's) and has its size,
+// logical block and read-only mode is its own to take over (its file systems and waiting IO
+// were made for those); one with the mark that never started is its own to delete.
+func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, want ublk.Params) (claim, error) {
 	act := claimRecover
 	switch {
 	case info.SrvFlags == ublkOwner(sess, path):
@@ -283,8 +286,14 @@ func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, size int64) 
 		// before SET_PARAMS), nothing can resume against it.
 		return claimDelete, nil
 	}
-	if want := uint64(size >> 9); p.Basic.DevSectors != want {
-		return claimRefuse, fmt.Errorf("%d sectors, the device %d: not its device: %w", p.Basic.DevSectors, want, syscall.EEXIST)
+	if p.Basic.DevSectors != want.Basic.DevSectors {
+		return claimRefuse, fmt.Errorf("%d sectors, the device %d: not its device: %w", p.Basic.DevSectors, want.Basic.DevSectors, syscall.EEXIST)
+	}
+	if p.Basic.LogicalBSShift != want.Basic.LogicalBSShift {
+		return claimRefuse, fmt.Errorf("logical blocks of %d bytes, the device's now %d: %w", 1<<p.Basic.LogicalBSShift, 1<<want.Basic.LogicalBSShift, syscall.EEXIST)
+	}
+	if ro := p.Basic.Attrs&ublk.AttrReadOnly != 0; ro != (want.Basic.Attrs&ublk.AttrReadOnly != 0) {
+		return claimRefuse, fmt.Errorf("read-only %v, the mapping's %v: %w", ro, !ro, syscall.EEXIST)
 	}
 	return act, nil
 }

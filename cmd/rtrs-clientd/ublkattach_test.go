@@ -9,7 +9,7 @@ import (
 )
 
 // TestUblkClaim: an attach told ublk=N takes device N over only when it is the same mapping's
-// (its mark and its size), or an older daemon's of that size; it deletes one of its own left
+// (its mark, its size, logical block and read-only mode), or an older daemon's of that size; it deletes one of its own left
 // added but never started, whatever its size, and refuses anything else, so that waiting IO and mounted file
 // systems never resume against another volume.
 func TestUblkClaim(t *testing.T) {
@@ -24,7 +24,13 @@ func TestUblkClaim(t *testing.T) {
 		}
 	}
 	live := func(flags uint64) ublk.DevInfo { return ublk.DevInfo{SrvFlags: flags, State: ublk.StateQuiesced} }
-	sized := func(sectors uint64) ublk.Params { return ublk.Params{Basic: ublk.ParamBasic{DevSectors: sectors}} }
+	sized := func(sectors uint64) ublk.Params {
+		return ublk.Params{Basic: ublk.ParamBasic{DevSectors: sectors, LogicalBSShift: 9}}
+	}
+	want := sized(size >> 9)
+	bigBlocks, ro := want, want
+	bigBlocks.Basic.LogicalBSShift = 12
+	ro.Basic.Attrs |= ublk.AttrReadOnly
 	for _, c := range []struct {
 		name string
 		info ublk.DevInfo
@@ -40,8 +46,10 @@ func TestUblkClaim(t *testing.T) {
 		{"another program's", live(0), sized(size >> 9), claimRefuse},
 		{"its mark, another size", live(own), sized(size>>9 + 8), claimRefuse},
 		{"an older daemon's, another size", live(ublkMark), sized(size >> 10), claimRefuse},
+		{"its own, another logical block", live(own), bigBlocks, claimRefuse},
+		{"its own, read-only where the mapping is not", live(own), ro, claimRefuse},
 	} {
-		got, err := ublkClaim(c.info, c.p, sess, path, size)
+		got, err := ublkClaim(c.info, c.p, sess, path, want)
 		if got != c.want {
 			t.Errorf("%s: claim %d (%v), want %d", c.name, got, err, c.want)
 		}
