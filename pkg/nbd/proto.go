@@ -72,8 +72,10 @@ const (
 	CmdWriteZeroes = 6
 	CmdBlockStatus = 7
 
-	CmdFlagFUA    = 1 << 0
-	CmdFlagNoHole = 1 << 1
+	CmdFlagFUA      = 1 << 0
+	CmdFlagNoHole   = 1 << 1
+	CmdFlagDF       = 1 << 2
+	CmdFlagFastZero = 1 << 4
 
 	// MaxRequest is the largest READ or WRITE payload, announced as the maximum block size.
 	MaxRequest = 32 << 20

@@ -685,7 +685,9 @@ func (c *conn) transmit() (err error) {
 		if inPlug++; inPlug > maxPlugged {
 			unplug()
 		}
-		if err := c.check(req); err != nil {
+		if err := c.check(req); err != nil || req.Length == 0 && req.Type != CmdFlush {
+			// A zero-length request is answered here, with success once it passed the
+			// checks: the spec leaves it open, and RNBD has no IO of no bytes to send.
 			c.queue(pendingReply{cookie: req.Cookie, err: err, payload: payload, cost: cost})
 			continue
 		}
@@ -834,15 +836,28 @@ func (c *conn) serve(req Request, payload []byte, cost int64) {
 	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload, cost: cost})
 }
 
-// check refuses what the export cannot take: unknown commands, writes to a read-only export,
-// ranges outside the device or not in whole blocks, oversized reads.
+// check refuses what the export cannot take: unknown commands, command flags the command or
+// the handshake does not allow, writes to a read-only export, ranges outside the device or
+// not in whole blocks, oversized reads.
 func (c *conn) check(req Request) error {
 	switch req.Type {
-	case CmdRead, CmdWrite, CmdTrim, CmdWriteZeroes:
-	case CmdFlush:
-		return nil
+	case CmdRead, CmdWrite, CmdTrim, CmdWriteZeroes, CmdFlush:
 	default:
 		return fmt.Errorf("nbd: command %d: %w", req.Type, syscall.EINVAL)
+	}
+	// FUA goes with any command (clients are known to set it beyond writes), NO_HOLE with
+	// WRITE_ZEROES. DF and FAST_ZERO need transmission flags this server does not announce
+	// (SEND_DF with structured replies, SEND_FAST_ZERO), so they are refused as the spec
+	// asks: a FAST_ZERO done slowly, or a DF read in pieces, would break the client's use.
+	allowed := uint16(CmdFlagFUA)
+	if req.Type == CmdWriteZeroes {
+		allowed |= CmdFlagNoHole
+	}
+	if req.Flags&^allowed != 0 {
+		return fmt.Errorf("nbd: command %d with flags %#x: %w", req.Type, req.Flags, syscall.EINVAL)
+	}
+	if req.Type == CmdFlush {
+		return nil
 	}
 	if req.Type != CmdRead && c.exp.ReadOnly {
 		return syscall.EPERM

@@ -356,6 +356,15 @@ func TestTransmission(t *testing.T) {
 		{Request{Type: CmdCache, Length: 512}, errInval},
 		{Request{Type: CmdBlockStatus, Length: 512}, errInval},
 		{Request{Type: 77}, errInval},
+		// Flags the command or the handshake does not allow.
+		{Request{Type: CmdRead, Flags: CmdFlagDF, Length: 512}, errInval},
+		{Request{Type: CmdWriteZeroes, Flags: CmdFlagFastZero, Offset: 8192, Length: 512}, errInval},
+		{Request{Type: CmdTrim, Flags: CmdFlagNoHole, Offset: 8192, Length: 512}, errInval},
+		{Request{Type: CmdFlush, Flags: 1 << 9}, errInval},
+		// Zero-length requests succeed without reaching the device, but only inside it.
+		{Request{Type: CmdWriteZeroes, Offset: 8192}, 0},
+		{Request{Type: CmdTrim, Offset: 1 << 20}, 0},
+		{Request{Type: CmdRead, Offset: 1<<20 + 512}, errInval},
 	} {
 		tc.r.Cookie = 42
 		cl.send(tc.r, nil)
@@ -363,6 +372,28 @@ func TestTransmission(t *testing.T) {
 			t.Errorf("%+v: errno %d, want %d", tc.r, e, tc.want)
 		}
 	}
+	// FUA on a read is accepted; a zero-length read and write answer with no payload, and
+	// the stream stays in step (the read after them gets its own reply and data).
+	cl.send(Request{Type: CmdRead, Flags: CmdFlagFUA, Cookie: 43, Offset: 8192, Length: 512}, nil)
+	if ck, e, data := cl.recv(512); ck != 43 || e != 0 || data[0] != 2 {
+		t.Errorf("FUA read: cookie %d errno %d data %d", ck, e, data[0])
+	}
+	cl.send(Request{Type: CmdWrite, Cookie: 44, Offset: 8192}, nil)
+	cl.send(Request{Type: CmdRead, Cookie: 45, Offset: 8192}, nil)
+	cl.send(Request{Type: CmdRead, Cookie: 46, Offset: 8192, Length: 512}, nil)
+	for _, want := range []uint64{44, 45} {
+		if ck, e, _ := cl.recv(0); ck != want || e != 0 {
+			t.Errorf("zero-length request %d: reply %d errno %d", want, ck, e)
+		}
+	}
+	if ck, e, data := cl.recv(512); ck != 46 || e != 0 || data[0] != 2 {
+		t.Errorf("read after zero-length ones: cookie %d errno %d data %d", ck, e, data[0])
+	}
+	dev.mu.Lock()
+	if dev.b[8192] != 2 || dev.zeroes != 0 || dev.discards != 1 {
+		t.Errorf("refused or empty requests reached the device: data %d zeroings %d discards %d", dev.b[8192], dev.zeroes, dev.discards)
+	}
+	dev.mu.Unlock()
 	ro := dial(t, sock, "ro")
 	ro.send(Request{Type: CmdWrite, Cookie: 5, Length: 512}, make([]byte, 512))
 	if _, e, _ := ro.recv(0); e != errPerm {
