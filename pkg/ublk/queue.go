@@ -88,7 +88,14 @@ type queue struct {
 	aborted, inflight int
 	ring              *uring.Ring
 	leakBufs          bool // drain gave up: a handler may still write to bufs
+	deferred          bool // the ring runs the driver's work only when the loop enters it
+	idle              int  // waits in a row that ran out with no request in flight
+	touched           bool // a request has used bufs since they were last given back
 }
+
+// idleWaits is how many empty waits (waitSlice each) a queue with no request in flight lets
+// pass before it gives its buffers' pages back.
+var idleWaits = 2
 
 func newQueue(d *Device, id int, h Handler) (*queue, error) {
 	depth, maxIO := int(d.info.QueueDepth), int(d.info.MaxIOBufBytes)
@@ -154,6 +161,7 @@ func (q *queue) run(ready chan<- error) {
 	// work, and runs that work in batches when the loop enters to wait. 6.0 lacks
 	// DEFER_TASKRUN and refuses the set: then a ring without them.
 	ring, err := uring.New(uint32(q.depth+1), uring.SetupCoopTaskrun|uring.SetupSingleIssuer|uring.SetupDeferTaskrun)
+	q.deferred = err == nil
 	if errors.Is(err, unix.EINVAL) {
 		ring, err = uring.New(uint32(q.depth+1), 0)
 	}
@@ -198,9 +206,30 @@ func (q *queue) run(ready chan<- error) {
 			break
 		}
 		q.bell.Awake()
-		ring.Completions(q.completion)
+		n := ring.Completions(q.completion)
+		q.reclaim(wait > 0 && n == 0)
 	}
 	q.drain()
+}
+
+// reclaim gives the buffers' pages back once the queue has been idle for idleWaits waits:
+// depth × max IO per queue (16 MiB at 128 × 128 KiB) would otherwise stay resident for as
+// long as the device exists, used or not. It is safe only between entries of a ring that
+// defers the driver's work to them: a write's data is copied into a buffer by that work,
+// and its completion is taken in the same entry; with nothing in flight and nothing
+// committed this round, no buffer holds data anyone still needs.
+func (q *queue) reclaim(emptyWait bool) {
+	if !emptyWait || q.inflight > 0 {
+		q.idle = 0
+		return
+	}
+	if q.idle++; q.idle < idleWaits || !q.touched || !q.deferred {
+		return
+	}
+	// The pages read as zeroes when the driver next touches them; a failure keeps them.
+	if unix.Madvise(q.bufs, unix.MADV_DONTNEED) == nil {
+		q.touched = false
+	}
 }
 
 // drainTimeout bounds how long a queue that quits waits for its requests' handlers.
@@ -269,5 +298,6 @@ func (q *queue) completion(c uring.CQE) {
 		r.Buf = q.bufs[int(tag)*q.maxIO : int(tag)*q.maxIO+r.Len]
 	}
 	q.inflight++
+	q.touched = true
 	q.h.Serve(r)
 }

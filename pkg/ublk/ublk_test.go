@@ -349,3 +349,66 @@ func TestCtrlCommandTimeout(t *testing.T) {
 		}
 	}
 }
+
+// resident counts the pages of b in memory (mincore(2)).
+func resident(t *testing.T, b []byte) int {
+	t.Helper()
+	vec := make([]byte, (len(b)+os.Getpagesize()-1)/os.Getpagesize())
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatal("mincore:", e)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
+}
+
+// TestIdleBuffersGiveBack: the pages a queue's requests touched in its buffers go back to
+// the system once it has been idle a while, and IO after that is served right.
+func TestIdleBuffersGiveBack(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	m := newMem(testSize)
+	d, err := Create(c, testOptions(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+	f := openDirect(t, d)
+	defer f.Close()
+	touched := func() (n int) {
+		for _, q := range d.queues {
+			n += resident(t, q.bufs)
+		}
+		return n
+	}
+	rng := rand.New(rand.NewSource(2))
+	roundTrip := func() {
+		t.Helper()
+		for i := 0; i < 16; i++ {
+			off := int64(rng.Intn(testSize>>20)) << 20
+			p := aligned(1 << 20)
+			rng.Read(p)
+			if _, err := f.WriteAt(p, off); err != nil {
+				t.Fatal(err)
+			}
+			q := aligned(1 << 20)
+			if _, err := f.ReadAt(q, off); err != nil || !bytes.Equal(p, q) {
+				t.Fatalf("read back at %d: %v, equal %v", off, err, bytes.Equal(p, q))
+			}
+		}
+	}
+	roundTrip()
+	if n := touched(); n == 0 {
+		t.Fatal("no buffer page resident after IO: the test cannot tell a give-back")
+	}
+	deadline := time.Now().Add(time.Duration(idleWaits+5) * waitSlice)
+	for touched() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d buffer pages still resident after %v idle", touched(), time.Duration(idleWaits+5)*waitSlice)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	roundTrip()
+}

@@ -51,7 +51,7 @@ guest() {
 }
 
 unit() {
-	local tests=(TestDeviceIO TestRecover TestCreateErrors TestCtrlCommandTimeout)
+	local tests=(TestDeviceIO TestRecover TestCreateErrors TestCtrlCommandTimeout TestIdleBuffersGiveBack)
 	ublk.test -test.v -test.count 1 -test.timeout 600s 2>&1 | tee /tmp/ublk-unit.out
 	vm_require_tests /tmp/ublk-unit.out "${tests[@]}"
 }
