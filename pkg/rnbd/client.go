@@ -376,7 +376,7 @@ func (s *cltSess) remapLoop() {
 				if st := d.State(); st == StateUnmapped || st == StateClosedByServer {
 					continue // a device the server closed stays closed until unmapped
 				}
-				if e := d.open(ctx); e != nil {
+				if e := d.open(ctx); e != nil && !errors.Is(e, errUnmappedMeanwhile) {
 					err = fmt.Errorf("%w: %w", errRemapDevice, e)
 				}
 			}

@@ -65,10 +65,14 @@ func (d *Device) open(ctx context.Context) error {
 		return err
 	}
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.state == StateUnmapped {
-		return nil
+		// Unmapped while this OPEN (a remap's) was on the wire: the server holds the id it
+		// has just given, and nobody else will close it.
+		d.mu.Unlock()
+		d.sendClose(ctx, rsp.DeviceID)
+		return errUnmappedMeanwhile
 	}
+	defer d.mu.Unlock()
 	if d.geo.LogicalBlockSize != 0 && (rsp.NSectors != d.geo.NSectors || rsp.LogicalBlockSize != d.geo.LogicalBlockSize) {
 		d.setStateLocked(StateDisconnected)
 		return fmt.Errorf("rnbd: %q changed geometry on remap (%d → %d sectors): %w", d.path, d.geo.NSectors, rsp.NSectors, syscall.EIO)
@@ -132,29 +136,43 @@ func (d *Device) BlockSize() int {
 	return int(d.geo.LogicalBlockSize)
 }
 
+// errUnmappedMeanwhile is a remap's OPEN answered after the device was unmapped.
+var errUnmappedMeanwhile = errors.New("rnbd: unmapped while being opened")
+
 // Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
-// waiting fails.
+// waiting fails. A device whose first OPEN is still on the wire is refused (EBUSY): its id
+// is not known yet. A CLOSE that fails is logged, not returned, as the kernel's client does:
+// the device is unmapped here all the same, and the server lets the id go with the session.
 func (d *Device) Unmap(ctx context.Context) error {
 	d.mu.Lock()
 	if d.state == StateUnmapped {
 		d.mu.Unlock()
 		return fmt.Errorf("rnbd: %q is not mapped: %w", d.path, syscall.ENOENT)
 	}
+	if d.geo.LogicalBlockSize == 0 {
+		d.mu.Unlock()
+		return fmt.Errorf("rnbd: %q is still being mapped: %w", d.path, syscall.EBUSY)
+	}
 	// A device the server closed is closed too: the server still holds its id for us.
 	wasMapped, id := d.state == StateMapped || d.state == StateClosedByServer, d.id
 	d.setStateLocked(StateUnmapped)
 	d.mu.Unlock()
-	var err error
 	if wasMapped {
-		var usr [CloseSize]byte
-		MsgClose{DeviceID: id}.Put(usr[:])
-		if err = d.sess.rtrs.DoAdmin(ctx, transport.Write, usr[:], nil); err != nil {
-			err = fmt.Errorf("rnbd: close %q: %w", d.path, err)
-		}
+		d.sendClose(ctx, id)
 	}
 	d.sess.remove(d)
 	d.sess.c.putSessIfIdle(d.sess)
-	return err
+	return nil
+}
+
+// sendClose sends CLOSE for id, logging a failure.
+func (d *Device) sendClose(ctx context.Context, id uint32) {
+	var usr [CloseSize]byte
+	MsgClose{DeviceID: id}.Put(usr[:])
+	if err := d.sess.rtrs.DoAdmin(ctx, transport.Write, usr[:], nil); err != nil {
+		d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path, "device_id": id}).
+			Warnf("close: %v (the server keeps the device open until the session ends)", err)
+	}
 }
 
 // markStale records that IO with id found no session or an unknown id: the device waits

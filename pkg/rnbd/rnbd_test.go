@@ -982,3 +982,58 @@ func TestACLNormalizesPaths(t *testing.T) {
 		}
 	}
 }
+
+// TestUnmapWhileMapping: an unmap of a device whose OPEN is still on the wire is refused
+// (EBUSY) and closes nothing on the server: the kernel's server numbers a session's devices
+// from 0, so a CLOSE with the id the device does not have yet would close another one.
+func TestUnmapWhileMapping(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "first", 1<<20)
+	e.file(t, "second", 1<<20)
+	c := e.client(t, 10*time.Second)
+	first := mustMap(t, e, c, "um", "first", AccessRW)
+	held := make(chan *transport.SrvRequest, 1)
+	hold := func(r *transport.SrvRequest) bool {
+		var m MsgOpen
+		if typ, _ := PeekType(r.Usr); typ != MsgTypeOpen || m.Unmarshal(r.Usr) != nil || m.DevName != "second" {
+			return false
+		}
+		held <- r
+		return true
+	}
+	e.intercept.Store(&hold)
+	defer e.intercept.Store(nil)
+	mapped := make(chan error, 1)
+	go func() {
+		_, err := e.mapDev(t, c, "um", "second", AccessRW)
+		mapped <- err
+	}()
+	r := <-held
+	var second *Device
+	for _, d := range c.Devices() {
+		if d.Path() == "second" {
+			second = d
+		}
+	}
+	if second == nil {
+		t.Fatal("the device being mapped is not listed")
+	}
+	if err := second.Unmap(context.Background()); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("unmap while the OPEN is on the wire: %v, want EBUSY", err)
+	}
+	e.server().Request(r)
+	if err := <-mapped; err != nil {
+		t.Fatalf("map after the refused unmap: %v", err)
+	}
+	if n := len(e.server().Devices()); n != 2 {
+		t.Fatalf("the server has %d devices open, want 2: %+v", n, e.server().Devices())
+	}
+	buf := make([]byte, 4096)
+	if _, err := first.ReadAt(buf, 0); err != nil {
+		t.Fatalf("the first device after it all: %v", err)
+	}
+	if err := second.Unmap(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
