@@ -32,7 +32,8 @@ type cltReq struct {
 
 // Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
 // user header (the server's handler gets both). done is called once with the outcome, on a
-// transport goroutine; it must not block. Request waits for a permit until ctx ends.
+// transport goroutine, unless Request returns an error; it must not block. Request waits for
+// a permit until ctx ends.
 func (s *Session) Request(ctx context.Context, dir Dir, usr, data []byte, done func(error)) error {
 	return s.request(ctx, dir, usr, data, done, true, false)
 }
@@ -94,6 +95,7 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 	r.start, r.cpu = time.Now(), stats.CPU()
 	if err := s.issue(r, nil, false); err != nil {
 		s.failNoPath.Inc()
+		r.done = nil // the caller has the error: done is not called as well
 		s.finish(r, nil)
 		return err
 	}

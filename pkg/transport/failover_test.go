@@ -3,12 +3,13 @@ package transport
 import (
 	"context"
 	"errors"
-	"github.com/rtrs-go/rtrs/internal/lib/testutil"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -98,6 +99,18 @@ func TestAllPathsDown(t *testing.T) {
 	err := s.Do(context.Background(), Read, offHdr(0), make([]byte, 4096))
 	if !errors.Is(err, syscall.ECONNABORTED) {
 		t.Fatalf("request with no path: %v", err)
+	}
+	// A request refused at once is not also completed: its done is never called.
+	var calls atomic.Int32
+	for i := 0; i < 8; i++ {
+		err = s.Request(context.Background(), Read, offHdr(0), make([]byte, 4096), func(error) { calls.Add(1) })
+		if !errors.Is(err, syscall.ECONNABORTED) {
+			t.Fatalf("async request with no path: %v", err)
+		}
+	}
+	time.Sleep(50 * time.Millisecond)
+	if n := calls.Load(); n != 0 {
+		t.Fatalf("done called %d times for requests refused with an error", n)
 	}
 	select {
 	case ev := <-events:
