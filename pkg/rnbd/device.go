@@ -62,6 +62,15 @@ func (d *Device) open(ctx context.Context) error {
 	}
 	var rsp MsgOpenRsp
 	if err := rsp.Unmarshal(buf[:]); err != nil {
+		if typ, _ := PeekType(buf[:]); typ == MsgTypeOpenRsp {
+			d.sendClose(ctx, rsp.DeviceID) // the server opened it; we will not use it
+		}
+		return fmt.Errorf("rnbd: open %q: %w", d.path, err)
+	}
+	if m := d.sess.rtrs.MaxIOSize(); m < int(rsp.LogicalBlockSize) {
+		// No IO of one block would fit in the session's chunks: the device could not be used.
+		err := fmt.Errorf("rnbd: open %q: %d-byte blocks, the session's max IO is %d: %w", d.path, rsp.LogicalBlockSize, m, syscall.EBADMSG)
+		d.sendClose(ctx, rsp.DeviceID)
 		return err
 	}
 	d.mu.Lock()

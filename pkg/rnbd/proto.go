@@ -257,8 +257,19 @@ func (m *MsgOpenRsp) Unmarshal(b []byte) error {
 	if !pow2(lbs) || (pbs != 0 && (!pow2(pbs) || pbs < lbs)) {
 		return fmt.Errorf("rnbd: block sizes %d/%d: %w", lbs, pbs, syscall.EBADMSG)
 	}
-	if m.NSectors > 1<<54 || m.NSectors%uint64(lbs/SectorSize) != 0 {
+	if m.NSectors >= 1<<54 || m.NSectors%uint64(lbs/SectorSize) != 0 { // 2^54 sectors: 2^63 bytes, past int64
 		return fmt.Errorf("rnbd: %d sectors with %d-byte blocks: %w", m.NSectors, lbs, syscall.EBADMSG)
+	}
+	if m.MaxHWSectors != 0 && int(m.MaxHWSectors)*SectorSize < lbs {
+		return fmt.Errorf("rnbd: max_hw_sectors %d below one %d-byte block: %w", m.MaxHWSectors, lbs, syscall.EBADMSG)
+	}
+	// A discard or write-zeroes limit below one block cannot carry any request: taken as
+	// no limit announced, so the operation is not offered.
+	if int(m.MaxDiscardSectors)*SectorSize < lbs {
+		m.MaxDiscardSectors = 0
+	}
+	if int(m.MaxWriteZeroesSectors)*SectorSize < lbs {
+		m.MaxWriteZeroesSectors = 0
 	}
 	return nil
 }

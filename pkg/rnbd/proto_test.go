@@ -119,11 +119,19 @@ func TestDecodersReject(t *testing.T) {
 		{LogicalBlockSize: 1000},
 		{LogicalBlockSize: 4096, PhysicalBlockSize: 512},
 		{LogicalBlockSize: 4096, NSectors: 9},
+		{LogicalBlockSize: 512, NSectors: 1 << 54}, // 2^63 bytes
+		{LogicalBlockSize: 4096, MaxHWSectors: 1},  // no IO of one block fits
+		{LogicalBlockSize: 4096, MaxHWSectors: 7},
 	} {
 		g.Put(rsp)
 		if err := r.Unmarshal(rsp); !errors.Is(err, syscall.EBADMSG) {
 			t.Errorf("%+v: %v", g, err)
 		}
+	}
+	// A discard or write-zeroes limit below one block is taken as none announced.
+	MsgOpenRsp{LogicalBlockSize: 4096, NSectors: 8, MaxHWSectors: 8, MaxDiscardSectors: 7, MaxWriteZeroesSectors: 1}.Put(rsp)
+	if err := r.Unmarshal(rsp); err != nil || r.MaxDiscardSectors != 0 || r.MaxWriteZeroesSectors != 0 || r.MaxHWSectors != 8 {
+		t.Errorf("limits below a block: %+v, %v", r, err)
 	}
 }
 
@@ -161,7 +169,9 @@ func FuzzDecoders(f *testing.F) {
 			}
 		}
 		var r MsgOpenRsp
-		if r.Unmarshal(b) == nil && (r.LogicalBlockSize < SectorSize || r.NSectors%uint64(r.LogicalBlockSize/SectorSize) != 0) {
+		if r.Unmarshal(b) == nil && (r.LogicalBlockSize < SectorSize || r.NSectors%uint64(r.LogicalBlockSize/SectorSize) != 0 ||
+			int64(r.NSectors)*SectorSize < 0 || r.MaxHWSectors != 0 && int(r.MaxHWSectors)*SectorSize < int(r.LogicalBlockSize) ||
+			r.MaxDiscardSectors != 0 && int(r.MaxDiscardSectors)*SectorSize < int(r.LogicalBlockSize)) {
 			t.Fatalf("open_rsp %+v", r)
 		}
 		var c MsgClose

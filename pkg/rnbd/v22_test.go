@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
@@ -290,4 +291,36 @@ func TestNoUnmapRefusedFallback(t *testing.T) {
 	if st.WriteZeroes.Value() != 1 {
 		t.Errorf("WRITE_ZEROES without NOUNMAP: server saw %d, want 1", st.WriteZeroes.Value())
 	}
+}
+
+// TestOpenRspRefused: an open response no IO could use (a max_hw_sectors below one block)
+// fails the map with EBADMSG, and the device the server opened for it is closed again.
+func TestOpenRspRefused(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "tiny", 1<<20)
+	rs := e.server()
+	tiny := func(r *transport.SrvRequest) bool {
+		var m MsgOpen
+		if typ, _ := PeekType(r.Usr); typ != MsgTypeOpen || m.Unmarshal(r.Usr) != nil || m.DevName != "tiny" {
+			return false
+		}
+		go func() {
+			err := rs.processOpen(r)
+			if err == nil {
+				binary.LittleEndian.PutUint16(r.Data[36:], 4096) // physical and logical blocks 4 KiB
+				binary.LittleEndian.PutUint16(r.Data[38:], 4096)
+				binary.LittleEndian.PutUint32(r.Data[16:], 1) // max_hw_sectors: one sector, below a block
+			}
+			r.Respond(errno.Neg(err))
+		}()
+		return true
+	}
+	e.intercept.Store(&tiny)
+	defer e.intercept.Store(nil)
+	c := e.client(t, time.Second)
+	if _, err := e.mapDev(t, c, "tiny", "tiny", AccessRW); !errors.Is(err, syscall.EBADMSG) {
+		t.Fatalf("map with max_hw_sectors 1 and 4 KiB blocks: %v, want EBADMSG", err)
+	}
+	testutil.WaitFor(t, 5*time.Second, "the refused device closed on the server", func() bool { return len(rs.Devices()) == 0 })
 }
