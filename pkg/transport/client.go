@@ -541,9 +541,13 @@ func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool)
 		p.mu.Lock()
 		if p.res == nil {
 			p.res = &pathRes{pd: pd}
-		} else if p.res.pd.Device().Name() != id.Device().Name() {
-			p.mu.Unlock()
-			return fail(fmt.Errorf("rtrs: connection %d on %s, path on %s: %w", cid, id.Device().Name(), p.res.pd.Device().Name(), syscall.EINVAL))
+		} else {
+			// Another connection of the path set the PD up first: ours is not needed.
+			_ = pd.Dealloc()
+			if p.res.pd.Device().Name() != id.Device().Name() {
+				p.mu.Unlock()
+				return fail(fmt.Errorf("rtrs: connection %d on %s, path on %s: %w", cid, id.Device().Name(), p.res.pd.Device().Name(), syscall.EINVAL))
+			}
 		}
 		pd = p.res.pd
 		p.mu.Unlock()
@@ -904,6 +908,11 @@ func (p *Path) teardown() {
 			if m != nil {
 				_ = m.Dereg()
 			}
+		}
+		// A reconnect allocates its own: kept, every reconnect of a flapping link would leak
+		// one (rxe has 32k).
+		if err := res.pd.Dealloc(); err != nil {
+			p.lg().WithError(err).Warn("protection domain not freed")
 		}
 	}
 	p.markDown()

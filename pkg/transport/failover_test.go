@@ -11,6 +11,7 @@ import (
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
+	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
 )
 
 // srvPath finds the server path whose client address is src.
@@ -356,4 +357,33 @@ func TestChunkReuseRefused(t *testing.T) {
 	if n != 1 {
 		t.Fatalf("the path that was refused served %d requests, want 1 (the reused chunk's is not served again)", n)
 	}
+}
+
+// TestPDsFreed: every protection domain the client and the server allocate for a path is
+// freed when the path goes, reconnects included (the verbs provider's are kernel objects,
+// 32k of them on rxe: a flapping link would use them all up).
+func TestPDsFreed(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	sp, ok := e.prov.(*soft.Provider)
+	if !ok {
+		t.Skip("counts the soft provider's PDs")
+	}
+	s := e.open(t, "pds", paths(t, "ip:127.0.0.1@ip:127.0.0.1", "ip:127.0.0.2@ip:127.0.0.1"), nil)
+	p := s.Paths()[1]
+	base := sp.LivePDs() // one per path on each side
+	if base != 4 {
+		t.Fatalf("%d PDs for two paths, client and server", base)
+	}
+	for i := 0; i < 5; i++ {
+		e.srvPath(t, "ip:127.0.0.2").Disconnect()
+		testutil.WaitFor(t, 5*time.Second, "path 2 down", func() bool { return p.State() != StateConnected })
+		testutil.WaitFor(t, 10*time.Second, "path 2 back", func() bool { return p.State() == StateConnected })
+		if err := s.Do(context.Background(), Write, offHdr(4096), make([]byte, 4096)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testutil.WaitFor(t, 5*time.Second, "the PDs of the reconnects freed", func() bool { return sp.LivePDs() == base })
+	s.Close()
+	testutil.WaitFor(t, 5*time.Second, "every PD freed after the close", func() bool { return sp.LivePDs() == 0 })
 }

@@ -167,6 +167,14 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	ctx, cancel := context.WithTimeout(srv.ctx, o.Timings.ConnectTimeout)
 	defer cancel()
 	p.mu.Lock()
+	if p.state != srvConnecting {
+		// The path closed while this connection was set up: its Close has taken the list
+		// of connections it destroys, so this one would be left behind.
+		p.mu.Unlock()
+		c.destroy()
+		p.sess.srv.reject(req, syscall.ECONNRESET)
+		return fmt.Errorf("rtrs: path closed while connection %d was set up: %w", cid, syscall.ECONNRESET)
+	}
 	p.cons[cid] = c
 	p.mu.Unlock()
 	if err := req.ID.Accept(ctx, rdma.ConnParam{PrivateData: rsp.Marshal(), RNRRetryCount: 7}); err != nil {
@@ -191,6 +199,10 @@ func postEmptyRecvs(qp rdma.QP, n int) error {
 func (p *SrvPath) setupPath(dev rdma.Device) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.state != srvConnecting {
+		// Its Close may have let the PD go already; a new one would never be freed.
+		return fmt.Errorf("rtrs: path closing: %w", syscall.ECONNRESET)
+	}
 	if p.pd != nil {
 		if p.pd.Device().Name() != dev.Name() {
 			return fmt.Errorf("rtrs: connection on %s, path on %s", dev.Name(), p.pd.Device().Name())
@@ -204,6 +216,7 @@ func (p *SrvPath) setupPath(dev rdma.Device) error {
 	}
 	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(p.nChunkMR())+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
 	if err != nil {
+		_ = pd.Dealloc()
 		return err
 	}
 	p.pd, p.ctlMR = pd, ctl
@@ -568,6 +581,15 @@ func (p *SrvPath) Close() {
 			}
 		}
 		p.dropFileMRs()
+		p.mu.Lock()
+		pd := p.pd
+		p.pd = nil // setupPath and the file regions see the state first: nobody takes it now
+		p.mu.Unlock()
+		if pd != nil {
+			if err := pd.Dealloc(); err != nil {
+				p.lg().WithError(err).Warn("protection domain not freed")
+			}
+		}
 		if gone {
 			// Every path has deregistered the chunks: nothing but a stuck handler can
 			// touch them now.

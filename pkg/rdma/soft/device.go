@@ -37,7 +37,12 @@ type Provider struct {
 
 	mu   sync.Mutex
 	devs map[string]*device
+	pds  atomic.Int64 // allocated and not deallocated
 }
+
+// LivePDs is how many protection domains of the provider's devices are allocated and not
+// deallocated: what a leak check compares.
+func (p *Provider) LivePDs() int64 { return p.pds.Load() }
 
 // Options tune the provider. Zero values take the defaults.
 type Options struct {
@@ -231,7 +236,10 @@ func (d *device) QueryPort(port int) (rdma.PortAttr, error) {
 	return rdma.PortAttr{State: st, LinkLayer: "Ethernet", MTU: mtu}, nil
 }
 
-func (d *device) AllocPD() (rdma.PD, error) { return &pd{dev: d}, nil }
+func (d *device) AllocPD() (rdma.PD, error) {
+	d.prov.pds.Add(1)
+	return &pd{dev: d}, nil
+}
 
 func (d *device) CreateCQ(cqe int) (rdma.CQ, error) {
 	if cqe < 1 || cqe > maxCQE {
@@ -417,7 +425,10 @@ func (p *pd) AllocFastRegMR(maxLen int, flags rdma.FastRegFlags) (rdma.MR, error
 }
 
 func (p *pd) Dealloc() error {
-	p.freed.Store(true)
+	if p.freed.Swap(true) {
+		return rdma.ErrClosed
+	}
+	p.dev.prov.pds.Add(-1)
 	return nil
 }
 
