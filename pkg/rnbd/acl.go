@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/netip"
 	"path"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -93,18 +94,19 @@ func ParseACL(r io.Reader, name string) (*ACL, error) {
 }
 
 // allows says whether the client who may open export in mode; a nil ACL is the default. The
-// export is matched as the server resolves it under the search path: without leading
-// slashes, with "//", "." and ".." folded (path.Clean), so "/db//vol1" is "db/vol1" and
-// "pub/../secret" is "secret". Symbolic links inside the search path are not followed here:
-// a rule that allows a directory allows what its links point to.
+// export is matched without leading slashes, with "//" and "." folded (path.Clean), so
+// "/db//vol1" is "db/vol1". A name with a ".." in it matches nothing: the open resolves ".."
+// after the links before it, so "scratch/lnk/../x" with lnk a link to db/sub opens db/x,
+// which the name read as text ("scratch/x") would not say. Symbolic links inside the search
+// path are not followed here: a rule that allows a directory allows what its links point to.
 func (a *ACL) allows(export string, who transport.Identity, mode AccessMode) bool {
 	if a == nil {
 		return mode != AccessMigration
 	}
-	export = path.Clean(strings.TrimLeft(export, "/"))
-	if export == ".." || strings.HasPrefix(export, "../") {
-		return false // outside the search path, which the open refuses too
+	if slices.Contains(strings.Split(export, "/"), "..") {
+		return false
 	}
+	export = path.Clean(strings.TrimLeft(export, "/"))
 	addr := who.Addr.Unmap()
 	for _, ru := range a.rules {
 		if ru.modes&(1<<mode) == 0 {

@@ -307,9 +307,27 @@ func (s *Server) ioDone(r *transport.SrvRequest, err error) {
 	r.Respond(errno.Neg(err))
 }
 
+// failed counts a request that failed. One the peer should not have sent (out of range, a
+// write to an ro mapping, an unknown device, flags or sizes the protocol does not allow) is
+// logged as a refusal, with the peer, rate-limited per session and cause; the device's own
+// errors only at debug level.
 func (s *Server) failed(r *transport.SrvRequest, err error) {
 	s.Stats.Errors.Inc(r.ID())
-	s.log.WithField("session", r.Session().Name()).Debugf("%v", err)
+	lg := s.log.WithField("session", r.Session().Name())
+	switch en := errno.Of(err); en {
+	case syscall.EINVAL, syscall.EPERM, syscall.ENODEV, syscall.EBADMSG:
+		peer := r.Path().SrcAddr().IP.String()
+		s.mu.Lock()
+		ss := s.sessions[r.Session()] // not made again for a session that went
+		s.mu.Unlock()
+		if ss != nil {
+			ss.refusals.Warn(lg, "request refused: "+en.Error(), peer, err.Error())
+		} else {
+			lg.WithField("peer", peer).Warnf("request refused: %v", err)
+		}
+	default:
+		lg.Debugf("%v", err)
+	}
 }
 
 // LinkEvent implements transport.Handler: a session whose last path went closes its devices
@@ -422,7 +440,10 @@ func (s *Server) process(r *transport.SrvRequest) (rc int, answered bool) {
 	if err == errResponded {
 		return 0, true
 	}
-	if err != nil {
+	switch {
+	case err != nil && typ == MsgTypeOpen:
+		s.Stats.Errors.Inc(r.ID()) // logged above
+	case err != nil:
 		s.failed(r, err)
 	}
 	return errno.Neg(err), false
@@ -446,7 +467,11 @@ func (s *Server) processSessInfo(r *transport.SrvRequest) error {
 		return fmt.Errorf("rnbd: SESS_INFO needs a %d-byte READ buffer: %w", SessInfoRspSize, syscall.EINVAL)
 	}
 	s.mu.Lock()
-	s.sess(r.Session()).ver = min(m.Ver, ProtoVerMajor)
+	if r.Path().State() == "connected" {
+		// Not made again for a session whose last path went (queued behind a slow CLOSE):
+		// its LinkDisconnected has let it go, and nothing would again.
+		s.sess(r.Session()).ver = min(m.Ver, ProtoVerMajor)
+	}
 	s.mu.Unlock()
 	MsgSessInfo{Ver: ProtoVerMajor}.Put(r.Data, MsgTypeSessInfoRsp)
 	return nil
@@ -503,7 +528,11 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	// remapping after a reconnect the server did not notice); in another mode it is refused,
 	// so an ro open never returns a handle that writes.
 	s.mu.Lock()
-	for _, d := range s.sess(ts).devs {
+	var open map[uint32]*sessDev
+	if ss := s.sessions[ts]; ss != nil { // looked up, not made: admitLocked below makes it
+		open = ss.devs
+	}
+	for _, d := range open {
 		if d.name == m.DevName {
 			s.mu.Unlock()
 			if d.mode != m.AccessMode {
@@ -701,7 +730,7 @@ func (s *Server) admitLocked(p *transport.SrvPath, d *sessDev) error {
 		return fmt.Errorf("rnbd: %q: the path of the OPEN is gone: %w", d.name, syscall.ENOTCONN)
 	}
 	ts := p.Session()
-	for _, o := range s.sess(ts).devs {
+	for _, o := range s.sess(ts).devs { // the path is connected: the session is live
 		if o.key == d.key {
 			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", d.name, o.name, syscall.EEXIST)
 		}
@@ -765,7 +794,16 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	if d == nil {
 		return fmt.Errorf("rnbd: IO to unknown device %d: %w", m.DeviceID, syscall.ENODEV)
 	}
-	d.mu.RLock()
+	// On the transport's goroutine the lock is only tried: a CLOSE waiting for it behind a
+	// slow IO (an fdatasync, a long zeroing) makes new readers wait too, and the whole
+	// connection, heartbeats included, would wait with them.
+	if nowait {
+		if !d.mu.TryRLock() {
+			return errWouldBlock
+		}
+	} else {
+		d.mu.RLock()
+	}
 	defer d.mu.RUnlock()
 	if d.closed {
 		if d.forced {
