@@ -53,7 +53,7 @@ func TestParseMapRequestAttach(t *testing.T) {
 		}
 	}
 	// The kernel's tokens are unchanged.
-	o, err := ParseMapDevice("sessname=s device_path=/dev/x dest_port=11 path=ip:10.0.0.1 access_mode=ro nr_poll_queues=2")
+	o, err := ParseMapDevice("sessname=s device_path=/dev/x dest_port=11 path=ip:10.0.0.1 access_mode=ro nr_poll_queues=1")
 	if err != nil || o.Port != 11 || o.AccessMode != rnbd.AccessRO {
 		t.Errorf("kernel tokens: %+v %v", o, err)
 	}

@@ -3,6 +3,7 @@ package control
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -147,8 +148,9 @@ func parseMap(v string, withAttach bool) (MapRequest, error) {
 		case "access_mode":
 			r.AccessMode, err = rnbd.ParseAccessMode(val)
 		case "nr_poll_queues":
-			if _, aerr := strconv.Atoi(val); aerr != nil {
-				err = fmt.Errorf("nr_poll_queues %q: %w", val, syscall.EINVAL)
+			// The kernel's range: -1 (one per CPU) to the CPUs online.
+			if n, aerr := strconv.Atoi(val); aerr != nil || n < -1 || n > runtime.NumCPU() {
+				err = fmt.Errorf("nr_poll_queues %q: -1 to %d: %w", val, runtime.NumCPU(), syscall.EINVAL)
 			}
 		default:
 			err = fmt.Errorf("unknown token %q: %w", tok, syscall.EINVAL)
@@ -357,8 +359,8 @@ func (pp *pathParser) result() ([]transport.PathAddrs, uint16) {
 
 func (pp *pathParser) destPort(val string) error {
 	n, err := strconv.ParseUint(val, 10, 16)
-	if err != nil {
-		return fmt.Errorf("dest_port %q: %w", val, syscall.EINVAL)
+	if err != nil || n == 0 {
+		return fmt.Errorf("dest_port %q: 1 to 65535: %w", val, syscall.EINVAL)
 	}
 	pp.pending = uint16(n)
 	return nil

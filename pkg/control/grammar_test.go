@@ -3,6 +3,8 @@ package control
 import (
 	"errors"
 	"reflect"
+	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -27,7 +29,7 @@ var (
 		"sessname=s1 device_path=/dev/sda",
 		"sessname=s1 device_path=disk.img access_mode=ro nbd=auto",
 		"sessname=s1 device_path=a/b dest_port=7 path=ip:10.0.0.1 path=ip:10.0.0.2 access_mode=migration",
-		"sessname=s1 device_path=x nr_poll_queues=4 nbd=none",
+		"sessname=s1 device_path=x nr_poll_queues=1 nbd=none",
 		"sessname=s1 device_path=x nbd=0",
 		"sessname=s1 device_path=x dest_port=1 nbd=1048575",
 		"sessname=s1 device_path=x ublk=auto",
@@ -142,6 +144,7 @@ func TestRefused(t *testing.T) {
 		{openErr, "sessname=" + strings.Repeat("x", 255) + " path=ip:10.0.0.1", syscall.EINVAL},
 		{openErr, "sessname=s1 path=ip:10.0.0.1 dest_port=7 path=ip:10.0.0.2", syscall.EINVAL},
 		{openErr, "sessname=s1 path=ip:10.0.0.1 dest_port=65536", syscall.EINVAL},
+		{openErr, "sessname=s1 dest_port=0 path=ip:10.0.0.1", syscall.EINVAL},
 		{openErr, "sessname=s1 path=ip:10.0.0.1 mpath_policy=3", syscall.EINVAL},
 		{openErr, "sessname=s1 path=ip:10.0.0.1 mpath_policy=fastest", syscall.EINVAL},
 		{openErr, "sessname=s1 path=ip:10.0.0.1 max_reconnect_attempts=10000", syscall.EINVAL},
@@ -153,6 +156,8 @@ func TestRefused(t *testing.T) {
 		{mapErr, sevenPaths, syscall.ENOMEM},
 		{mapErr, "sessname=s1 device_path=x access_mode=rx", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nr_poll_queues=many", syscall.EINVAL},
+		{mapErr, "sessname=s1 device_path=x nr_poll_queues=-2", syscall.EINVAL},
+		{mapErr, "sessname=s1 device_path=x nr_poll_queues=" + strconv.Itoa(runtime.NumCPU()+1), syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=auto nbd=none", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=01", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=1048576", syscall.EINVAL},

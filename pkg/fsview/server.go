@@ -53,7 +53,7 @@ func serverPath(p *transport.SrvPath) []Entry {
 			return []Entry{
 				{Name: "rdma", Attr: &Attr{Mode: 0o644, Show: st.RDMA, Store: resetStore(st.ResetRDMA)}},
 				{Name: "reset_all", Attr: &Attr{Mode: 0o644, Show: usage(resetAllShow), Store: resetStore(st.ResetAll)}},
-				{Name: "wc_completion", Attr: &Attr{Mode: 0o644, Show: st.WCCompletion, Store: resetStore(st.ResetAll)}},
+				{Name: "wc_completion", Attr: &Attr{Mode: 0o644, Show: st.WCCompletion, Store: resetStore(st.ResetWCCompletion)}},
 			}
 		})},
 	}

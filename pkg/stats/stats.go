@@ -464,10 +464,15 @@ func (s *ServerPath) WCCompletion() string {
 	return fmt.Sprintf("%d %d %d\n", s.WCMax.Value(), s.WCTotal.Value(), s.Calls.Value())
 }
 
-// ResetAll resets every counter.
-func (s *ServerPath) ResetAll() {
-	s.ResetRDMA()
+// ResetWCCompletion resets the handler statistics.
+func (s *ServerPath) ResetWCCompletion() {
 	s.WCMax.Reset()
 	s.WCTotal.Reset()
 	s.Calls.Reset()
+}
+
+// ResetAll resets every counter.
+func (s *ServerPath) ResetAll() {
+	s.ResetRDMA()
+	s.ResetWCCompletion()
 }

@@ -76,6 +76,12 @@ func TestServerPathFiles(t *testing.T) {
 	if s.RDMA() != "1 100 2 500\n" || s.WCCompletion() != "4 6 2\n" {
 		t.Fatalf("%q %q", s.RDMA(), s.WCCompletion())
 	}
+	// wc_completion's reset leaves the rdma counters alone.
+	s.ResetWCCompletion()
+	if s.RDMA() != "1 100 2 500\n" || s.WCCompletion() != "0 0 0\n" {
+		t.Fatalf("after the wc_completion reset: %q %q", s.RDMA(), s.WCCompletion())
+	}
+	s.HandlerCall(3)
 	s.ResetAll()
 	if s.RDMA() != "0 0 0 0\n" || s.WCCompletion() != "0 0 0\n" {
 		t.Fatal("reset")
