@@ -318,6 +318,13 @@ func TestCleanupReports(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// -cleanup leaves a tree that answers alone.
+	if err := CleanupReport(dir); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("-cleanup of a live tree: %v, want EBUSY", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "value")); err != nil {
+		t.Fatalf("the live tree after -cleanup: %v", err)
+	}
 	if detached, err := Cleanup(dir); !detached || err != nil {
 		t.Fatalf("cleanup of a mounted tree: %v %v", detached, err)
 	}

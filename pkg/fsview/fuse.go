@@ -160,8 +160,16 @@ func Cleanup(dir string) (bool, error) {
 	return false, err
 }
 
-// CleanupReport is Cleanup for a daemon's -cleanup: it logs what it did.
+// CleanupReport is Cleanup for a daemon's -cleanup: it detaches only a mount that no
+// longer answers (ENOTCONN), refuses one that does (EBUSY: a live daemon's tree, or a
+// mistyped -mount over another file system), and logs what it did.
 func CleanupReport(dir string) error {
+	var st, parent syscall.Stat_t
+	if err := syscall.Stat(dir, &st); err == nil && syscall.Stat(filepath.Dir(dir), &parent) == nil && parent.Dev != st.Dev {
+		err := fmt.Errorf("cleanup: %s is mounted and answers (a running daemon's tree?); stop that daemon instead: %w", dir, syscall.EBUSY)
+		log.L.Warn(err)
+		return err
+	}
 	detached, err := Cleanup(dir)
 	switch {
 	case err != nil:
