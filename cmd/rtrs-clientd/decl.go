@@ -41,7 +41,12 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 		}
 		d.mu.Lock()
 		d.applied = true
+		skipped := d.skipped
+		d.skipped = false
 		d.mu.Unlock()
+		if skipped {
+			d.writeBack() // what the tree changed while the first pass ran
+		}
 		daemon.Notify("STATUS=" + d.status())
 		if len(left) == 0 {
 			return
@@ -89,22 +94,36 @@ func (d *clientd) declarations() []string {
 	return append(out, pend...)
 }
 
-// writeBack rewrites the config file: its settings and comments as they were, then the
-// declarations of now. The new file replaces the old one in one rename.
-func (d *clientd) writeBack() {
+// stopWriteBack ends write-back for good: the daemon is stopping, and the sessions and
+// devices its teardown closes are still what the operator declared.
+func (d *clientd) stopWriteBack() {
+	d.wbMu.Lock()
+	defer d.wbMu.Unlock()
 	d.mu.Lock()
-	applied := d.applied
+	d.stopping = true
 	d.mu.Unlock()
+}
+
+// writeBack rewrites the config file: its settings and comments as they were, then the
+// declarations of now. The new file replaces the old one in one rename. Write-backs run one
+// at a time, each from its own snapshot, so an older snapshot never lands after a newer one.
+func (d *clientd) writeBack() {
+	d.wbMu.Lock()
+	defer d.wbMu.Unlock()
+	d.mu.Lock()
+	applied, stopping := d.applied, d.stopping
 	if !applied {
-		return // the declarations of the file are not all tried yet
+		d.skipped = true // the declarations of the file are not all tried yet
+	}
+	d.mu.Unlock()
+	if !applied || stopping {
+		return
 	}
 	// Only a regular file (or none yet) is rewritten: never /dev/null or a pipe.
 	if st, err := os.Stat(d.cfgPath); err == nil && !st.Mode().IsRegular() {
 		return
 	}
 	decls := d.declarations()
-	d.mu.Lock()
-	defer d.mu.Unlock()
 	var keep []string
 	if f, err := os.Open(d.cfgPath); err == nil {
 		sc := bufio.NewScanner(f)

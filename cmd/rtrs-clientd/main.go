@@ -48,8 +48,11 @@ type clientd struct {
 	ublk    *ublkAttacher
 	lg      *log.Entry
 
-	mu           sync.Mutex      // the config file and the fields below
+	wbMu         sync.Mutex      // one write-back at a time, from its snapshot to its rename
+	mu           sync.Mutex      // the fields below
 	applied      bool            // declarations tried once: write-back may start
+	skipped      bool            // a change came before that: written back once it is so
+	stopping     bool            // shutting down: the teardown is not written back
 	pendingDecls map[string]bool // declarations still waiting for their server
 
 	ctx context.Context // the daemon's: retries of declarations end with it
@@ -145,6 +148,8 @@ func run(parent context.Context, args []string) error {
 	defer stopNBD()
 	cur.Store(d)
 	lg.Infof("trees at %s and %s, NBD at %s", c.Mount, c.DevMount, c.NBDSocket)
+	// Deferred last, so it runs first: what the teardown unmaps stays declared in the file.
+	defer d.stopWriteBack()
 	// Declarations are applied after READY: a server that is down must not hold up boot.
 	d.wg.Add(1)
 	go func() {
