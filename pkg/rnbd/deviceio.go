@@ -70,6 +70,10 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 	if op == OpRead {
 		dir = transport.Read
 	}
+	// Resent at most for the reconnect timeout from its first failure: a server that
+	// answers every IO with ENODEV, or with ENOTCONN after every remap, would otherwise have
+	// it sent again, a remap at a time, for ever (each remap makes the device usable anew).
+	var failing time.Time
 	for {
 		id, err := d.usable(ctx)
 		if err != nil {
@@ -77,14 +81,19 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 		}
 		MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(n)}.Put(usr[:])
 		err = d.sess.rtrs.Do(ctx, dir, usr[:], data)
-		if serverClosed(err) {
-			if d.closedByServer(id) {
-				return d.errClosedByServer()
-			}
-			continue // the device was remapped under the request: resend with the new id
+		if serverClosed(err) && d.closedByServer(id) {
+			return d.errClosedByServer()
 		}
-		if err == nil || !retryable(err) || ctx.Err() != nil {
+		if err == nil || !serverClosed(err) && !retryable(err) || ctx.Err() != nil {
 			return err
+		}
+		if failing.IsZero() {
+			failing = time.Now()
+		} else if time.Since(failing) > d.sess.c.opts.ReconnectTimeout {
+			return fmt.Errorf("rnbd: %q: IO failing for longer than %v (the last time: %v): %w", d.path, d.sess.c.opts.ReconnectTimeout, err, syscall.EIO)
+		}
+		if serverClosed(err) {
+			continue // the device was remapped under the request: resend with the new id
 		}
 		// The link event may not have come yet; mark the device down so that we wait for
 		// the remap, and ask for one in case the session is up and only the id is stale.

@@ -1039,3 +1039,45 @@ func TestUnmapWhileMapping(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestIOFailingForeverEnds: a server that answers every IO of a device with ENODEV (as if
+// it had lost the session) while every remap succeeds gets each IO sent again only for the
+// reconnect timeout; then it fails with EIO instead of looping, a remap at a time, for ever.
+func TestIOFailingForeverEnds(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "nodev", "disk", AccessRW)
+	var answered atomic.Int64
+	nodev := func(r *transport.SrvRequest) bool {
+		if typ, _ := PeekType(r.Usr); typ != MsgTypeIO {
+			return false
+		}
+		answered.Add(1)
+		r.Respond(-int(syscall.ENODEV))
+		return true
+	}
+	e.intercept.Store(&nodev)
+	defer e.intercept.Store(nil)
+	done := make(chan error, 1)
+	go func() {
+		_, err := d.ReadAt(make([]byte, 4096), 0)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, syscall.EIO) {
+			t.Fatalf("read answered ENODEV again and again: %v, want EIO", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("read still resent after 20 s (%d answers), with a reconnect timeout of 1 s", answered.Load())
+	}
+	if answered.Load() < 2 {
+		t.Fatalf("%d answers: the read was not resent after a remap", answered.Load())
+	}
+	e.intercept.Store(nil)
+	if _, err := d.ReadAt(make([]byte, 4096), 0); err != nil {
+		t.Fatalf("read once the server answers: %v", err)
+	}
+}
