@@ -456,7 +456,7 @@ func (p *Path) init(ctx context.Context) (err error) {
 	var rsp MsgConnRsp
 	for cid := 0; cid < n; cid++ {
 		cctx, cancel := context.WithTimeout(ctx, t.ConnectTimeout)
-		c, r, err := p.connectCon(cctx, cid, n, src, first)
+		c, r, err := p.connectCon(cctx, cid, n, src, first, int(rsp.QueueDepth))
 		cancel()
 		if err != nil {
 			return err
@@ -493,10 +493,7 @@ func (p *Path) init(ctx context.Context) (err error) {
 		return err
 	}
 	p.hb.missed.Store(0)
-	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
-		_, err := cons[0].qp.PostSend(hbWR(ImmHBMsgValue))
-		return err
-	}, func() {
+	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, cons[0].postHB, func() {
 		p.lg().Warn("heartbeat lost")
 		p.errRecovery(fmt.Errorf("heartbeat lost: %w", syscall.ETIMEDOUT))
 	})
@@ -504,7 +501,9 @@ func (p *Path) init(ctx context.Context) (err error) {
 }
 
 // connectCon establishes connection cid.
-func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool) (*con, MsgConnRsp, error) {
+// known is the queue depth connection 0's response announced (0: none yet); before the
+// session has its own, the queues are sized by it.
+func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool, known int) (*con, MsgConnRsp, error) {
 	s := p.sess
 	var rsp MsgConnRsp
 	dst := netip.AddrPortFrom(p.dst.IP, s.opts.Port)
@@ -517,9 +516,14 @@ func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool)
 		c.destroy()
 		return nil, rsp, err
 	}
-	// Queue sizes before the queue depth is known are bounded by the service depth.
+	// Queue sizes before the queue depth is known are bounded by the service depth; the IO
+	// connections of a first connect take what connection 0 was told (a server of queue
+	// depth above 768 needs more receives than the default gives).
 	qd := s.queueDepth
-	if qd == 0 {
+	switch {
+	case qd == 0 && known > 0:
+		qd = known
+	case qd == 0:
 		qd = DefaultQueueDepth
 	}
 	sendWR, recvWR := min(4*qd+1, 16384), min(3*qd+1, 16384)
@@ -720,6 +724,9 @@ func (p *Path) infoRsp(w rdma.WC) {
 	p.mu.Lock()
 	res := p.res
 	p.mu.Unlock()
+	if res == nil {
+		return // torn down while the handler still drained: nobody waits for it
+	}
 	var m MsgInfoRsp
 	err := m.Unmarshal(res.rcv.Bytes()[:w.ByteLen], s.queueDepth)
 	if err == nil {
@@ -784,6 +791,9 @@ func (p *Path) errRecovery(cause error) {
 		p.lg().WithError(cause).Warn("path down")
 		p.startWorkerLocked()
 	case StateConnecting:
+		// The connect fails with its own error; this is why (a peer's protocol violation,
+		// a disconnect), which it would not say.
+		p.lg().WithError(cause).Warn("connect failed")
 		p.setStateLocked(StateConnectingErr)
 	}
 }

@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -24,6 +25,7 @@ type cltReq struct {
 	path      *Path
 	admin     bool // on connection 0, as RTRS_ADMIN_CON permits are
 	countedMI bool
+	gen       atomic.Uint64 // counts the permit's requests: a waiter tells its own from the next
 	start     time.Time
 	cpu       int
 	wrs       [2]rdma.SendWR // the request chain, reused: posting copies it
@@ -35,12 +37,14 @@ type cltReq struct {
 // transport goroutine, unless Request returns an error; it must not block. Request waits for
 // a permit until ctx ends.
 func (s *Session) Request(ctx context.Context, dir Dir, usr, data []byte, done func(error)) error {
-	return s.request(ctx, dir, usr, data, done, true, false)
+	_, _, err := s.request(ctx, dir, usr, data, done, true, false)
+	return err
 }
 
 // TryRequest is Request without waiting for a permit: ErrNoPermit when none is free.
 func (s *Session) TryRequest(dir Dir, usr, data []byte, done func(error)) error {
-	return s.request(context.Background(), dir, usr, data, done, false, false)
+	_, _, err := s.request(context.Background(), dir, usr, data, done, false, false)
+	return err
 }
 
 // Do is the synchronous Request.
@@ -54,24 +58,63 @@ func (s *Session) DoAdmin(ctx context.Context, dir Dir, usr, data []byte) error 
 	return s.do(ctx, dir, usr, data, true)
 }
 
+// do waits for the request's end. When ctx ends first, the request is still on the wire and
+// its buffers are the server's to fill until it ends, so it is not simply left: the path
+// that holds it is recovered as one whose heartbeats stopped (a server that answers them
+// but not this request is no better), which fails the request over or ends it. The same
+// again every ConnectTimeout while it is still not answered.
 func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool) error {
 	ch := make(chan error, 1)
-	if err := s.request(ctx, dir, usr, data, func(err error) { ch <- err }, true, admin); err != nil {
+	r, gen, err := s.request(ctx, dir, usr, data, func(err error) { ch <- err }, true, admin)
+	if err != nil {
 		return err
 	}
-	return <-ch
+	select {
+	case err := <-ch:
+		return err
+	case <-ctx.Done():
+	}
+	for {
+		// The owner is read before the count: a later request of the permit counts
+		// itself before it is posted.
+		if c := r.owner.Load(); c != nil && r.gen.Load() == gen {
+			if p := s.pathOf(c); p != nil {
+				p.errRecovery(fmt.Errorf("a request unanswered past its caller's deadline (%v): %w", ctx.Err(), syscall.ETIMEDOUT))
+			}
+		}
+		t := time.NewTimer(s.opts.Timings.ConnectTimeout)
+		select {
+		case err := <-ch:
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+	}
 }
 
-func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait, admin bool) error {
+// pathOf is the path connection c belongs to, if it is still one of the session's.
+func (s *Session) pathOf(c *con) *Path {
+	for _, p := range s.Paths() {
+		p.mu.Lock()
+		found := slices.Contains(p.cons, c)
+		p.mu.Unlock()
+		if found {
+			return p
+		}
+	}
+	return nil
+}
+
+func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait, admin bool) (*cltReq, uint64, error) {
 	if s.closed.Load() {
-		return ErrClosed
+		return nil, 0, ErrClosed
 	}
 	hdr := writeHdrSize
 	if dir == Read {
 		hdr = ReadHdrSize(1)
 	}
 	if len(usr)+hdr > MaxHdrSize || len(data) > s.maxIOSize || len(data)+len(usr)+hdr > s.chunkSize {
-		return fmt.Errorf("%w: %d data + %d header bytes", ErrMsgSize, len(data), len(usr))
+		return nil, 0, fmt.Errorf("%w: %d data + %d header bytes", ErrMsgSize, len(data), len(usr))
 	}
 	var permit int
 	if wait {
@@ -81,25 +124,26 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 			s.flushPlugs()
 			var err error
 			if permit, err = s.permits.get(ctx); err != nil {
-				return err
+				return nil, 0, err
 			}
 		}
 	} else {
 		var ok bool
 		if permit, ok = s.permits.tryGet(); !ok {
-			return ErrNoPermit
+			return nil, 0, ErrNoPermit
 		}
 	}
 	r := &s.reqs[permit]
 	r.dir, r.usr, r.data, r.done, r.admin = dir, usr, data, done, admin
 	r.start, r.cpu = time.Now(), stats.CPU()
+	gen := r.gen.Add(1)
 	if err := s.issue(r, nil, false); err != nil {
 		s.failNoPath.Inc()
 		r.done = nil // the caller has the error: done is not called as well
 		s.finish(r, nil)
-		return err
+		return nil, 0, err
 	}
-	return nil
+	return r, gen, nil
 }
 
 // issue posts r on the first path the policy offers that takes it, skipping skip.
@@ -336,7 +380,9 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	if !r.owner.CompareAndSwap(c, nil) {
 		return // stale: the request was failed over or finished
 	}
-	if len(r.data) > 0 && typ != ImmIORspWInv && res.fr[r.permit].Valid() {
+	// The key is taken back unless the server's SEND_WITH_INV did (the MR is then invalid):
+	// an IO_RSP_W_INV alone is the server's word, not the invalidation itself.
+	if len(r.data) > 0 && res.fr[r.permit].Valid() {
 		c.sendWR[0] = rdma.SendWR{Opcode: rdma.OpLocalInv, InvRKey: res.fr[r.permit].RKey()}
 		_, _ = c.qp.PostSend(c.sendWR[:])
 	}

@@ -2,7 +2,9 @@ package transport
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -12,6 +14,7 @@ import (
 	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
+	"github.com/rtrs-go/rtrs/pkg/stats"
 )
 
 // srvPath finds the server path whose client address is src.
@@ -386,4 +389,101 @@ func TestPDsFreed(t *testing.T) {
 	testutil.WaitFor(t, 5*time.Second, "the PDs of the reconnects freed", func() bool { return sp.LivePDs() == base })
 	s.Close()
 	testutil.WaitFor(t, 5*time.Second, "every PD freed after the close", func() bool { return sp.LivePDs() == 0 })
+}
+
+// TestIdleHeartbeatsKeepPath: an idle path's heartbeats and their acks, thousands of them,
+// never fill connection 0's send queue. On hardware (and rxe) an unsignaled send's slot is
+// freed only by a later signaled one: heartbeats posted unsignaled on an idle path filled
+// the queue after about a thousand, and the failed post closed a healthy path.
+func TestIdleHeartbeatsKeepPath(t *testing.T) {
+	leakcheck.Check(t)
+	hb := func(tm *Timings) { tm.HeartbeatInterval, tm.HeartbeatMissed = 2*time.Millisecond, 1000 }
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.QueueDepth = 16; hb(&o.Timings) })
+	s := e.open(t, "idlehb", paths(t, path1()), func(o *ClientOptions) { hb(&o.Timings) })
+	p := s.Paths()[0]
+	sp := e.srvPath(t, "ip:"+testAddr(1))
+	start := time.Now()
+	for time.Since(start) < 4*time.Second {
+		if p.State() != StateConnected || sp.State() != "connected" {
+			t.Fatalf("idle path went %v (server %v) after %v of heartbeats every 2 ms", p.State(), sp.State(), time.Since(start))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := p.Stats.ReconnectOK.Value() + p.Stats.ReconnectFail.Value(); n != 0 {
+		t.Fatalf("%d reconnects of an idle path", n)
+	}
+	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDeepServerQueue: a server of queue depth 1024 (the kernel's module parameter allows
+// far more than its default of 512) is opened: the IO connections of the first connect are
+// sized by the depth connection 0 was told, not by the default's 3 × 512 + 1 receives.
+func TestDeepServerQueue(t *testing.T) {
+	leakcheck.Check(t)
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.QueueDepth, o.ChunkSize = 1024, 8<<10 })
+	s := e.open(t, "deep", paths(t, path1()), nil)
+	if qd := s.QueueDepth(); qd != 1024 {
+		t.Fatalf("queue depth %d", qd)
+	}
+	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// holdOnce is a server handler that never answers the first request for offset 1 MiB and
+// hands everything else to the disk.
+type holdOnce struct {
+	Handler
+	mu   sync.Mutex
+	held []*SrvRequest
+}
+
+func (h *holdOnce) Request(r *SrvRequest) {
+	h.mu.Lock()
+	hold := len(h.held) == 0 && len(r.Usr) == 8 && binary.LittleEndian.Uint64(r.Usr) == 1<<20
+	if hold {
+		h.held = append(h.held, r)
+	}
+	h.mu.Unlock()
+	if !hold {
+		h.Handler.Request(r)
+	}
+}
+
+// TestDoDeadline: a request the server never answers, on a path whose heartbeats go on,
+// ends with its caller's deadline: Do recovers the path that holds it, which fails it over to
+// the other path, where it is answered.
+func TestDoDeadline(t *testing.T) {
+	leakcheck.Check(t)
+	h := &holdOnce{}
+	e := newLimitedEnv(t, func(o *ServerOptions) { h.Handler = o.Handler; o.Handler = h })
+	s := e.open(t, "deadline", paths(t, path1(), path2()), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.Do(ctx, Write, offHdr(1<<20), make([]byte, 4096)) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the request held on one path, failed over: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Do still waits 10 s after its 300 ms deadline")
+	}
+	h.mu.Lock()
+	held := h.held
+	h.mu.Unlock()
+	if len(held) != 1 {
+		t.Fatalf("%d requests held", len(held))
+	}
+	defer held[0].Respond(0) // into the void: its path is gone; the server's close waits no more
+	down := uint64(0)
+	for _, p := range s.Paths() {
+		down += p.Stats.Down[stats.DownHeartbeat].Value()
+	}
+	if down != 1 {
+		t.Fatalf("%d paths recovered for the unanswered request, want 1", down)
+	}
 }

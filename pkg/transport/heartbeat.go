@@ -97,14 +97,17 @@ func (h *heartbeat) onImm(c *con, typ uint32) bool {
 	return true
 }
 
-// hbWR is the zero-length RDMA_WRITE_WITH_IMM a heartbeat travels in.
-func hbWR(imm uint32) []rdma.SendWR {
-	return []rdma.SendWR{{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: imm}}
+// postHB posts a heartbeat on c: a zero-length RDMA_WRITE_WITH_IMM, signaled in its turn
+// like every send of c. Left unsignaled, an idle connection's heartbeats and acks would hold
+// their send queue slots on hardware until it filled (after hours) and the path dropped.
+func (c *con) postHB() error {
+	_, err := c.qp.PostSend([]rdma.SendWR{{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: ImmHBMsgValue, Flags: c.signal()}})
+	return err
 }
 
 // hbAck answers a heartbeat from the connection's handler without allocating.
 func (c *con) hbAck() error {
-	c.sendWR[0] = rdma.SendWR{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: ImmHBAckValue}
+	c.sendWR[0] = rdma.SendWR{ID: wrHB, Opcode: rdma.OpRDMAWriteWithImm, Imm: ImmHBAckValue, Flags: c.signal()}
 	_, err := c.qp.PostSend(c.sendWR[:])
 	return err
 }

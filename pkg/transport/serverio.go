@@ -19,7 +19,7 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 			return
 		}
 		switch {
-		case w.ID == wrInfo:
+		case w.ID == wrInfo && w.Opcode == rdma.WCRecv: // not INFO_RSP's send completion
 			p.infoReq(c, w)
 		case w.ID&wrKindMask == wrLocalInv:
 			p.dispatch(c, int(w.ID&^wrKindMask))

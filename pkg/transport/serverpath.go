@@ -484,7 +484,10 @@ func (p *SrvPath) sendInfoRsp(c *con) error {
 	}
 	b := rsp.Marshal()
 	copy(p.ctlMR.Bytes()[p.ctlInfoRsp():], b)
-	wrs = append(wrs, rdma.SendWR{ID: wrInfo, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}})
+	// Signaled: the chain's qd+1 slots are freed by its own completion, not held until the
+	// connection's next signaled send.
+	wrs = append(wrs, rdma.SendWR{ID: wrInfo, Opcode: rdma.OpSend, Flags: rdma.SendSignaled,
+		SGList: []rdma.SGE{rdma.SGEOf(p.ctlMR, p.ctlInfoRsp(), len(b))}})
 	_, err := c.qp.PostSend(wrs)
 	return err
 }
@@ -492,10 +495,7 @@ func (p *SrvPath) sendInfoRsp(c *con) error {
 // startHeartbeat starts the path's heartbeat on connection 0; a lost one closes the path.
 func (p *SrvPath) startHeartbeat(c *con) {
 	t := p.sess.srv.opts.Timings
-	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, func() error {
-		_, err := c.qp.PostSend(hbWR(ImmHBMsgValue))
-		return err
-	}, func() {
+	p.hb.run(t.HeartbeatInterval, t.HeartbeatMissed, c.postHB, func() {
 		p.lg().Warn("heartbeat lost, closing the path")
 		go p.Close()
 	})
