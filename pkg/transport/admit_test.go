@@ -58,19 +58,31 @@ func TestAllowlist(t *testing.T) {
 }
 
 // A path that names another client's paths_uuid (it is in every connection request that
-// client sends) is refused when it comes from another identity, and the victim's IO goes on.
+// client sends) joins nothing when it comes from another identity: sessions are found by
+// identity and paths_uuid. Sent while the victim's session is down, it does not keep the
+// victim from coming back (the server would have held the uuid for the squatter), and the
+// victim's IO goes on.
 func TestStolenPathsUUIDRefused(t *testing.T) {
 	e := newLimitedEnv(t, func(o *ServerOptions) { o.Allow = prefixes(t, testAddr(1)+"/32", testAddr(2)+"/32") })
 	s := e.open(t, "victim", paths(t, path1()), nil)
 	model := make([]byte, len(e.disk.disk))
 	copy(model, e.disk.disk)
-	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s.pathsUUID, FirstConn: true}
-	if got := connectFrom(t, e, netip.MustParseAddr(testAddr(2)), steal); got != -int16(syscall.EPERM) {
-		t.Fatalf("path with a stolen paths_uuid from another identity: errno %d, want EPERM", got)
+	join := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s.pathsUUID}
+	if got := connectFrom(t, e, netip.MustParseAddr(testAddr(2)), join); got != -int16(syscall.EPERM) {
+		t.Fatalf("a path joining a session by a stolen paths_uuid from another identity: errno %d, want EPERM", got)
 	}
 	if ss := e.srv.Sessions(); len(ss) != 1 || len(ss[0].Paths()) != 1 {
 		t.Fatalf("the victim's session changed: %v", ss)
 	}
+	// The victim's only path goes on the server's side; before it reconnects, the squatter
+	// makes a session with its paths_uuid.
+	p := s.Paths()[0]
+	e.srvPath(t, "ip:"+testAddr(1)).Close()
+	steal := MsgConnReq{Cid: 0, CidNum: 2, SessUUID: uuid.New(), PathsUUID: s.pathsUUID, FirstConn: true}
+	if got := connectFrom(t, e, netip.MustParseAddr(testAddr(2)), steal); got != 0 {
+		t.Fatalf("the squatter's first connection: errno %d", got)
+	}
+	testutil.WaitFor(t, 10*time.Second, "the victim back", func() bool { return p.State() == StateConnected })
 	randomIO(t, s, model, 300, 8, 5)
 }
 
@@ -150,7 +162,7 @@ func TestTLSIdentity(t *testing.T) {
 	}
 	// client-b may connect, but not into client-a's session, even from the same address.
 	b := as("client-b")
-	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s.pathsUUID, FirstConn: true}
+	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s.pathsUUID}
 	if got := connectFrom(t, b, netip.MustParseAddr(testAddr(1)), steal); got != -int16(syscall.EPERM) {
 		t.Fatalf("client-b joining client-a's session: errno %d, want EPERM", got)
 	}
@@ -172,7 +184,7 @@ func TestAllowlistRails(t *testing.T) {
 	}
 	sep := newLimitedEnv(t, func(o *ServerOptions) { o.Allow = prefixes(t, testAddr(1), testAddr(2)) })
 	s2 := sep.open(t, "split", paths(t, path1()), nil)
-	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s2.pathsUUID, FirstConn: true}
+	steal := MsgConnReq{Cid: 0, CidNum: 1, SessUUID: uuid.New(), PathsUUID: s2.pathsUUID}
 	if got := connectFrom(t, sep, netip.MustParseAddr(testAddr(2)), steal); got != -int16(syscall.EPERM) {
 		t.Fatalf("a path from another entry: errno %d, want EPERM", got)
 	}

@@ -234,14 +234,14 @@ func TestChunkMemLockOrder(t *testing.T) {
 			for i := 0; i < 5000; i++ {
 				ss := &SrvSess{srv: srv, uuid: uuid.New(), paths: map[uuid.UUID]*SrvPath{}}
 				srv.mu.Lock()
-				srv.sessions[ss.uuid] = ss
+				srv.sessions[sessKey{uuid: ss.uuid}] = ss
 				srv.mu.Unlock()
 				if _, err := ss.chunkMem(); err != nil {
 					t.Error(err)
 					return
 				}
 				srv.mu.Lock()
-				delete(srv.sessions, ss.uuid)
+				delete(srv.sessions, sessKey{uuid: ss.uuid})
 				ss.mu.Lock()
 				ss.gone = true
 				ss.mu.Unlock()

@@ -126,7 +126,7 @@ type Server struct {
 	log  *log.Entry
 
 	mu       sync.Mutex
-	sessions map[uuid.UUID]*SrvSess
+	sessions map[sessKey]*SrvSess
 	closed   bool
 	// Connections of paths not yet established, in all and per client address, and the
 	// chunk memory of all sessions (ServerLimits).
@@ -183,7 +183,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{opts: opts, ln: ln, names: names, sessions: map[uuid.UUID]*SrvSess{}, letGo: make(chan struct{}), connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
+	s := &Server{opts: opts, ln: ln, names: names, sessions: map[sessKey]*SrvSess{}, letGo: make(chan struct{}), connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
 		log: log.L.WithFields(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
@@ -362,9 +362,16 @@ func (s *Server) roomLocked(peer netip.AddrPort, from netip.Addr) syscall.Errno 
 // is refused. s.mu is held.
 func (s *Server) sessionLocked(m *MsgConnReq, peer netip.AddrPort, from netip.Addr, ident Identity) (*SrvSess, syscall.Errno) {
 	lim := s.opts.Limits
-	ss := s.sessions[m.PathsUUID]
+	key := sessKey{ident.Key(), m.PathsUUID}
+	ss := s.sessions[key]
 	if ss == nil {
 		if !m.FirstConn {
+			for k, o := range s.sessions {
+				if k.uuid == m.PathsUUID {
+					s.refuse(peer, "session of another identity", fmt.Sprintf("%v asked to join a session of %v", ident, o.owner))
+					return nil, syscall.EPERM
+				}
+			}
 			s.refuse(peer, "unknown session", fmt.Sprintf("a path of session %v, which the server does not hold (it restarted, or closed the session)", m.PathsUUID))
 			return nil, syscall.ENXIO
 		}
@@ -378,14 +385,18 @@ func (s *Server) sessionLocked(m *MsgConnReq, peer netip.AddrPort, from netip.Ad
 		}
 		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, owner: ident, newFrom: from, isNew: true}
 		s.newSessFrom[from]++
-		s.sessions[m.PathsUUID] = ss
-	} else if ss.owner.Key() != ident.Key() {
-		// The session's paths_uuid is in every connection request it makes: knowing it is
-		// no proof of being its client.
-		s.refuse(peer, "session of another identity", fmt.Sprintf("%v asked to join a session of %v", ident, ss.owner))
-		return nil, syscall.EPERM
+		s.sessions[key] = ss
 	}
 	return ss, 0
+}
+
+// sessKey is what a session is found by: its client's identity and its paths_uuid. The
+// paths_uuid is in every connection request a session makes, so knowing it is no proof of
+// being its client: another identity that sends it joins nothing, and one that sends it
+// first (after a restart) holds no session the real client then needs.
+type sessKey struct {
+	owner string
+	uuid  uuid.UUID
 }
 
 // reserveConLocked reserves the request's connection slot in p, a path still connecting

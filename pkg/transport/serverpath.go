@@ -563,7 +563,7 @@ func (p *SrvPath) Close() {
 		}
 		gone := len(ss.paths) == 0
 		if gone {
-			delete(srv.sessions, ss.uuid)
+			delete(srv.sessions, sessKey{ss.owner.Key(), ss.uuid})
 			ss.gone = true
 			srv.sessNamedLocked(ss)
 		}
