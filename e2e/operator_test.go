@@ -102,6 +102,37 @@ func TestSettingsSurviveRestart(t *testing.T) {
 	}
 }
 
+// TestRailDownAtRestart: a client daemon restarted while one rail of a two-path session is
+// down brings the session and its device up on the other rail at once, keeps the missing
+// path in its config, and adds it when the rail comes back (the open needs every path; the
+// declaration does not).
+func TestRailDownAtRestart(t *testing.T) {
+	c := startCluster(t)
+	c.openSession(t, "")
+	dev := c.mapDisk(t)
+	c.clid.stop()
+	rail2 := c.net.link[1]
+	run(t, "ip", "-n", c.net.cli, "addr", "del", "10.77.2.1/24", "dev", rail2)
+	c.clid.start()
+	testutil.WaitFor(t, 20*time.Second, "the session on rail 1 and its device back", func() bool {
+		return cat(c.pathFile(c.p1, "state")) == "connected\n" && exists(dev)
+	})
+	if exists(c.pathFile(c.p2, "state")) {
+		t.Fatal("a path over the rail that is down")
+	}
+	mustBash(t, "dd if="+dev+" of=/dev/null bs=4k count=16 status=none")
+	if conf := cat(c.cliConf); !strings.Contains(conf, c.p2) {
+		t.Fatalf("the path over the rail that is down left the config:\n%s", conf)
+	}
+	run(t, "ip", "-n", c.net.cli, "addr", "add", "10.77.2.1/24", "dev", rail2)
+	testutil.WaitFor(t, 60*time.Second, "the path over rail 2 added once it is back", func() bool {
+		return cat(c.pathFile(c.p2, "state")) == "connected\n"
+	})
+	testutil.WaitFor(t, 10*time.Second, "one open_session line for e2e in the config", func() bool {
+		return strings.Count(cat(c.cliConf), "open_session sessname=e2e ") == 1
+	})
+}
+
 // TestRefusalsLogged: a control write that fails leaves a line naming the file, the input and
 // the reason in the client's log, and the server logs the connection it refused with the
 // peer's address and the cause.

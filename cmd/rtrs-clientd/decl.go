@@ -23,6 +23,7 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 	pending := decls
 	for delay := time.Second; ; delay = min(2*delay, 30*time.Second) {
 		var left []string
+		resolved := false
 		for _, line := range pending {
 			actx, cancel := context.WithTimeout(ctx, time.Minute)
 			done, err := d.ctl.Apply(actx, line)
@@ -31,11 +32,12 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 				d.lg.WithError(err).Warnf("declaration %q", line)
 			}
 			d.mu.Lock()
-			if err != nil && !done {
+			if !done {
 				left = append(left, line)
 				d.pendingDecls[line] = true
-			} else {
+			} else if d.pendingDecls[line] {
 				delete(d.pendingDecls, line)
+				resolved = true
 			}
 			d.mu.Unlock()
 		}
@@ -44,8 +46,10 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 		skipped := d.skipped
 		d.skipped = false
 		d.mu.Unlock()
-		if skipped {
-			d.writeBack() // what the tree changed while the first pass ran
+		if skipped || resolved {
+			// What the tree changed while the first pass ran; or a declaration waiting in
+			// the file is now the daemon's own, and its waiting copy goes.
+			d.writeBack()
 		}
 		daemon.Notify("STATUS=" + d.status())
 		if len(left) == 0 {

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -203,8 +204,9 @@ const (
 
 // Apply carries out one declaration of the config file: "open_session <tokens>" or
 // "map_device <tokens>", as written to those control files. What exists already is left as
-// it is. done says the declaration needs no retry: it succeeded, or it can never succeed
-// (bad syntax).
+// it is, but for an open_session's paths the session lacks, which are added. done says the
+// declaration needs no retry: it succeeded (an open_session once the session has all its
+// paths), or it can never succeed (bad syntax).
 func (c *Client) Apply(ctx context.Context, line string) (done bool, err error) {
 	verb, rest, _ := strings.Cut(line, " ")
 	switch verb {
@@ -213,14 +215,37 @@ func (c *Client) Apply(ctx context.Context, line string) (done bool, err error) 
 		if err != nil {
 			return true, err
 		}
-		if c.RNBD.Session(o.SessName) != nil {
-			return true, nil
+		if s := c.RNBD.Session(o.SessName); s != nil {
+			return c.addMissing(ctx, s, o.Paths)
 		}
 		err = c.OpenSession(ctx, o)
 		if errors.Is(err, syscall.EEXIST) {
 			return true, nil // opened meanwhile through the tree, which OpenSession waited for
 		}
-		return err == nil, err
+		if err == nil || len(o.Paths) < 2 || ctx.Err() != nil {
+			return err == nil, err
+		}
+		// An open needs every path. Failing that, the session is opened with the first path
+		// that connects and the others added to it (as add_path); those that do not connect
+		// are added when the declaration is tried again. A restart with a rail down then
+		// brings the session and its devices up on the other rails instead of waiting for it.
+		errs := []error{err}
+		for _, pa := range o.Paths {
+			one := o
+			one.Paths = []transport.PathAddrs{pa}
+			err := c.OpenSession(ctx, one)
+			if err == nil || errors.Is(err, syscall.EEXIST) {
+				if s := c.RNBD.Session(o.SessName); s != nil {
+					return c.addMissing(ctx, s, o.Paths)
+				}
+				return false, fmt.Errorf("session %q closed as it was opened: %w", o.SessName, syscall.ENOENT)
+			}
+			errs = append(errs, fmt.Errorf("path %s: %w", transport.PathName(pa.Src, pa.Dst), err))
+			if ctx.Err() != nil {
+				break
+			}
+		}
+		return false, errors.Join(errs...)
 	case VerbMapDevice:
 		r, err := ParseMapRequest(rest)
 		if err != nil {
@@ -235,6 +260,22 @@ func (c *Client) Apply(ctx context.Context, line string) (done bool, err error) 
 		return err == nil, err
 	}
 	return true, fmt.Errorf("unknown declaration %q", verb)
+}
+
+// addMissing adds to s the paths of want it does not have; done when it has them all.
+func (c *Client) addMissing(ctx context.Context, s *transport.Session, want []transport.PathAddrs) (bool, error) {
+	var errs []error
+	for _, pa := range want {
+		if slices.ContainsFunc(s.Paths(), func(p *transport.Path) bool {
+			return p.State() != transport.StateDead && p.DstAddr() == pa.Dst && (!pa.Src.IP.IsValid() || p.SrcAddr() == pa.Src)
+		}) {
+			continue
+		}
+		if err := c.AddPath(ctx, s, pa); err != nil && !errors.Is(err, syscall.EEXIST) {
+			errs = append(errs, fmt.Errorf("path %s: %w", transport.PathName(pa.Src, pa.Dst), err))
+		}
+	}
+	return len(errs) == 0, errors.Join(errs...)
 }
 
 // Declarations renders the sessions and devices of now as config declarations, which Apply
