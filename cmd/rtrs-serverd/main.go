@@ -32,7 +32,10 @@ func run(parent context.Context, args []string) error {
 		}
 	})
 	defer stop()
-	c, _, err := daemon.Load("rtrs-serverd", usage, args, newConfig)
+	c, cfg, err := daemon.Load("rtrs-serverd", usage, args, newConfig)
+	if err == nil {
+		err = noDecls(cfg)
+	}
 	if err != nil {
 		return err
 	}
@@ -93,11 +96,24 @@ func run(parent context.Context, args []string) error {
 	return nil
 }
 
+// noDecls refuses a server config with lines that are no "key = value" setting: the server
+// has no declarations, and such a line is a setting mistyped ("listen [::]:1235"), which
+// would leave the default in force without a word.
+func noDecls(cfg *daemon.Config) error {
+	if len(cfg.Decls) > 0 {
+		return fmt.Errorf("config: %q is not a \"key = value\" setting", cfg.Decls[0])
+	}
+	return nil
+}
+
 // reloadSettings is SIGHUP: the settings are loaded again as at start (the file's, the
 // command line's winning), and the export search path, the ACL and the log level follow
 // them; the rest needs a restart.
 func reloadSettings(lg *log.Entry, args []string, rs *rnbd.Server) {
-	c, _, err := daemon.Load("rtrs-serverd", usage, args, newConfig)
+	c, cfg, err := daemon.Load("rtrs-serverd", usage, args, newConfig)
+	if err == nil {
+		err = noDecls(cfg)
+	}
 	if err != nil {
 		lg.WithError(err).Warn("reload")
 		return

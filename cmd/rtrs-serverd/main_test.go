@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"os"
 	"strings"
 	"testing"
 )
@@ -41,5 +42,18 @@ func TestExportIOSetting(t *testing.T) {
 		case !ok && (err == nil || !strings.Contains(err.Error(), "-export-io")):
 			t.Errorf("-export-io %q: %v, want a refusal naming the flag", v, err)
 		}
+	}
+}
+
+// A config line that is no "key = value" setting (a mistyped one) is refused: the server has
+// no declarations, and the default would stay in force without a word.
+func TestMistypedSettingRefused(t *testing.T) {
+	p := t.TempDir() + "/s.conf"
+	if err := os.WriteFile(p, []byte("listen [::]:1235\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	err := run(context.Background(), []string{"-config", p, "-cleanup", "-mount", t.TempDir() + "/m", "-rnbd-mount", t.TempDir() + "/r"})
+	if err == nil || !strings.Contains(err.Error(), "listen [::]:1235") {
+		t.Fatalf("a mistyped setting: %v", err)
 	}
 }

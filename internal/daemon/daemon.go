@@ -45,6 +45,7 @@ func ReadConfig(path string, optional bool) (*Config, error) {
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
+	setAt := map[string]int{}
 	for n := 1; sc.Scan(); n++ {
 		line := strings.TrimSpace(sc.Text())
 		if i := strings.IndexByte(line, '#'); i >= 0 {
@@ -55,7 +56,13 @@ func ReadConfig(path string, optional bool) (*Config, error) {
 		}
 		// "key = value" is a setting; "verb token=value …" a declaration.
 		if k, v, ok := strings.Cut(line, "="); ok && !strings.ContainsAny(strings.TrimSpace(k), " \t") {
-			c.Settings[strings.TrimSpace(k)] = strings.TrimSpace(v)
+			k = strings.TrimSpace(k)
+			if at, dup := setAt[k]; dup {
+				// Which one was meant is not ours to guess.
+				return nil, fmt.Errorf("%s:%d: %s is set on line %d already", path, n, k, at)
+			}
+			setAt[k] = n
+			c.Settings[k] = strings.TrimSpace(v)
 			continue
 		}
 		c.Decls = append(c.Decls, line)
@@ -112,6 +119,11 @@ func Signals(parent context.Context, reload func()) (context.Context, func()) {
 			case s := <-ch:
 				switch s {
 				case syscall.SIGHUP:
+					if !ready.Load() {
+						// Nothing to reload yet, and no READY=1 to send before Serve's.
+						log.L.Info("SIGHUP before the daemon is up: nothing reloaded")
+						continue
+					}
 					Notify(fmt.Sprintf("RELOADING=1\nMONOTONIC_USEC=%d", monotonicUsec()))
 					if reload != nil {
 						reload()

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/fsview"
@@ -154,9 +155,14 @@ func Mount(lg *log.Entry, dir, name string, tree fsview.Dir) (unmount func(), er
 	}, nil
 }
 
+// ready says Serve has told systemd READY=1: a SIGHUP before that reloads nothing.
+var ready atomic.Bool
+
 // Serve tells systemd the daemon is ready, then its status every 5 s, until ctx ends; then
 // that it stops.
 func Serve(ctx context.Context, status func() string) {
+	ready.Store(true)
+	defer ready.Store(false)
 	Notify("READY=1\nSTATUS=" + status())
 	t := time.NewTicker(5 * time.Second)
 	defer t.Stop()

@@ -92,6 +92,7 @@ func TestLoadRefusals(t *testing.T) {
 		"config.conf":  "config = /etc/other.conf\n",
 		"version.conf": "version = true\n",
 		"cleanup.conf": "cleanup = true\n",
+		"twice.conf":   "queue-depth = 8\nlisten = x\nqueue-depth = 16\n",
 	} {
 		p := filepath.Join(dir, name)
 		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
