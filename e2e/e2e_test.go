@@ -481,8 +481,9 @@ func TestNotifyAndSignals(t *testing.T) {
 			}
 		}
 	}
+	// A declaration whose server cannot be reached: retried until the reload drops it.
 	conf := filepath.Join(dir, "c.conf")
-	if err := os.WriteFile(conf, []byte("log-level = info\n"), 0o644); err != nil {
+	if err := os.WriteFile(conf, []byte("log-level = info\nopen_session sessname=ghost path=ip:10.77.1.1@ip:10.77.9.9\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	cli := &daemon{t: t, name: "rtrs-clientd", ns: n.cli, log: filepath.Join(dir, "cli.log"), env: []string{"NOTIFY_SOCKET=" + sock},
@@ -492,17 +493,25 @@ func TestNotifyAndSignals(t *testing.T) {
 	if m := expect("READY=1"); !strings.Contains(m, "STATUS=0 sessions, 0/0 paths connected, 0 devices mapped") {
 		t.Errorf("ready message %q", m)
 	}
-	f, err := os.OpenFile(conf, os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
+	testutil.WaitFor(t, 10*time.Second, "the unreachable declaration tried", func() bool { return strings.Contains(cat(cli.log), "sessname=ghost") })
+	// The operator replaces it: the reload drops the old line and applies the new one.
+	if err := os.WriteFile(conf, []byte("log-level = info\nopen_session sessname=hup path=ip:10.77.1.1@ip:10.77.1.2\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	fmt.Fprintln(f, "open_session sessname=hup path=ip:10.77.1.1@ip:10.77.1.2")
-	f.Close()
 	_ = cli.cmd.Process.Signal(syscall.SIGHUP)
 	expect("RELOADING=1")
 	expect("READY=1")
 	testutil.WaitFor(t, 10*time.Second, "session from the reloaded config", func() bool { return exists(dir + "/cli/hup/paths/ip:10.77.1.1@ip:10.77.1.2") })
 	expect("STATUS=1 sessions, 1/1 paths connected")
+	testutil.WaitFor(t, 10*time.Second, "the config written back", func() bool { return strings.Contains(cat(conf), "written back") })
+	if c := cat(conf); strings.Contains(c, "ghost") {
+		t.Fatalf("a declaration deleted before the reload written back:\n%s", c)
+	}
+	tried := strings.Count(cat(cli.log), "sessname=ghost")
+	time.Sleep(3 * time.Second) // the old retries came every 1, 2, 4 s
+	if n := strings.Count(cat(cli.log), "sessname=ghost"); n != tried {
+		t.Fatalf("the deleted declaration still retried after the reload (%d log lines, %d before)", n, tried)
+	}
 	_ = cli.cmd.Process.Signal(syscall.SIGUSR1)
 	testutil.WaitFor(t, 10*time.Second, "goroutine dump", func() bool { return strings.Contains(cat(cli.log), "goroutine dump (SIGUSR1)") })
 	_ = cli.cmd.Process.Signal(syscall.SIGTERM)

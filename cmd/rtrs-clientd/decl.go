@@ -17,9 +17,32 @@ import (
 // writtenBack marks the declarations rtrs-clientd writes into its config file.
 const writtenBack = "# sessions and devices: written back by rtrs-clientd on every change"
 
+// startApply carries out decls (the config file's) in the background, in place of those of
+// an earlier file: its retries end, and the declarations it still waited for are forgotten
+// (a line the operator deleted before a SIGHUP is neither retried nor written back).
+func (d *clientd) startApply(decls []string) {
+	d.mu.Lock()
+	if d.stopApply != nil {
+		d.stopApply()
+	}
+	ctx, cancel := context.WithCancel(d.ctx)
+	d.stopApply = cancel
+	d.gen++
+	gen := d.gen
+	d.pendingDecls = map[string]bool{}
+	d.mu.Unlock()
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		defer cancel()
+		d.apply(ctx, gen, decls)
+	}()
+}
+
 // apply carries out the declarations in order, and retries those that failed (a server
-// that is not up yet) every few seconds until they succeed or the daemon stops.
-func (d *clientd) apply(ctx context.Context, decls []string) {
+// that is not up yet) every few seconds until they succeed, the daemon stops or a reload
+// (a later gen) takes over.
+func (d *clientd) apply(ctx context.Context, gen int, decls []string) {
 	pending := decls
 	for delay := time.Second; ; delay = min(2*delay, 30*time.Second) {
 		var left []string
@@ -28,10 +51,14 @@ func (d *clientd) apply(ctx context.Context, decls []string) {
 			actx, cancel := context.WithTimeout(ctx, time.Minute)
 			done, err := d.ctl.Apply(actx, line)
 			cancel()
+			d.mu.Lock()
+			if gen != d.gen {
+				d.mu.Unlock()
+				return
+			}
 			if err != nil {
 				d.lg.WithError(err).Warnf("declaration %q", line)
 			}
-			d.mu.Lock()
 			if !done {
 				left = append(left, line)
 				d.pendingDecls[line] = true
@@ -77,11 +104,7 @@ func (d *clientd) reload() {
 		d.lg.WithError(err).Warn("reload")
 	}
 	d.lg.Infof("reload: %d declarations", len(cfg.Decls))
-	d.wg.Add(1)
-	go func() {
-		defer d.wg.Done()
-		d.apply(d.ctx, cfg.Decls)
-	}()
+	d.startApply(cfg.Decls)
 }
 
 // declarations are the sessions and devices of now (control.Client.Declarations), plus the

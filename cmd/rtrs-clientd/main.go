@@ -54,6 +54,8 @@ type clientd struct {
 	skipped      bool            // a change came before that: written back once it is so
 	stopping     bool            // shutting down: the teardown is not written back
 	pendingDecls map[string]bool // declarations still waiting for their server
+	gen          int             // the config file's generation whose declarations apply runs
+	stopApply    func()          // ends that apply's retries
 
 	ctx context.Context // the daemon's: retries of declarations end with it
 	wg  sync.WaitGroup  // those retries
@@ -151,11 +153,7 @@ func run(parent context.Context, args []string) error {
 	// Deferred last, so it runs first: what the teardown unmaps stays declared in the file.
 	defer d.stopWriteBack()
 	// Declarations are applied after READY: a server that is down must not hold up boot.
-	d.wg.Add(1)
-	go func() {
-		defer d.wg.Done()
-		d.apply(ctx, cfg.Decls)
-	}()
+	d.startApply(cfg.Decls)
 	daemon.Serve(ctx, d.status)
 	return nil
 }
