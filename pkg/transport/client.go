@@ -67,7 +67,8 @@ type ClientOptions struct {
 	// those callbacks produced and send it once. It must not block.
 	AfterCompletions func()
 	// MaxChunkMemory bounds what a server can make the session allocate: a path whose server
-	// offers queue depth × chunk size above it is refused (default DefaultClientChunkMemory).
+	// offers queue depth × (chunk size + a 4 KiB header buffer) above it is refused (default
+	// DefaultClientChunkMemory).
 	MaxChunkMemory int64
 }
 
@@ -593,8 +594,15 @@ func (s *Session) takeLimits(p *Path, rsp *MsgConnRsp) error {
 	if err := CheckImmBits(qd, chunk); err != nil {
 		return fmt.Errorf("%w: %w", err, syscall.EINVAL)
 	}
-	if lim := s.opts.MaxChunkMemory; int64(qd)*int64(chunk) > lim {
-		return fmt.Errorf("rtrs: server offers queue depth %d × chunk %d, more than the %d bytes allowed (MaxChunkMemory): %w", qd, chunk, lim, syscall.EINVAL)
+	if chunk < MinChunkSize {
+		// The kernel's server never offers less; a tiny chunk would let a huge queue depth
+		// pass the bound below while its per-permit buffers did not.
+		return fmt.Errorf("rtrs: server offers %d-byte chunks, less than %d: %w", chunk, MinChunkSize, syscall.EINVAL)
+	}
+	// Per permit the client holds the chunk's worth (mapped, or staged on a device that maps
+	// registered memory only) and a header buffer.
+	if lim := s.opts.MaxChunkMemory; int64(qd)*int64(chunk+MaxHdrSize) > lim {
+		return fmt.Errorf("rtrs: server offers queue depth %d × chunk %d (and a %d-byte header each), more than the %d bytes allowed (MaxChunkMemory): %w", qd, chunk, MaxHdrSize, lim, syscall.EINVAL)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -217,6 +217,20 @@ func TestClientRefusesOversizedServer(t *testing.T) {
 	} else if !strings.Contains(err.Error(), "MaxChunkMemory") {
 		t.Fatalf("refused for another reason: %v", err)
 	}
+	// The per-permit header buffers count too: 8 MiB of chunks do not fit in 8 MiB.
+	o.MaxChunkMemory = 8 << 20
+	if s, err := Open(ctx, o); err == nil {
+		_ = s.Close()
+		t.Fatal("8 MiB of chunks and 64 KiB of headers taken with an 8 MiB bound")
+	} else if !strings.Contains(err.Error(), "MaxChunkMemory") {
+		t.Fatalf("refused for another reason: %v", err)
+	}
+	o.MaxChunkMemory = 8<<20 + 16*MaxHdrSize
+	s, err := Open(ctx, o)
+	if err != nil {
+		t.Fatalf("a bound that holds chunks and headers: %v", err)
+	}
+	_ = s.Close()
 }
 
 // A session taking its chunk memory never holds its own lock while it waits for the server's:
