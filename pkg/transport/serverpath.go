@@ -54,6 +54,8 @@ type SrvPath struct {
 	live atomic.Bool
 
 	pd        rdma.PD
+	settingUp int                     // connections between setupPath and the end of their addCon
+	pdOrphan  rdma.PD                 // the PD of a closed path, freed when the last of them ends
 	syncLocal bool                    // the device's LOCAL_INV takes effect when posted
 	mem       []byte                  // the session's chunks, set with chunkMR at INFO_REQ
 	chunkMR   []rdma.MR               // one per chunk with always_invalidate, else one for all
@@ -113,11 +115,20 @@ func (p *SrvPath) refuse(cause, detail string) {
 func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 	srv := p.sess.srv
 	o := srv.opts
-	if err := p.setupPath(req.ID.Device()); err != nil {
+	pd, err := p.setupPath(req.ID.Device())
+	if err != nil {
 		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
+	defer p.setupDone()
 	c := &con{cid: cid, id: req.ID, sigInterval: min(o.QueueDepth, ServiceConQD), recvBatch: 1}
+	// refuse rejects the request, which destroys its identifier and QP, then the CQ: the
+	// other order would reject through an identifier already destroyed.
+	refuse := func(errno syscall.Errno) {
+		p.sess.srv.reject(req, errno)
+		c.id = nil
+		c.destroy()
+	}
 	c.recvWR[0].ID = wrRecv
 	for i := range c.emptyWRs {
 		c.emptyWRs[i].ID = wrRecv
@@ -137,14 +148,12 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 		sendWR, recvWR, c.recvBatch = max(sendWR, 1026, o.QueueDepth+ServiceConQD+2), max(recvWR, 1026), 1
 	}
 	sendWR, recvWR = min(sendWR, 16384), min(recvWR, 16384)
-	var err error
 	if c.cq, err = req.ID.Device().CreateCQ(sendWR + recvWR); err != nil {
 		p.sess.srv.reject(req, syscall.ENOMEM)
 		return err
 	}
-	if c.qp, err = req.ID.CreateQP(p.pd, rdma.QPInitAttr{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: sendWR, MaxRecvWR: recvWR, MaxSendSGE: 1, MaxRecvSGE: 1}); err != nil {
-		c.destroy()
-		p.sess.srv.reject(req, syscall.ENOMEM)
+	if c.qp, err = req.ID.CreateQP(pd, rdma.QPInitAttr{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: sendWR, MaxRecvWR: recvWR, MaxSendSGE: 1, MaxRecvSGE: 1}); err != nil {
+		refuse(syscall.ENOMEM)
 		return err
 	}
 	// Connection 0 waits for INFO_REQ; IO connections for requests.
@@ -154,8 +163,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 		err = postEmptyRecvs(c.qp, initial)
 	}
 	if err != nil {
-		c.destroy()
-		p.sess.srv.reject(req, syscall.ENOMEM)
+		refuse(syscall.ENOMEM)
 		return err
 	}
 	var wc [16]rdma.WC
@@ -171,8 +179,7 @@ func (p *SrvPath) addCon(req *rdma.ConnRequest, cid int) error {
 		// The path closed while this connection was set up: its Close has taken the list
 		// of connections it destroys, so this one would be left behind.
 		p.mu.Unlock()
-		c.destroy()
-		p.sess.srv.reject(req, syscall.ECONNRESET)
+		refuse(syscall.ECONNRESET)
 		return fmt.Errorf("rtrs: path closed while connection %d was set up: %w", cid, syscall.ECONNRESET)
 	}
 	p.cons[cid] = c
@@ -194,30 +201,32 @@ func postEmptyRecvs(qp rdma.QP, n int) error {
 	return err
 }
 
-// setupPath allocates the path's protection domain and control buffer, once. The chunks
-// come at INFO_REQ (regChunks): a connection request costs no chunk memory.
-func (p *SrvPath) setupPath(dev rdma.Device) error {
+// setupPath allocates the path's protection domain and control buffer, once, and returns
+// the PD for the connection being set up, which counts in settingUp until setupDone. The
+// chunks come at INFO_REQ (regChunks): a connection request costs no chunk memory.
+func (p *SrvPath) setupPath(dev rdma.Device) (rdma.PD, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.state != srvConnecting {
 		// Its Close may have let the PD go already; a new one would never be freed.
-		return fmt.Errorf("rtrs: path closing: %w", syscall.ECONNRESET)
+		return nil, fmt.Errorf("rtrs: path closing: %w", syscall.ECONNRESET)
 	}
 	if p.pd != nil {
 		if p.pd.Device().Name() != dev.Name() {
-			return fmt.Errorf("rtrs: connection on %s, path on %s", dev.Name(), p.pd.Device().Name())
+			return nil, fmt.Errorf("rtrs: connection on %s, path on %s", dev.Name(), p.pd.Device().Name())
 		}
-		return nil
+		p.settingUp++
+		return p.pd, nil
 	}
 	o := p.sess.srv.opts
 	pd, err := dev.AllocPD()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	ctl, err := pd.AllocMR(infoReqSize+InfoRspSize(p.nChunkMR())+rkeyRspSize*o.QueueDepth, rdma.AccessLocalWrite)
 	if err != nil {
 		_ = pd.Dealloc()
-		return err
+		return nil, err
 	}
 	p.pd, p.ctlMR = pd, ctl
 	p.syncLocal = dev.Query().SyncLocalOps
@@ -225,7 +234,32 @@ func (p *SrvPath) setupPath(dev rdma.Device) error {
 	for i := range p.reqs {
 		p.reqs[i].r.path, p.reqs[i].r.slot, p.reqs[i].id = p, &p.reqs[i], i
 	}
-	return nil
+	p.settingUp++
+	return pd, nil
+}
+
+// setupDone ends a connection's setup; the last one frees the PD of a path that closed
+// meanwhile (after the QPs made on it: the connection's is stored, and destroyed by Close,
+// or refused).
+func (p *SrvPath) setupDone() {
+	p.mu.Lock()
+	p.settingUp--
+	var pd rdma.PD
+	if p.settingUp == 0 {
+		pd, p.pdOrphan = p.pdOrphan, nil
+	}
+	p.mu.Unlock()
+	p.deallocPD(pd)
+}
+
+// deallocPD frees pd (nil: nothing), logging a failure.
+func (p *SrvPath) deallocPD(pd rdma.PD) {
+	if pd == nil {
+		return
+	}
+	if err := pd.Dealloc(); err != nil {
+		p.lg().WithError(err).Warn("protection domain not freed")
+	}
 }
 
 // nChunkMR is how many regions the chunks are registered as: one per chunk with
@@ -584,12 +618,12 @@ func (p *SrvPath) Close() {
 		p.mu.Lock()
 		pd := p.pd
 		p.pd = nil // setupPath and the file regions see the state first: nobody takes it now
-		p.mu.Unlock()
-		if pd != nil {
-			if err := pd.Dealloc(); err != nil {
-				p.lg().WithError(err).Warn("protection domain not freed")
-			}
+		if p.settingUp > 0 {
+			// A connection being set up may be making its QP on it: the last one frees it.
+			p.pdOrphan, pd = pd, nil
 		}
+		p.mu.Unlock()
+		p.deallocPD(pd)
 		if gone {
 			// Every path has deregistered the chunks: nothing but a stuck handler can
 			// touch them now.

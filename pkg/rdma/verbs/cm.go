@@ -436,6 +436,12 @@ func (c *connID) Reject(privateData []byte) error {
 	if len(privateData) > rdma.MaxPrivateData {
 		return fmt.Errorf("%w: %d bytes of private data", rdma.ErrInvalid, len(privateData))
 	}
+	c.mu.Lock()
+	destroyed := c.destroyed
+	c.mu.Unlock()
+	if destroyed {
+		return rdma.ErrClosed // rdma_reject on a destroyed identifier would touch freed memory
+	}
 	var pdp unsafe.Pointer
 	if len(privateData) > 0 {
 		pdp = C.CBytes(privateData)
