@@ -838,6 +838,12 @@ func (p *Path) recoverAndReconnect() {
 		p.mu.Lock()
 		p.worker = false
 		close(p.workDone)
+		if p.state == StateReconnecting {
+			// An error recovery came between the reconnect and this end (a heartbeat lost
+			// at once): it found this worker still running and started none, and the path
+			// would stay RECONNECTING for good.
+			p.startWorkerLocked()
+		}
 		p.mu.Unlock()
 	}()
 	p.teardown()
