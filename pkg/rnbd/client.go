@@ -369,6 +369,7 @@ func (s *cltSess) remapLoop() {
 		if ok {
 			ctx, cancel := context.WithTimeout(context.Background(), s.c.opts.ReconnectTimeout)
 			err := s.sessInfo(ctx)
+			cancel()
 			for _, d := range devs {
 				if err != nil && !errors.Is(err, errRemapDevice) {
 					break
@@ -376,11 +377,14 @@ func (s *cltSess) remapLoop() {
 				if st := d.State(); st == StateUnmapped || st == StateClosedByServer {
 					continue // a device the server closed stays closed until unmapped
 				}
-				if e := d.open(ctx); e != nil && !errors.Is(e, errUnmappedMeanwhile) {
+				// Each OPEN has its own deadline: one for them all ran out behind a few slow
+				// ones, and the remap started over from the first device, for ever.
+				octx, ocancel := context.WithTimeout(context.Background(), s.c.opts.ReconnectTimeout)
+				if e := d.open(octx); e != nil && !errors.Is(e, errUnmappedMeanwhile) {
 					err = fmt.Errorf("%w: %w", errRemapDevice, e)
 				}
+				ocancel()
 			}
-			cancel()
 			if err != nil {
 				s.c.log.WithField("session", s.name).Warnf("remap: %v", err)
 				ok = false

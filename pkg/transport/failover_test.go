@@ -453,8 +453,9 @@ func (h *holdOnce) Request(r *SrvRequest) {
 }
 
 // TestDoDeadline: a request the server never answers, on a path whose heartbeats go on,
-// ends with its caller's deadline: Do recovers the path that holds it, which fails it over to
-// the other path, where it is answered.
+// ends after its caller's deadline and a connect timeout's grace: Do recovers the path that
+// holds it, which fails it over to the other path, where it is answered. A request whose
+// deadline has passed already is not sent.
 func TestDoDeadline(t *testing.T) {
 	leakcheck.Check(t)
 	h := &holdOnce{}
@@ -485,5 +486,8 @@ func TestDoDeadline(t *testing.T) {
 	}
 	if down != 1 {
 		t.Fatalf("%d paths recovered for the unanswered request, want 1", down)
+	}
+	if err := s.Do(ctx, Write, offHdr(0), make([]byte, 4096)); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a request whose deadline passed: %v", err)
 	}
 }
