@@ -74,6 +74,7 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 	// answers every IO with ENODEV, or with ENOTCONN after every remap, would otherwise have
 	// it sent again, a remap at a time, for ever (each remap makes the device usable anew).
 	var failing time.Time
+	backoff := time.Duration(0)
 	for {
 		id, err := d.usable(ctx)
 		if err != nil {
@@ -91,6 +92,17 @@ func (d *Device) submit(ctx context.Context, op Op, flags uint32, off int64, n i
 			failing = time.Now()
 		} else if time.Since(failing) > d.sess.c.opts.ReconnectTimeout {
 			return fmt.Errorf("rnbd: %q: IO failing for longer than %v (the last time: %v): %w", d.path, d.sess.c.opts.ReconnectTimeout, err, syscall.EIO)
+		} else {
+			// Failing again: resent after a pause that grows, not in a tight loop of
+			// resends and remaps (the first resend, after a failover or remap, goes at once).
+			backoff = min(max(2*backoff, 10*time.Millisecond), 500*time.Millisecond)
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return ctx.Err()
+			}
 		}
 		if serverClosed(err) {
 			continue // the device was remapped under the request: resend with the new id
