@@ -68,7 +68,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.ReconnectDelay, "reconnect-delay", c.ReconnectDelay, "how long a disconnected path waits before each reconnect attempt, plus 0–7 ms so paths do not reconnect in step (0: 30 s, what RNBD asks of the kernel's RTRS)")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is reconnected (0: 5 s, as the kernel)")
 	fs.IntVar(&c.ConPerPath, "con-per-path", c.ConPerPath, "connections (QPs) per path: one for the service messages plus one per CPU to spread IO over (0: CPUs + 1, as the kernel)")
-	fs.StringVar(&c.MaxChunkMemory, "max-chunk-memory", c.MaxChunkMemory, "the most chunk memory (queue depth × chunk size) a server may make a session allocate")
+	fs.StringVar(&c.MaxChunkMemory, "max-chunk-memory", c.MaxChunkMemory, "the most chunk memory (queue depth × (chunk size + a 4 KiB header)) a server may make a session allocate")
 }
 
 // resolved is what the settings say once parsed and checked.

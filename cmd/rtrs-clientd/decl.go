@@ -18,37 +18,44 @@ import (
 const writtenBack = "# sessions and devices: written back by rtrs-clientd on every change"
 
 // startApply carries out decls (the config file's) in the background, in place of those of
-// an earlier file: its retries end, and the declarations it still waited for are forgotten
-// (a line the operator deleted before a SIGHUP is neither retried nor written back).
+// an earlier file. The earlier file's retries end and the declarations it still waited for
+// are forgotten (a line the operator deleted before a SIGHUP is neither retried nor written
+// back); a declaration it is carrying out now is let finish (its map rolled back under the
+// new file's feet would leave the device neither mapped nor waiting), and the new file's
+// apply starts after it. Write-back waits for the new file's first pass, as at start.
 func (d *clientd) startApply(decls []string) {
 	d.mu.Lock()
-	if d.stopApply != nil {
-		d.stopApply()
+	if d.stopRetry != nil {
+		close(d.stopRetry)
 	}
-	ctx, cancel := context.WithCancel(d.ctx)
-	d.stopApply = cancel
+	stop, done, prev := make(chan struct{}), make(chan struct{}), d.applyDone
+	d.stopRetry, d.applyDone = stop, done
 	d.gen++
 	gen := d.gen
 	d.pendingDecls = map[string]bool{}
+	d.applied = false
 	d.mu.Unlock()
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
-		defer cancel()
-		d.apply(ctx, gen, decls)
+		defer close(done)
+		if prev != nil {
+			<-prev
+		}
+		d.apply(gen, stop, decls)
 	}()
 }
 
 // apply carries out the declarations in order, and retries those that failed (a server
 // that is not up yet) every few seconds until they succeed, the daemon stops or a reload
-// (a later gen) takes over.
-func (d *clientd) apply(ctx context.Context, gen int, decls []string) {
+// (a later gen, which closes stop) takes over.
+func (d *clientd) apply(gen int, stop <-chan struct{}, decls []string) {
 	pending := decls
 	for delay := time.Second; ; delay = min(2*delay, 30*time.Second) {
 		var left []string
 		resolved := false
 		for _, line := range pending {
-			actx, cancel := context.WithTimeout(ctx, time.Minute)
+			actx, cancel := context.WithTimeout(d.ctx, time.Minute)
 			done, err := d.ctl.Apply(actx, line)
 			cancel()
 			d.mu.Lock()
@@ -69,6 +76,10 @@ func (d *clientd) apply(ctx context.Context, gen int, decls []string) {
 			d.mu.Unlock()
 		}
 		d.mu.Lock()
+		if gen != d.gen {
+			d.mu.Unlock()
+			return
+		}
 		d.applied = true
 		skipped := d.skipped
 		d.skipped = false
@@ -84,7 +95,9 @@ func (d *clientd) apply(ctx context.Context, gen int, decls []string) {
 		}
 		pending = left
 		select {
-		case <-ctx.Done():
+		case <-d.ctx.Done():
+			return
+		case <-stop:
 			return
 		case <-time.After(delay):
 		}

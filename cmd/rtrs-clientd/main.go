@@ -55,7 +55,8 @@ type clientd struct {
 	stopping     bool            // shutting down: the teardown is not written back
 	pendingDecls map[string]bool // declarations still waiting for their server
 	gen          int             // the config file's generation whose declarations apply runs
-	stopApply    func()          // ends that apply's retries
+	stopRetry    chan struct{}   // closed when a later generation takes over: retries end
+	applyDone    chan struct{}   // closed when that generation's apply has returned
 
 	ctx context.Context // the daemon's: retries of declarations end with it
 	wg  sync.WaitGroup  // those retries
