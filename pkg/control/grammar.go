@@ -3,6 +3,7 @@ package control
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"strconv"
 	"strings"
@@ -148,9 +149,9 @@ func parseMap(v string, withAttach bool) (MapRequest, error) {
 		case "access_mode":
 			r.AccessMode, err = rnbd.ParseAccessMode(val)
 		case "nr_poll_queues":
-			// The kernel's range: -1 (one per CPU) to the CPUs online.
-			if n, aerr := strconv.Atoi(val); aerr != nil || n < -1 || n > runtime.NumCPU() {
-				err = fmt.Errorf("nr_poll_queues %q: -1 to %d: %w", val, runtime.NumCPU(), syscall.EINVAL)
+			// The kernel's range: -1 (one per CPU) to nr_cpu_ids.
+			if n, aerr := strconv.Atoi(val); aerr != nil || n < -1 || n > cpuIDs() {
+				err = fmt.Errorf("nr_poll_queues %q: -1 to %d: %w", val, cpuIDs(), syscall.EINVAL)
 			}
 		default:
 			err = fmt.Errorf("unknown token %q: %w", tok, syscall.EINVAL)
@@ -391,4 +392,20 @@ func writePaths(b *strings.Builder, paths []transport.PathAddrs, port uint16) {
 	for _, pa := range paths {
 		b.WriteString(" path=" + FormatPath(pa))
 	}
+}
+
+// cpuIDs is the kernel's nr_cpu_ids, the CPUs possible (not only those this process may run
+// on): one more than the last of /sys/devices/system/cpu/possible ("0-63", "0").
+func cpuIDs() int {
+	b, err := os.ReadFile("/sys/devices/system/cpu/possible")
+	if err == nil {
+		s := strings.TrimSpace(string(b))
+		if i := strings.LastIndexAny(s, "-,"); i >= 0 {
+			s = s[i+1:]
+		}
+		if n, err := strconv.Atoi(s); err == nil {
+			return n + 1
+		}
+	}
+	return runtime.NumCPU()
 }

@@ -3,7 +3,6 @@ package control
 import (
 	"errors"
 	"reflect"
-	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -157,7 +156,7 @@ func TestRefused(t *testing.T) {
 		{mapErr, "sessname=s1 device_path=x access_mode=rx", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nr_poll_queues=many", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nr_poll_queues=-2", syscall.EINVAL},
-		{mapErr, "sessname=s1 device_path=x nr_poll_queues=" + strconv.Itoa(runtime.NumCPU()+1), syscall.EINVAL},
+		{mapErr, "sessname=s1 device_path=x nr_poll_queues=" + strconv.Itoa(cpuIDs()+1), syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=auto nbd=none", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=01", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=1048576", syscall.EINVAL},
