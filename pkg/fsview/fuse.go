@@ -161,11 +161,11 @@ func Cleanup(dir string) (bool, error) {
 }
 
 // CleanupReport is Cleanup for a daemon's -cleanup: it detaches only a mount that no
-// longer answers (ENOTCONN), refuses one that does (EBUSY: a live daemon's tree, or a
-// mistyped -mount over another file system), and logs what it did.
+// longer answers (ENOTCONN, or no answer within cleanupWait: a hung daemon), refuses one
+// that does (EBUSY: a live daemon's tree, or a mistyped -mount over another file system),
+// and logs what it did.
 func CleanupReport(dir string) error {
-	var st, parent syscall.Stat_t
-	if err := syscall.Stat(dir, &st); err == nil && syscall.Stat(filepath.Dir(dir), &parent) == nil && parent.Dev != st.Dev {
+	if answersAsMount(dir) {
 		err := fmt.Errorf("cleanup: %s is mounted and answers (a running daemon's tree?); stop that daemon instead: %w", dir, syscall.EBUSY)
 		log.L.Warn(err)
 		return err
@@ -180,6 +180,25 @@ func CleanupReport(dir string) error {
 		log.L.Infof("cleanup: nothing mounted at %s", dir)
 	}
 	return err
+}
+
+// cleanupWait bounds -cleanup's look at a mount: a hung FUSE daemon never answers it.
+const cleanupWait = 5 * time.Second
+
+// answersAsMount says whether dir is a mount point that answers a stat within cleanupWait.
+// The stat of a hung mount is left behind (the process exits soon after -cleanup).
+func answersAsMount(dir string) bool {
+	ch := make(chan bool, 1)
+	go func() {
+		var st, parent syscall.Stat_t
+		ch <- syscall.Stat(dir, &st) == nil && syscall.Stat(filepath.Dir(dir), &parent) == nil && parent.Dev != st.Dev
+	}()
+	select {
+	case ok := <-ch:
+		return ok
+	case <-time.After(cleanupWait):
+		return false
+	}
 }
 
 func setTimes(a *fuse.Attr) {
