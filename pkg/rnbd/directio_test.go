@@ -14,7 +14,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -54,15 +53,7 @@ func cachedPages(t *testing.T, dev string) int {
 		t.Fatal(err)
 	}
 	defer unix.Munmap(m)
-	vec := make([]byte, loopSize/os.Getpagesize())
-	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
-		t.Fatalf("mincore: %v", e)
-	}
-	n := 0
-	for _, v := range vec {
-		n += int(v & 1)
-	}
-	return n
+	return testutil.Resident(t, m)
 }
 
 // TestExportIOBlockDevice: a loop device exported from /dev takes random IO, a FUA write and
@@ -345,6 +336,7 @@ type gatedFile struct {
 	mu      sync.Mutex
 	gate    chan struct{} // non-nil while shut; closed to open it
 	waiting atomic.Int32
+	data    sync.Mutex // a read's bytes are copied out under it, away from writes
 }
 
 func (f *gatedFile) pass() {
@@ -360,12 +352,26 @@ func (f *gatedFile) pass() {
 
 func (f *gatedFile) Write(ctx context.Context, fh fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	f.pass()
+	f.data.Lock()
+	defer f.data.Unlock()
 	return f.MemRegularFile.Write(ctx, fh, data, off)
 }
 
+// Read returns a copy: MemRegularFile's result is its own data, which the reply would send
+// while a later write changes it.
 func (f *gatedFile) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	f.pass()
-	return f.MemRegularFile.Read(ctx, fh, dest, off)
+	f.data.Lock()
+	defer f.data.Unlock()
+	res, errno := f.MemRegularFile.Read(ctx, fh, dest, off)
+	if errno != 0 {
+		return res, errno
+	}
+	b, st := res.Bytes(dest)
+	if st != fuse.OK {
+		return nil, syscall.EIO
+	}
+	return fuse.ReadResultData(append([]byte(nil), b...)), 0
 }
 
 func (f *gatedFile) shut() { f.mu.Lock(); f.gate = make(chan struct{}); f.mu.Unlock() }

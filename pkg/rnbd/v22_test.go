@@ -299,6 +299,7 @@ func TestOpenRspRefused(t *testing.T) {
 	leakcheck.Check(t)
 	e := newTestEnv(t)
 	e.file(t, "tiny", 1<<20)
+	e.file(t, "keep", 1<<20)
 	rs := e.server()
 	tiny := func(r *transport.SrvRequest) bool {
 		var m MsgOpen
@@ -319,8 +320,14 @@ func TestOpenRspRefused(t *testing.T) {
 	e.intercept.Store(&tiny)
 	defer e.intercept.Store(nil)
 	c := e.client(t, time.Second)
+	// Another device keeps the session open: the server then closes the refused one only
+	// because the client says so.
+	mustMap(t, e, c, "tiny", "keep", AccessRW)
 	if _, err := e.mapDev(t, c, "tiny", "tiny", AccessRW); !errors.Is(err, syscall.EBADMSG) {
 		t.Fatalf("map with max_hw_sectors 1 and 4 KiB blocks: %v, want EBADMSG", err)
 	}
-	testutil.WaitFor(t, 5*time.Second, "the refused device closed on the server", func() bool { return len(rs.Devices()) == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the refused device closed on the server", func() bool {
+		devs := rs.Devices()
+		return len(devs) == 1 && devs[0].Path == "keep"
+	})
 }

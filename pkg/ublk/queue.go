@@ -213,7 +213,7 @@ func (q *queue) run(ready chan<- error) {
 }
 
 // reclaim gives the buffers' pages back once the queue has been idle for idleWaits waits:
-// depth × max IO per queue (16 MiB at 128 × 128 KiB) would otherwise stay resident for as
+// depth × max IO per queue (about 16 MiB at 128 × 124 KiB) would otherwise stay resident for as
 // long as the device exists, used or not. It is safe only between entries of a ring that
 // defers the driver's work to them: a write's data is copied into a buffer by that work,
 // and its completion is taken in the same entry; with nothing in flight and nothing

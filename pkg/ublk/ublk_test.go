@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
 
 // The block layer's ioctls the tests issue (linux/fs.h).
@@ -350,20 +351,6 @@ func TestCtrlCommandTimeout(t *testing.T) {
 	}
 }
 
-// resident counts the pages of b in memory (mincore(2)).
-func resident(t *testing.T, b []byte) int {
-	t.Helper()
-	vec := make([]byte, (len(b)+os.Getpagesize()-1)/os.Getpagesize())
-	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
-		t.Fatal("mincore:", e)
-	}
-	n := 0
-	for _, v := range vec {
-		n += int(v & 1)
-	}
-	return n
-}
-
 // TestIdleBuffersGiveBack: the pages a queue's requests touched in its buffers go back to
 // the system once it has been idle a while, and IO after that is served right.
 func TestIdleBuffersGiveBack(t *testing.T) {
@@ -379,7 +366,7 @@ func TestIdleBuffersGiveBack(t *testing.T) {
 	defer f.Close()
 	touched := func() (n int) {
 		for _, q := range d.queues {
-			n += resident(t, q.bufs)
+			n += testutil.Resident(t, q.bufs)
 		}
 		return n
 	}

@@ -8,6 +8,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
@@ -93,4 +96,18 @@ func TCPPair(t testing.TB) (net.Conn, net.Conn) {
 	}
 	t.Cleanup(func() { c.Close(); s.Close() })
 	return c, s
+}
+
+// Resident counts the pages of the mapping b that are in memory (mincore(2)).
+func Resident(t testing.TB, b []byte) int {
+	t.Helper()
+	vec := make([]byte, (len(b)+os.Getpagesize()-1)/os.Getpagesize())
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatalf("mincore: %v", e)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
 }
