@@ -42,6 +42,11 @@ func (d *clientd) startApply(decls []string) {
 		if prev != nil {
 			<-prev
 		}
+		select {
+		case <-stop:
+			return // a later file took over while this one waited
+		default:
+		}
 		d.apply(gen, stop, decls)
 	}()
 }
@@ -55,6 +60,12 @@ func (d *clientd) apply(gen int, stop <-chan struct{}, decls []string) {
 		var left []string
 		resolved := false
 		for _, line := range pending {
+			d.mu.Lock()
+			current := gen == d.gen
+			d.mu.Unlock()
+			if !current {
+				return // a later file took over: none of this one's lines is carried out
+			}
 			actx, cancel := context.WithTimeout(d.ctx, time.Minute)
 			done, err := d.ctl.Apply(actx, line)
 			cancel()

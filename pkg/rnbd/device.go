@@ -174,11 +174,15 @@ func (d *Device) Unmap(ctx context.Context) error {
 	return nil
 }
 
-// sendClose sends CLOSE for id, logging a failure. It has a deadline of its own, not the
-// caller's, which may have run out already (an OPEN answered late): the id would stay open.
-func (d *Device) sendClose(parent context.Context, id uint32) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(parent), d.sess.c.opts.ReconnectTimeout)
-	defer cancel()
+// sendClose sends CLOSE for id, logging a failure, within the caller's ctx; or, when that has
+// run out already (an OPEN answered late), within a deadline of its own, since the id would
+// stay open.
+func (d *Device) sendClose(ctx context.Context, id uint32) {
+	if ctx.Err() != nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), d.sess.c.opts.ReconnectTimeout)
+		defer cancel()
+	}
 	var usr [CloseSize]byte
 	MsgClose{DeviceID: id}.Put(usr[:])
 	if err := d.sess.rtrs.DoAdmin(ctx, transport.Write, usr[:], nil); err != nil {

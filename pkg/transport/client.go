@@ -1012,15 +1012,25 @@ func (p *Path) Reconnect(ctx context.Context) error {
 	case p.trigger <- struct{}{}:
 	default:
 	}
-	select {
-	case <-w:
-	case <-ctx.Done():
-		return ctx.Err()
+	for {
+		select {
+		case <-w:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		// The worker that ended may have started another on its way out (an error
+		// recovery came as it finished): wait for that one too.
+		p.mu.Lock()
+		again, st := p.worker, p.state
+		w = p.workDone
+		p.mu.Unlock()
+		if !again {
+			if st != StateConnected {
+				return ErrNotConn
+			}
+			return nil
+		}
 	}
-	if p.State() != StateConnected {
-		return ErrNotConn
-	}
-	return nil
 }
 
 // Remove closes the path and removes it from the session.

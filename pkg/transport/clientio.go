@@ -58,12 +58,13 @@ func (s *Session) DoAdmin(ctx context.Context, dir Dir, usr, data []byte) error 
 	return s.do(ctx, dir, usr, data, true)
 }
 
-// do waits for the request's end. When ctx ends first, the request is still on the wire and
-// its buffers are the server's to fill until it ends, so it is not simply left. It gets
-// ConnectTimeout more to be answered (a caller's short deadline is no sign of a bad path);
-// then the path that holds it is recovered as one whose heartbeats stopped (a server that
-// answers them but not this request is no better), which fails the request over or ends
-// it; and so again every ConnectTimeout while it is not answered.
+// do waits for the request's end. ctx bounds the wait for a permit; a request posted is
+// waited for even when ctx ends (its buffers are the server's to fill until it ends, and a
+// daemon stopping still has IO to finish, such as a device's last flush). It gets
+// ConnectTimeout more to be answered once ctx has ended (a caller's short deadline is no
+// sign of a bad path); then the path that holds it is recovered as one whose heartbeats
+// stopped (a server that answers them but not this request is no better), which fails the
+// request over or ends it; and so again every ConnectTimeout while it is not answered.
 func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool) error {
 	ch := make(chan error, 1)
 	r, gen, err := s.request(ctx, dir, usr, data, func(err error) { ch <- err }, true, admin)
@@ -116,9 +117,6 @@ func (s *Session) pathOf(c *con) *Path {
 func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait, admin bool) (*cltReq, uint64, error) {
 	if s.closed.Load() {
 		return nil, 0, ErrClosed
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, 0, err // not posted: nobody would wait for it
 	}
 	hdr := writeHdrSize
 	if dir == Read {
