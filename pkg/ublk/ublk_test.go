@@ -133,18 +133,26 @@ func rangeIoctl(f *os.File, req uint, off, n uint64) error {
 	return nil
 }
 
+// newTestDevice creates a device of testOptions served from memory, stopped when the test
+// ends (a Stop the test makes itself before then is fine: the second does nothing).
+func newTestDevice(t *testing.T, c *Ctrl) (*memHandler, *Device) {
+	t.Helper()
+	m := newMem(testSize)
+	d, err := Create(c, testOptions(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Stop() })
+	return m, d
+}
+
 // TestDeviceIO: a device with two queues takes reads and writes of every size up to its
 // limit, flush (fsync), FUA, discard and write-zeroes, shows its limits in sysfs, counts
 // as busy while open, and is gone after Stop.
 func TestDeviceIO(t *testing.T) {
 	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
-	m := newMem(testSize)
-	d, err := Create(c, testOptions(), m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Stop()
+	m, d := newTestDevice(t, c)
 	for attr, want := range map[string]string{"size": strconv.Itoa(testSize >> 9), "queue/logical_block_size": "512",
 		"queue/physical_block_size": "4096", "queue/discard_granularity": "4096", "queue/write_cache": "write back",
 		"queue/fua": "1", "queue/max_hw_sectors_kb": "128", "queue/write_zeroes_max_bytes": strconv.Itoa(2048 << 9)} {
@@ -356,12 +364,7 @@ func TestCtrlCommandTimeout(t *testing.T) {
 func TestIdleBuffersGiveBack(t *testing.T) {
 	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
-	m := newMem(testSize)
-	d, err := Create(c, testOptions(), m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Stop()
+	_, d := newTestDevice(t, c)
 	f := openDirect(t, d)
 	defer f.Close()
 	touched := func() (n int) {
