@@ -97,8 +97,15 @@ func (c *config) resolve() (*resolved, error) {
 	if c.NBDConns < 0 || c.NBDConns > 64 {
 		return nil, fmt.Errorf("-nbd-conns %d: 0 to 64", c.NBDConns)
 	}
-	if c.NBDTimeout < 0 {
-		return nil, fmt.Errorf("-nbd-timeout %v", c.NBDTimeout)
+	for _, iv := range []struct {
+		name string
+		d    time.Duration
+		zero bool
+	}{{"nbd-timeout", c.NBDTimeout, true}, {"io-timeout", c.IOTimeout, false},
+		{"reconnect-delay", c.ReconnectDelay, true}, {"heartbeat-interval", c.HeartbeatInterval, true}} {
+		if err := daemon.CheckInterval(iv.name, iv.d, time.Millisecond, iv.zero); err != nil {
+			return nil, err
+		}
 	}
 	if r.nbdTimeout == 0 {
 		r.nbdTimeout = c.IOTimeout + time.Minute

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/rtrs-go/rtrs/internal/daemon"
 	"github.com/rtrs-go/rtrs/pkg/control"
@@ -94,6 +95,34 @@ func TestUnits(t *testing.T) {
 				if strings.HasPrefix(strings.TrimSpace(line), bad+"=") {
 					t.Errorf("%s: %s makes a private mount namespace", u, line)
 				}
+			}
+		}
+	}
+}
+
+// TestDurationsChecked: a negative or sub-millisecond duration is refused naming its flag
+// (it used to fall back to the default without a word); 0 keeps meaning the default where
+// the flag says so, and -io-timeout, which has no such 0, refuses it.
+func TestDurationsChecked(t *testing.T) {
+	set := map[string]func(c *config, d time.Duration){
+		"nbd-timeout":        func(c *config, d time.Duration) { c.NBDTimeout = d },
+		"io-timeout":         func(c *config, d time.Duration) { c.IOTimeout = d },
+		"reconnect-delay":    func(c *config, d time.Duration) { c.ReconnectDelay = d },
+		"heartbeat-interval": func(c *config, d time.Duration) { c.HeartbeatInterval = d },
+	}
+	for name, f := range set {
+		for _, tc := range []struct {
+			d  time.Duration
+			ok bool
+		}{{-time.Second, false}, {time.Microsecond, false}, {0, name != "io-timeout"}, {2 * time.Second, true}} {
+			c := newConfig()
+			f(c, tc.d)
+			_, err := c.resolve()
+			if tc.ok && err != nil {
+				t.Errorf("-%s %v: %v", name, tc.d, err)
+			}
+			if !tc.ok && (err == nil || !strings.Contains(err.Error(), "-"+name)) {
+				t.Errorf("-%s %v: %v, want a refusal naming the flag", name, tc.d, err)
 			}
 		}
 	}

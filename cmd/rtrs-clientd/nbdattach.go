@@ -130,8 +130,8 @@ func (n *nbdAttacher) Busy(d *rnbd.Device) error {
 	return nil
 }
 
-func (n *nbdAttacher) Detach(ctx context.Context, d *rnbd.Device) error {
-	if err := n.Busy(d); err != nil {
+func (n *nbdAttacher) Detach(ctx context.Context, d *rnbd.Device, force bool) error {
+	if err := n.Busy(d); err != nil && !force {
 		return err
 	}
 	n.mu.Lock()

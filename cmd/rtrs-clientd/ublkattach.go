@@ -311,8 +311,8 @@ func (u *ublkAttacher) Busy(d *rnbd.Device) error {
 	return fmt.Errorf("%s is in use (mounted?): %w", dev.BlockPath(), syscall.EBUSY)
 }
 
-func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device) error {
-	if err := u.Busy(d); err != nil {
+func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) error {
+	if err := u.Busy(d); err != nil && !force {
 		return err
 	}
 	u.mu.Lock()

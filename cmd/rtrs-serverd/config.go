@@ -144,6 +144,9 @@ func (c *config) resolve() (*resolved, error) {
 	if c.EstablishTimeout <= 0 || c.HandshakeTimeout <= 0 {
 		return nil, errors.New("-establish-timeout and -handshake-timeout must be positive")
 	}
+	if err := daemon.CheckInterval("heartbeat-interval", c.HeartbeatInterval, time.Millisecond, true); err != nil {
+		return nil, err
+	}
 	if r.allow, err = transport.ParseAllow(c.Allow); err != nil {
 		return nil, fmt.Errorf("-allow: %w", err)
 	}

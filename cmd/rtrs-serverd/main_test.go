@@ -7,6 +7,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestDeployConfig: the example config's settings are flags of this daemon.
@@ -55,5 +56,21 @@ func TestMistypedSettingRefused(t *testing.T) {
 	err := run(context.Background(), []string{"-config", p, "-cleanup", "-mount", t.TempDir() + "/m", "-rnbd-mount", t.TempDir() + "/r"})
 	if err == nil || !strings.Contains(err.Error(), "listen [::]:1235") {
 		t.Fatalf("a mistyped setting: %v", err)
+	}
+}
+
+// TestHeartbeatIntervalChecked: a negative or sub-millisecond -heartbeat-interval is refused
+// naming the flag (it used to fall back to 5 s without a word); 0 is the default.
+func TestHeartbeatIntervalChecked(t *testing.T) {
+	for d, ok := range map[time.Duration]bool{-time.Second: false, time.Microsecond: false, 0: true, 200 * time.Millisecond: true} {
+		c := newConfig()
+		c.HeartbeatInterval = d
+		_, err := c.resolve()
+		if ok && err != nil {
+			t.Errorf("-heartbeat-interval %v: %v", d, err)
+		}
+		if !ok && (err == nil || !strings.Contains(err.Error(), "-heartbeat-interval")) {
+			t.Errorf("-heartbeat-interval %v: %v, want a refusal naming the flag", d, err)
+		}
 	}
 }

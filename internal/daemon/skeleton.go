@@ -176,3 +176,19 @@ func Serve(ctx context.Context, status func() string) {
 		}
 	}
 }
+
+// CheckInterval refuses a setting's duration below min, but for 0 when zero says the
+// default applies: a negative or tiny one would otherwise fall back to the default, or spin,
+// without a word.
+func CheckInterval(name string, d, min time.Duration, zero bool) error {
+	if d == 0 && zero {
+		return nil
+	}
+	if d < min {
+		if zero {
+			return fmt.Errorf("-%s %v: 0 for the default, or at least %v", name, d, min)
+		}
+		return fmt.Errorf("-%s %v: at least %v", name, d, min)
+	}
+	return nil
+}

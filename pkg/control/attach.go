@@ -62,8 +62,9 @@ type Attacher interface {
 	// Busy is an EBUSY error naming d's kernel device while it is in use, else nil.
 	Busy(d *rnbd.Device) error
 	// Detach detaches d if it is attached; while the kernel's device is in use it fails
-	// with EBUSY and d stays attached.
-	Detach(ctx context.Context, d *rnbd.Device) error
+	// with EBUSY and d stays attached, unless force says to detach it all the same (its
+	// users' IO then fails).
+	Detach(ctx context.Context, d *rnbd.Device, force bool) error
 	// Attached is d's kernel device ("/dev/nbd0", "/dev/ublkb0"), or "".
 	Attached(d *rnbd.Device) string
 	// Token is what the write-back records for d: at as map_device gave it (AttachDefault

@@ -136,7 +136,7 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 			defer cancel()
 			for _, prev := range fes[:i] {
 				if prev.a != nil {
-					_ = prev.a.Detach(uctx, d)
+					_ = prev.a.Detach(uctx, d, true)
 				}
 			}
 			if uerr := d.Unmap(uctx); uerr != nil {
@@ -149,33 +149,65 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 }
 
 // Unmap detaches and unmaps the device u names (unmap_device): by its path or by its file
-// name in the device view. While one of its kernel devices is in use the unmap fails
-// (EBUSY) and nothing changes.
+// name in the device view. While the device is open (a device-view file, an NBD client,
+// one of its kernel devices) the unmap fails (EBUSY) and nothing changes, unless u.Force.
 func (c *Client) Unmap(ctx context.Context, u UnmapRequest) error {
 	for _, d := range c.RNBD.Devices() {
 		if d.Session() != u.SessName || (d.Path() != u.DevicePath && DeviceFileName(d.Path()) != u.DevicePath) {
 			continue
 		}
+		abort, err := beginUnmap(ctx, d, u.Force)
+		if err != nil {
+			return err
+		}
 		fes := c.frontEnds(MapRequest{})
 		for _, fe := range fes {
-			if fe.a != nil {
+			if fe.a != nil && !u.Force {
 				if err := fe.a.Busy(d); err != nil {
+					abort()
 					return err
 				}
 			}
 		}
 		for _, fe := range fes {
 			if fe.a != nil {
-				if err := fe.a.Detach(ctx, d); err != nil {
+				if err := fe.a.Detach(ctx, d, u.Force); err != nil {
+					abort()
 					return err
 				}
 			}
 		}
-		err := d.Unmap(ctx)
+		err = d.Unmap(ctx)
+		if err != nil {
+			abort()
+		}
 		c.changed()
 		return err
 	}
 	return fmt.Errorf("%s is not mapped in %q: %w", u.DevicePath, u.SessName, syscall.ENOENT)
+}
+
+// releaseGrace is how long a normal unmap waits for a device's openers to go: FUSE sends
+// the release of a closed device file after close(2) has returned, and an NBD client's
+// connection ends after its disconnect has, so a script that closes and then unmaps would
+// race them.
+const releaseGrace = time.Second
+
+func beginUnmap(ctx context.Context, d *rnbd.Device, force bool) (abort func(), err error) {
+	deadline := time.Now().Add(releaseGrace)
+	for {
+		abort, err := d.BeginUnmap(force)
+		if err == nil || len(d.Holders()) == 0 || time.Now().After(deadline) {
+			return abort, err
+		}
+		t := time.NewTimer(20 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, err
+		case <-t.C:
+		}
+	}
 }
 
 // Mapped lists the devices that are mapped and open.

@@ -190,15 +190,30 @@ func (r MapRequest) String() string {
 }
 
 // UnmapRequest is an unmap_device line. DevicePath is the mapped path or the device's file
-// name in the device view (DeviceFileName).
+// name in the device view (DeviceFileName). Force unmaps a device that is open, as the
+// kernel's "force" does; without it (the kernel's "normal") an open device is EBUSY.
 type UnmapRequest struct {
 	SessName, DevicePath string
+	Force                bool
 }
 
-// ParseUnmapRequest reads unmap_device's tokens: sessname= and device_path=, both required.
+// ParseUnmapRequest reads unmap_device's tokens: sessname= and device_path=, both required,
+// and the kernel's words "normal" (the default) or "force", at most one.
 func ParseUnmapRequest(v string) (UnmapRequest, error) {
 	var u UnmapRequest
-	err := eachToken(v, func(tok, k, val string) error {
+	var rest []string
+	mode := ""
+	for _, tok := range strings.Fields(v) {
+		if tok != "normal" && tok != "force" {
+			rest = append(rest, tok)
+			continue
+		}
+		if mode != "" {
+			return u, fmt.Errorf("%q after %q: one of normal or force: %w", tok, mode, syscall.EINVAL)
+		}
+		mode, u.Force = tok, tok == "force"
+	}
+	err := eachToken(strings.Join(rest, " "), func(tok, k, val string) error {
 		switch k {
 		case "sessname":
 			u.SessName = val
@@ -226,7 +241,11 @@ func ParseUnmapRequest(v string) (UnmapRequest, error) {
 
 // String is the line's tokens as ParseUnmapRequest reads them back.
 func (u UnmapRequest) String() string {
-	return fmt.Sprintf("sessname=%s device_path=%s", u.SessName, u.DevicePath)
+	s := fmt.Sprintf("sessname=%s device_path=%s", u.SessName, u.DevicePath)
+	if u.Force {
+		s += " force"
+	}
+	return s
 }
 
 // CheckSessName checks a session name written to a control file: the kernel's rules

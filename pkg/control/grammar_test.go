@@ -35,7 +35,8 @@ var (
 		"sessname=s1 device_path=x ublk=7 nbd=none",
 		"sessname=s1 device_path=x nbd=auto ublk=none",
 	}
-	unmapLines = []string{"sessname=s1 device_path=/dev/sda", "device_path=dev!sda sessname=s1"}
+	unmapLines = []string{"sessname=s1 device_path=/dev/sda", "device_path=dev!sda sessname=s1",
+		"sessname=s1 device_path=x force", "normal sessname=s1 device_path=x"}
 )
 
 // Every line that parses formats to a line that parses to the same value, and that line is
@@ -164,6 +165,10 @@ func TestRefused(t *testing.T) {
 		{mapErr, "sessname=s1 device_path=" + strings.Repeat("x", 256), syscall.EINVAL},
 		{unmapErr, "sessname=s1", syscall.EINVAL},
 		{unmapErr, "sessname=s1 device_path=x extra", syscall.EINVAL},
+		{unmapErr, "sessname=s1 device_path=x force force", syscall.EINVAL},
+		{unmapErr, "sessname=s1 device_path=x normal force", syscall.EINVAL},
+		{unmapErr, "sessname=s1 device_path=x Force", syscall.EINVAL},
+		{unmapErr, "force", syscall.EINVAL},
 		{addPathErr, "10.0.0.1", syscall.EINVAL},
 		{addPathErr, "ip:10.0.0.1@", syscall.EINVAL},
 		{func(v string) error { return ParseOne(v) }, "0", syscall.EINVAL},

@@ -12,7 +12,7 @@ import (
 // Usage texts of the device view's control files.
 const (
 	mapUsage   = "Usage: echo \"sessname=<name> device_path=<path> [path=<[src@]dst>...] [dest_port=<port>] [access_mode=<ro|rw|migration>] [nr_poll_queues=<n>] [nbd=<auto|none|index>] [ublk=<auto|none|index>]\" > map_device\n"
-	unmapUsage = "Usage: echo \"sessname=<name> device_path=<path>\" > unmap_device\n"
+	unmapUsage = "Usage: echo \"sessname=<name> device_path=<path> [normal|force]\" > unmap_device\n"
 )
 
 // DevTree is the device view: ctl/map_device and ctl/unmap_device, ctl/nbd_devices and

@@ -60,10 +60,17 @@ func (f *fakeAttacher) Busy(d *rnbd.Device) error {
 	return nil
 }
 
-func (f *fakeAttacher) Detach(_ context.Context, d *rnbd.Device) error {
+func (f *fakeAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.actions = append(f.actions, "detach "+d.Path())
+	if f.busy && f.devs[d] != "" && !force {
+		return fmt.Errorf("%s is in use: %w", f.devs[d], syscall.EBUSY)
+	}
+	if force {
+		f.actions = append(f.actions, "detach force "+d.Path())
+	} else {
+		f.actions = append(f.actions, "detach "+d.Path())
+	}
 	delete(f.devs, d)
 	return nil
 }
@@ -132,11 +139,12 @@ func TestDeviceViewNBD(t *testing.T) {
 	if got := mustSh(t, "cat "+dev+"/ctl/nbd_devices"); got != "n/disk /dev/nbd0\n" || len(tr.client.Devices()) != 1 {
 		t.Errorf("after a busy unmap: %q", got)
 	}
-	fa.set(nil, false)
-	mustSh(t, "echo 'sessname=n device_path=disk' > "+dev+"/ctl/unmap_device")
-	if got := fa.log(); got != "busy disk; detach disk" {
+	// force unmaps it all the same, without asking whether it is busy.
+	mustSh(t, "echo 'sessname=n device_path=disk force' > "+dev+"/ctl/unmap_device")
+	if got := fa.log(); got != "busy disk; detach force disk" {
 		t.Errorf("attacher: %s", got)
 	}
+	fa.set(nil, false)
 	if got := mustSh(t, "cat "+dev+"/ctl/nbd_devices; ls "+dev); got != "ctl\n" {
 		t.Errorf("after unmap: %q", got)
 	}
@@ -168,7 +176,7 @@ func TestDeviceViewTwoFrontEnds(t *testing.T) {
 
 	fu.set(fmt.Errorf("no ublk here: %w", syscall.ENODEV), false)
 	shErr(t, "echo '"+mapLine+"' > "+dev+"/ctl/map_device", "No such device")
-	if got := fa.log() + " | " + fu.log(); got != `attach disk "auto"; detach disk | attach disk "auto"` {
+	if got := fa.log() + " | " + fu.log(); got != `attach disk "auto"; detach force disk | attach disk "auto"` {
 		t.Errorf("front ends: %s", got)
 	}
 	if got := mustSh(t, "ls "+dev+"; cat "+dev+"/ctl/nbd_devices "+dev+"/ctl/ublk_devices"); got != "ctl\n" || len(tr.client.Devices()) != 0 {

@@ -453,44 +453,85 @@ func (n *blockNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAt
 	return 0
 }
 
+// Holder is a Block that counts its openers (rnbd.Device): an open file of the device view
+// is one until it is closed, so that a normal unmap_device refuses to unmap it.
+type Holder interface {
+	Hold(who string) (release func(), err error)
+}
+
+// blockHandle is an open device file: the device it was opened on (a later map of the same
+// name is another device) and its hold.
+type blockHandle struct {
+	b       Block
+	release func()
+}
+
+var _ fs.FileReleaser = (*blockHandle)(nil)
+
+func (h *blockHandle) Release(ctx context.Context) syscall.Errno {
+	if h.release != nil {
+		h.release()
+	}
+	return 0
+}
+
 func (n *blockNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
-	return nil, fuse.FOPEN_DIRECT_IO, 0
+	h := &blockHandle{b: n.dev()}
+	if hd, ok := h.b.(Holder); ok {
+		rel, err := hd.Hold("device view file")
+		if err != nil {
+			return nil, 0, errno.Of(err)
+		}
+		h.release = rel
+	}
+	return h, fuse.FOPEN_DIRECT_IO, 0
+}
+
+// blk is the device f was opened on; without a handle (a FUSE request that carries none),
+// the node's current one.
+func (n *blockNode) blk(f fs.FileHandle) Block {
+	if h, ok := f.(*blockHandle); ok {
+		return h.b
+	}
+	return n.dev()
 }
 
 // ioCtx: device IO is bounded by the device's own reconnect timeout, not by FUSE interrupts.
 func ioCtx() context.Context { return context.Background() }
 
 func (n *blockNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
-	size := n.dev().Size()
+	d := n.blk(f)
+	size := d.Size()
 	if off >= size {
 		return fuse.ReadResultData(nil), 0
 	}
 	dest = dest[:min(int64(len(dest)), size-off)]
-	bs := int64(n.dev().BlockSize())
+	bs := int64(d.BlockSize())
 	start, end := off-off%bs, off+int64(len(dest))
 	if end%bs != 0 {
 		end += bs - end%bs
 	}
 	if start == off && end == off+int64(len(dest)) {
-		if err := n.dev().ReadAtContext(ioCtx(), dest, off); err != nil {
+		if err := d.ReadAtContext(ioCtx(), dest, off); err != nil {
 			return nil, errno.Of(err)
 		}
 		return fuse.ReadResultData(dest), 0
 	}
 	buf := make([]byte, end-start)
-	if err := n.dev().ReadAtContext(ioCtx(), buf, start); err != nil {
+	if err := d.ReadAtContext(ioCtx(), buf, start); err != nil {
 		return nil, errno.Of(err)
 	}
 	return fuse.ReadResultData(buf[off-start : off-start+int64(len(dest))]), 0
 }
 
 func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
-	if off+int64(len(data)) > n.dev().Size() {
+	d := n.blk(f)
+	if off+int64(len(data)) > d.Size() {
 		return 0, syscall.ENOSPC
 	}
-	bs := int64(n.dev().BlockSize())
+	bs := int64(d.BlockSize())
 	if off%bs == 0 && int64(len(data))%bs == 0 {
-		if err := n.dev().WriteAtContext(ioCtx(), data, off, false); err != nil {
+		if err := d.WriteAtContext(ioCtx(), data, off, false); err != nil {
 			return 0, errno.Of(err)
 		}
 		return uint32(len(data)), 0
@@ -503,16 +544,17 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 		end += bs - end%bs
 	}
 	buf := make([]byte, end-start)
-	if err := n.dev().ReadAtContext(ioCtx(), buf, start); err != nil {
+	if err := d.ReadAtContext(ioCtx(), buf, start); err != nil {
 		return 0, errno.Of(err)
 	}
 	copy(buf[off-start:], data)
-	if err := n.dev().WriteAtContext(ioCtx(), buf, start, false); err != nil {
+	if err := d.WriteAtContext(ioCtx(), buf, start, false); err != nil {
 		return 0, errno.Of(err)
 	}
 	return uint32(len(data)), 0
 }
 
 func (n *blockNode) Fsync(ctx context.Context, f fs.FileHandle, flags uint32) syscall.Errno {
-	return errno.Of(n.dev().Flush(ioCtx()))
+	d := n.blk(f)
+	return errno.Of(d.Flush(ioCtx()))
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/rtrs-go/rtrs/internal/lib/sockread"
 	"github.com/rtrs-go/rtrs/pkg/log"
+	"golang.org/x/sys/unix"
 )
 
 // Device is what an export serves: whole-block IO with a context (rnbd.Device is one).
@@ -38,6 +39,14 @@ type Device interface {
 type RangeOps interface {
 	CanDiscard() bool
 	CanWriteZeroes() bool
+}
+
+// Holder is a Device that counts its openers (rnbd.Device): a socket client is one from the
+// end of its handshake to the end of its connection, so that a normal unmap of the device
+// is refused while a client uses it. Attachments to the kernel's NBD driver are not: their
+// front end answers for them.
+type Holder interface {
+	Hold(who string) (release func(), err error)
 }
 
 // Export is one named device.
@@ -353,10 +362,36 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 		return
 	}
 	_ = nc.SetDeadline(time.Time{})
+	if h, ok := c.exp.Dev.(Holder); ok {
+		release, err := h.Hold(clientName(nc))
+		if err != nil {
+			s.refusals.Warn(s.log, "export refused", clientName(nc), clip(err.Error()))
+			return
+		}
+		defer release()
+	}
 	lg.Debugf("serving %q", c.exp.Name)
 	if err := c.transmit(); err != nil && !clientGone(err) && s.ctx.Err() == nil {
 		s.refusals.Warn(s.log, "connection ended", nc.RemoteAddr().String(), clip(err.Error()))
 	}
+}
+
+// clientName names a socket client for an unmap's refusal: its address over TCP, its pid
+// over a Unix socket.
+func clientName(nc net.Conn) string {
+	if uc, ok := nc.(*net.UnixConn); ok {
+		if rc, err := uc.SyscallConn(); err == nil {
+			var cred *unix.Ucred
+			_ = rc.Control(func(fd uintptr) {
+				cred, _ = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+			})
+			if cred != nil {
+				return fmt.Sprintf("NBD client pid %d", cred.Pid)
+			}
+		}
+		return "NBD client"
+	}
+	return "NBD client " + nc.RemoteAddr().String()
 }
 
 // clip bounds a peer's words in a log line.

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -43,6 +45,10 @@ type Device struct {
 	geo       MsgOpenRsp
 	downSince time.Time
 	changed   chan struct{} // closed and replaced on every state change
+	// holders counts the openers by kind (a device-view file, an NBD client): the kernel's
+	// block device refcount, which a normal unmap must find at zero.
+	holders   map[string]int
+	unmapping bool // an unmap has begun: no new holder
 
 	// noUnmapRefused: the server answered a WRITE_ZEROES with RNBD_F_NOUNMAP EOPNOTSUPP (ours
 	// before protocol 2.2 announced WRITE_ZEROES but refused flags it did not know). Zeroes
@@ -147,6 +153,75 @@ func (d *Device) BlockSize() int {
 
 // errUnmappedMeanwhile is a remap's OPEN answered after the device was unmapped.
 var errUnmappedMeanwhile = errors.New("rnbd: unmapped while being opened")
+
+// Hold records an opener of the device, named by who ("device view file", "NBD client
+// 10.0.0.1:4711"), until release is called: a normal unmap is refused while the device has
+// one, as the kernel refuses to unmap an open rnbd device. A device being unmapped takes
+// no new opener (ENODEV).
+func (d *Device) Hold(who string) (release func(), err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.state == StateUnmapped || d.unmapping {
+		return nil, fmt.Errorf("rnbd: %q is being unmapped: %w", d.path, syscall.ENODEV)
+	}
+	if d.holders == nil {
+		d.holders = map[string]int{}
+	}
+	d.holders[who]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			d.mu.Lock()
+			if d.holders[who]--; d.holders[who] <= 0 {
+				delete(d.holders, who)
+			}
+			d.mu.Unlock()
+		})
+	}, nil
+}
+
+// Holders lists the device's openers, "who ×n" each, sorted.
+func (d *Device) Holders() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.holdersLocked()
+}
+
+func (d *Device) holdersLocked() []string {
+	out := make([]string, 0, len(d.holders))
+	for who, n := range d.holders {
+		out = append(out, fmt.Sprintf("%s ×%d", who, n))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// BeginUnmap marks the device as being unmapped, so that it takes no new opener, before
+// its front ends are detached and Unmap runs. Without force it is refused (EBUSY) while the
+// device has openers (Hold), naming them; with force the openers' IO fails from the unmap
+// on, as the kernel's "force" unmap does. abort undoes the mark when the unmap does not go
+// through. A second unmap of the same device while one is under way is EBUSY.
+func (d *Device) BeginUnmap(force bool) (abort func(), err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.state == StateUnmapped:
+		return nil, fmt.Errorf("rnbd: %q is not mapped: %w", d.path, syscall.ENOENT)
+	case d.unmapping:
+		return nil, fmt.Errorf("rnbd: %q is already being unmapped: %w", d.path, syscall.EBUSY)
+	case !force && len(d.holders) > 0:
+		return nil, fmt.Errorf("rnbd: %q is open (%s; unmap with force to unmap it all the same): %w",
+			d.path, strings.Join(d.holdersLocked(), ", "), syscall.EBUSY)
+	}
+	d.unmapping = true
+	return func() {
+		d.mu.Lock()
+		if d.state != StateUnmapped {
+			d.unmapping = false
+		}
+		d.mu.Unlock()
+	}, nil
+}
 
 // Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
 // waiting fails. A device whose first OPEN is still on the wire is refused (EBUSY): its id

@@ -6,8 +6,8 @@
 # - rtrs-clientd attaching it itself (map_device nbd=auto, the kernel's NBD netlink family);
 # each time: ext4 made, mounted, files read back after a remount; fio with verify=crc32c
 # (random 4 KiB writes, then sequential 1 MiB) while one of the two paths is disconnected and
-# reconnected: no IO error, verify passes, the path comes back. Then: unmap of a mounted
-# attachment is EBUSY, unmap detaches (/sys/block/nbdX/pid gone, size 0), losetup over the
+# reconnected: no IO error, verify passes, the path comes back. Then: unmap while nbd-client
+# or a loop device holds the device, or of a mounted attachment, is EBUSY, unmap detaches (/sys/block/nbdX/pid gone, size 0), losetup over the
 # device file in the device view, a daemon killed with an attachment is cleaned up after by the
 # next one (which attaches again from its written-back declarations), and a daemon that stops
 # detaches what it attached.
@@ -98,6 +98,13 @@ suite_body() {
 	[ "$(cat /sys/block/nbd0/size)" = $((256 << 11)) ]
 	fs_check /dev/nbd0 a
 	fio_check /dev/nbd0 nbdclient
+	# The socket client holds the device: a normal unmap refuses, naming it.
+	if echo "sessname=s1 device_path=disk1" >$T/dev/ctl/unmap_device 2>$T/err; then
+		echo "unmap succeeded while nbd-client used the device"
+		return 1
+	fi
+	grep -q "busy" $T/err
+	grep -q "NBD client pid" $T/clientd.log
 	nbd-client -d /dev/nbd0
 	vm_wait 10 detached 0
 	echo "sessname=s1 device_path=disk1" >$T/dev/ctl/unmap_device
@@ -151,6 +158,12 @@ suite_body() {
 	cmp $T/pat8 $T/back8
 	head -c 12M $T/exports/disk3 | tail -c 8M >$T/exp8
 	cmp $T/pat8 $T/exp8
+	# The loop device holds the device file: a normal unmap refuses.
+	if echo "sessname=s1 device_path=disk3" >$T/dev/ctl/unmap_device 2>$T/err; then
+		echo "unmap succeeded under losetup"
+		return 1
+	fi
+	grep -q "device view file" $T/clientd.log
 	losetup -d "$loop"
 	echo "sessname=s1 device_path=disk3" >$T/dev/ctl/unmap_device
 
