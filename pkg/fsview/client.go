@@ -3,6 +3,7 @@ package fsview
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sort"
 	"time"
 
@@ -43,7 +44,8 @@ func (t *ClientTree) Entries() []Entry {
 	out := []Entry{{Name: "ctl", Dir: DirFunc(t.ctlEntries)}}
 	for _, name := range t.Ctl.RNBD.SessionNames() {
 		if s := t.Ctl.RNBD.Session(name); s != nil && validEntry(name) && name != "ctl" {
-			out = append(out, Entry{Name: name, Dir: DirFunc(func() []Entry { return t.sessEntries(s) })})
+			alive := func() bool { return t.Ctl.RNBD.Session(name) == s }
+			out = append(out, Entry{Name: name, Dir: guarded(alive, DirFunc(func() []Entry { return t.sessEntries(s) }))})
 		}
 	}
 	return out
@@ -103,7 +105,8 @@ func (t *ClientTree) pathsEntries(s *transport.Session) []Entry {
 		if !p.Listed() || !validEntry(p.Name()) {
 			continue
 		}
-		out = append(out, Entry{Name: p.Name(), Dir: DirFunc(func() []Entry { return t.pathEntries(p) })})
+		alive := func() bool { return slices.Contains(s.Paths(), p) }
+		out = append(out, Entry{Name: p.Name(), Dir: guarded(alive, DirFunc(func() []Entry { return t.pathEntries(p) }))})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out

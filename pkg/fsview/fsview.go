@@ -5,6 +5,8 @@ package fsview
 
 import (
 	"context"
+	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/lib/names"
@@ -61,3 +63,36 @@ func validEntry(name string) bool { return names.Component(name) == nil }
 
 // mountTime is the time every file shows (sysfs files show their creation time).
 var mountTime = time.Now()
+
+// guarded is a directory of an object that can go away (a session, a path) while a shell
+// sits in it or a file of it is open: once alive says no, it lists nothing, and its files'
+// stores fail with ENODEV and do nothing, as sysfs answers for a removed kobject. Without
+// it, a directory kept across a close and reopen of the same name would act on the old
+// object.
+func guarded(alive func() bool, d Dir) Dir {
+	return DirFunc(func() []Entry {
+		if !alive() {
+			return nil
+		}
+		ents := d.Entries()
+		out := make([]Entry, len(ents))
+		for i, e := range ents {
+			switch {
+			case e.Attr != nil && e.Attr.Store != nil:
+				a := *e.Attr
+				store := a.Store
+				a.Store = func(v string) error {
+					if !alive() {
+						return fmt.Errorf("%s is gone: %w", e.Name, syscall.ENODEV)
+					}
+					return store(v)
+				}
+				e.Attr = &a
+			case e.Dir != nil:
+				e.Dir = guarded(alive, e.Dir)
+			}
+			out[i] = e
+		}
+		return out
+	})
+}

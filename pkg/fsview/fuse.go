@@ -369,8 +369,12 @@ func (n *attrNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAtt
 	return 0
 }
 
-// attrHandle is one open: the content rendered at open.
-type attrHandle struct{ data []byte }
+// attrHandle is one open: the attribute it was opened on (a later lookup may give the name
+// another object's) and the content rendered at open.
+type attrHandle struct {
+	attr *Attr
+	data []byte
+}
 
 func (n *attrNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
 	a := n.get()
@@ -378,7 +382,7 @@ func (n *attrNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 	if acc != syscall.O_RDONLY && a.Store == nil {
 		return nil, 0, syscall.EACCES
 	}
-	h := &attrHandle{}
+	h := &attrHandle{attr: a}
 	if acc != syscall.O_WRONLY && a.Show != nil {
 		h.data = []byte(a.Show())
 	}
@@ -398,6 +402,9 @@ func (n *attrNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off i
 // first write) minus one trailing newline.
 func (n *attrNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	a := n.get()
+	if h, ok := f.(*attrHandle); ok {
+		a = h.attr
+	}
 	if a.Store == nil {
 		return 0, syscall.EACCES
 	}

@@ -2,6 +2,7 @@ package fsview
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/transport"
@@ -24,9 +25,10 @@ func (t *ServerTree) Entries() []Entry {
 			continue
 		}
 		seen[name] = true
-		out = append(out, Entry{Name: name, Dir: DirFunc(func() []Entry {
+		alive := func() bool { return slices.Contains(t.Server.Sessions(), ss) }
+		out = append(out, Entry{Name: name, Dir: guarded(alive, DirFunc(func() []Entry {
 			return []Entry{{Name: "paths", Dir: DirFunc(func() []Entry { return t.paths(ss) })}}
-		})})
+		}))})
 	}
 	return out
 }
@@ -35,7 +37,8 @@ func (t *ServerTree) paths(ss *transport.SrvSess) []Entry {
 	var out []Entry
 	for _, p := range ss.ListedPaths() {
 		if validEntry(p.Name()) {
-			out = append(out, Entry{Name: p.Name(), Dir: DirFunc(func() []Entry { return serverPath(p) })})
+			alive := func() bool { return slices.Contains(ss.ListedPaths(), p) }
+			out = append(out, Entry{Name: p.Name(), Dir: guarded(alive, DirFunc(func() []Entry { return serverPath(p) }))})
 		}
 	}
 	return out

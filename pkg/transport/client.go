@@ -992,8 +992,13 @@ func (p *Path) Disconnect() {
 }
 
 // Reconnect tears the path down if it is up, and reconnects it now; it returns when the
-// attempt has finished (spec 5.1 reconnect).
+// attempt has finished (spec 5.1 reconnect). A path of a closed session is ErrClosed.
 func (p *Path) Reconnect(ctx context.Context) error {
+	// A closed session's path would reconnect with no session to serve (and its worker
+	// outlive it). A Close that comes after this check waits for the worker.
+	if p.sess.closed.Load() {
+		return ErrClosed
+	}
 	p.mu.Lock()
 	switch p.state {
 	case StateConnected, StateConnectingErr, StateClosed:

@@ -160,6 +160,27 @@ func TestNoReconnect(t *testing.T) {
 	}
 }
 
+// TestReconnectClosedSession: a reconnect of a closed session's path is ErrClosed and
+// starts nothing (it used to reconnect the path for a session that was gone, its worker
+// left running: a shell sitting in the session's directory could do it).
+func TestReconnectClosedSession(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "closedrecon", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), nil)
+	p := s.Paths()[0]
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := p.Reconnect(ctx); !errors.Is(err, ErrClosed) {
+		t.Fatalf("reconnect of a closed session's path: %v", err)
+	}
+	if st := p.State(); st != StateClosed {
+		t.Errorf("path %v", st)
+	}
+}
+
 // TestHeartbeatLoss: a server whose connection 0 stops answering (hung, not closed) is
 // detected by the client's heartbeat, and the path recovers once the server lets go.
 func TestHeartbeatLoss(t *testing.T) {
