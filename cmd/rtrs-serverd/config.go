@@ -43,6 +43,7 @@ type config struct {
 
 	MaxSessions, MaxConnsPerPath, MaxConnecting, MaxConnectingPerAddr int
 	MaxNewSessionsPerAddr, MaxConns, MaxPending, MaxPendingPerAddr    int
+	MaxSessionsPerClient                                              int
 	MaxChunkMemory                                                    string
 	EstablishTimeout, HandshakeTimeout                                time.Duration
 }
@@ -56,7 +57,7 @@ func newConfig() *config {
 		Mount: "/run/rtrs/rtrs-server", RNBDMount: "/run/rtrs/rnbd-server",
 		NamesFile:   "/var/lib/rtrs/sessions.json",
 		MaxSessions: 256, MaxConnsPerPath: 257, MaxConnecting: 2048, MaxConnectingPerAddr: 514,
-		MaxNewSessionsPerAddr: 16, MaxConns: 8192,
+		MaxNewSessionsPerAddr: 16, MaxConns: 8192, MaxSessionsPerClient: 64,
 		MaxPending: soft.DefaultMaxPending, MaxPendingPerAddr: soft.DefaultMaxPendingPerAddr,
 		EstablishTimeout: 30 * time.Second, HandshakeTimeout: soft.DefaultHandshakeTimeout,
 	}
@@ -83,6 +84,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ACL, "acl", c.ACL, "export ACL file: lines of <export pattern> <client> <modes> (empty: everyone ro or rw, nobody migration)")
 	fs.StringVar(&c.NamesFile, "names-file", c.NamesFile, "where the owner of each session name is kept across restarts (empty: memory only)")
 	fs.IntVar(&c.MaxSessions, "max-sessions", c.MaxSessions, "sessions the server holds at most, established or not")
+	fs.IntVar(&c.MaxSessionsPerClient, "max-sessions-per-client", c.MaxSessionsPerClient, "sessions one client holds at most: its certificate subject or allowlist entry, else its address")
 	fs.StringVar(&c.MaxChunkMemory, "max-chunk-memory", c.MaxChunkMemory, "chunk memory of all sessions at most (e.g. 8G; empty: half the machine's memory)")
 	fs.IntVar(&c.MaxConnsPerPath, "max-conns-per-path", c.MaxConnsPerPath, "connections a path may have (its cid_num)")
 	fs.IntVar(&c.MaxConnecting, "max-connecting", c.MaxConnecting, "connections of paths not yet established, in all")
@@ -125,7 +127,8 @@ func (c *config) resolve() (*resolved, error) {
 	}
 	r.limits = transport.ServerLimits{MaxSessions: c.MaxSessions, MaxConnsPerPath: c.MaxConnsPerPath,
 		MaxConnecting: c.MaxConnecting, MaxConnectingPerAddr: c.MaxConnectingPerAddr,
-		MaxNewSessionsPerAddr: c.MaxNewSessionsPerAddr, MaxConns: c.MaxConns, MaxChunkMemory: daemon.DefaultChunkMemory()}
+		MaxNewSessionsPerAddr: c.MaxNewSessionsPerAddr, MaxConns: c.MaxConns, MaxChunkMemory: daemon.DefaultChunkMemory(),
+		MaxSessionsPerClient: c.MaxSessionsPerClient}
 	if c.MaxChunkMemory != "" {
 		n, err := size.Parse(c.MaxChunkMemory)
 		if err != nil {
@@ -136,7 +139,8 @@ func (c *config) resolve() (*resolved, error) {
 	for name, v := range map[string]int{"max-sessions": c.MaxSessions, "max-conns-per-path": c.MaxConnsPerPath,
 		"max-connecting": c.MaxConnecting, "max-connecting-per-addr": c.MaxConnectingPerAddr,
 		"max-pending": c.MaxPending, "max-pending-per-addr": c.MaxPendingPerAddr,
-		"max-new-sessions-per-addr": c.MaxNewSessionsPerAddr, "max-conns": c.MaxConns} {
+		"max-new-sessions-per-addr": c.MaxNewSessionsPerAddr, "max-conns": c.MaxConns,
+		"max-sessions-per-client": c.MaxSessionsPerClient} {
 		if v < 1 {
 			return nil, fmt.Errorf("-%s %d: must be at least 1", name, v)
 		}

@@ -36,6 +36,19 @@ func (i Identity) Key() string {
 	return "addr:" + i.Entry
 }
 
+// names says whether the identity names one client (or a group an allowlist entry treats as
+// one), rather than an address family when there is no allowlist and no certificate.
+func (i Identity) names() bool { return i.Subject != "" || (i.Entry != "ipv4" && i.Entry != "ipv6") }
+
+// clientKey is what the per-client bounds count by: the identity where it names a client,
+// else the address group a session was made from (rdma.AddrGroup: an IPv6 client's /64).
+func clientKey(i Identity, from netip.Addr) string {
+	if i.names() {
+		return i.Key()
+	}
+	return "from:" + from.String()
+}
+
 func (i Identity) String() string {
 	if i.Subject != "" {
 		return fmt.Sprintf("%s (%v)", i.Subject, i.Addr)
@@ -117,8 +130,12 @@ func (s *Server) identify(id rdma.ConnID) (Identity, bool) {
 }
 
 // maxNames bounds the names a server keeps for their owners; past it new names are refused
-// (an operator removes old ones from the file).
-const maxNames = 4096
+// (an operator removes old ones from the file). maxNamesPerOwner bounds one owner's, where
+// the owner names a client (Identity.names), so that one tenant cannot take them all.
+const (
+	maxNames         = 4096
+	maxNamesPerOwner = 256
+)
 
 // nameStore keeps which identity owns which session name, in a file when one is given, so a
 // restarted server gives a name back to its owner only.
@@ -159,9 +176,10 @@ func loadNames(path string) (*nameStore, error) {
 }
 
 // claim gives name to owner if it is free or owner's already. It answers 0, EPERM (another
-// owner's) or ENOSPC (maxNames kept: names are never forgotten to make room, so a flood of
-// new names cannot push a tenant's out); err reports a names file not written.
-func (ns *nameStore) claim(name, owner string) (syscall.Errno, error) {
+// owner's), ENOSPC (maxNames kept: names are never forgotten to make room, so a flood of
+// new names cannot push a tenant's out) or EDQUOT (maxNamesPerOwner kept for an owner that
+// quota applies to); err reports a names file not written.
+func (ns *nameStore) claim(name, owner string, quota bool) (syscall.Errno, error) {
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
 	if o, ok := ns.names[name]; ok {
@@ -172,6 +190,17 @@ func (ns *nameStore) claim(name, owner string) (syscall.Errno, error) {
 	}
 	if len(ns.names) >= maxNames {
 		return syscall.ENOSPC, nil
+	}
+	if quota {
+		n := 0
+		for _, o := range ns.names {
+			if o.Owner == owner {
+				n++
+			}
+		}
+		if n >= maxNamesPerOwner {
+			return syscall.EDQUOT, nil
+		}
 	}
 	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC()}
 	return 0, ns.saveLocked()

@@ -229,17 +229,75 @@ func TestNamesFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range maxNames {
-		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a"); errno != 0 {
+		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a", false); errno != 0 {
 			t.Fatalf("name %d: %v", i, errno)
 		}
 	}
-	if errno, _ := ns.claim("late", "addr:b"); errno != syscall.ENOSPC {
+	if errno, _ := ns.claim("late", "addr:b", false); errno != syscall.ENOSPC {
 		t.Fatalf("a new name in a full store: %v, want ENOSPC", errno)
 	}
-	if errno, _ := ns.claim("n0", "addr:a"); errno != 0 {
+	if errno, _ := ns.claim("n0", "addr:a", false); errno != 0 {
 		t.Fatalf("the owner of a kept name: %v", errno)
 	}
-	if errno, _ := ns.claim("n1", "addr:b"); errno != syscall.EPERM {
+	if errno, _ := ns.claim("n1", "addr:b", false); errno != syscall.EPERM {
 		t.Fatalf("another owner's name: %v", errno)
+	}
+}
+
+// One owner that names a client cannot take every name: past maxNamesPerOwner its new names
+// are EDQUOT while another owner's still go in and its own kept names stay its; an owner
+// that is only an address family (no allowlist, no certificate) has no quota of its own.
+func TestNamesPerOwner(t *testing.T) {
+	ns, err := loadNames("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range maxNamesPerOwner {
+		if errno, _ := ns.claim(fmt.Sprintf("a%d", i), "subject:CN=a", true); errno != 0 {
+			t.Fatalf("name %d: %v", i, errno)
+		}
+	}
+	if errno, _ := ns.claim("a-late", "subject:CN=a", true); errno != syscall.EDQUOT {
+		t.Fatalf("a name past the owner's quota: %v, want EDQUOT", errno)
+	}
+	if errno, _ := ns.claim("a0", "subject:CN=a", true); errno != 0 {
+		t.Fatalf("a kept name of the owner at its quota: %v", errno)
+	}
+	if errno, _ := ns.claim("b0", "subject:CN=b", true); errno != 0 {
+		t.Fatalf("another owner's new name: %v", errno)
+	}
+	for i := range maxNamesPerOwner + 1 {
+		if errno, _ := ns.claim(fmt.Sprintf("v%d", i), "addr:ipv4", false); errno != 0 {
+			t.Fatalf("name %d of a family: %v", i, errno)
+		}
+	}
+}
+
+// One client cannot take every session: past MaxSessionsPerClient its new sessions are
+// refused, counted by address without an allowlist and by allowlist entry with one, while
+// another client still gets in.
+func TestSessionsPerClient(t *testing.T) {
+	for _, allow := range []bool{false, true} {
+		t.Run(fmt.Sprintf("allowlist=%v", allow), func(t *testing.T) {
+			e := newLimitedEnv(t, func(o *ServerOptions) {
+				o.Limits = ServerLimits{MaxSessionsPerClient: 3}
+				if allow {
+					o.Allow = prefixes(t, testAddr(1)+"/32", testAddr(2)+"/32")
+				}
+			})
+			a2 := netip.MustParseAddr(testAddr(2))
+			for i := range 3 {
+				if got := connectFrom(t, e, a2, silentPath(1)); got != 0 {
+					t.Fatalf("session %d: errno %d", i, got)
+				}
+			}
+			if got := connectFrom(t, e, a2, silentPath(1)); got != -int16(syscall.ECONNRESET) {
+				t.Fatalf("4th session of one client: errno %d, want ECONNRESET", got)
+			}
+			s := e.open(t, "other", paths(t, path1()), nil)
+			if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
+				t.Fatalf("IO of another client: %v", err)
+			}
+		})
 	}
 }

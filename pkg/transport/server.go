@@ -65,6 +65,10 @@ type ServerLimits struct {
 	MaxNewSessionsPerAddr int
 	// MaxConns bounds the connections of all paths, established or not (default 8192).
 	MaxConns int
+	// MaxSessionsPerClient bounds the sessions of one client (default 64), so that one
+	// tenant cannot take every session: a client is its identity when that names it (a
+	// certificate subject, an allowlist entry), else its address.
+	MaxSessionsPerClient int
 }
 
 // DefaultServerChunkMemory is ServerLimits.MaxChunkMemory's default: the chunks of sixteen
@@ -92,6 +96,9 @@ func (l ServerLimits) withDefaults() ServerLimits {
 	}
 	if l.MaxNewSessionsPerAddr <= 0 {
 		l.MaxNewSessionsPerAddr = 16
+	}
+	if l.MaxSessionsPerClient <= 0 {
+		l.MaxSessionsPerClient = 64
 	}
 	if l.MaxConns <= 0 {
 		l.MaxConns = 8192
@@ -383,7 +390,18 @@ func (s *Server) sessionLocked(m *MsgConnReq, peer netip.AddrPort, from netip.Ad
 			s.refuse(peer, "new sessions per address", fmt.Sprintf("%d sessions from this address have not sent INFO_REQ (the bound per address)", lim.MaxNewSessionsPerAddr))
 			return nil, syscall.ECONNRESET
 		}
-		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, owner: ident, newFrom: from, isNew: true}
+		client := clientKey(ident, from)
+		n := 0
+		for _, o := range s.sessions {
+			if o.client == client {
+				n++
+			}
+		}
+		if n >= lim.MaxSessionsPerClient {
+			s.refuse(peer, "sessions per client", fmt.Sprintf("%v holds %d sessions (the bound per client)", ident, n))
+			return nil, syscall.ECONNRESET
+		}
+		ss = &SrvSess{srv: s, uuid: m.PathsUUID, paths: map[uuid.UUID]*SrvPath{}, owner: ident, client: client, newFrom: from, isNew: true}
 		s.newSessFrom[from]++
 		s.sessions[key] = ss
 	}

@@ -460,7 +460,7 @@ func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
 	if named {
 		return true
 	}
-	errno, err := srv.names.claim(name, ss.owner.Key())
+	errno, err := srv.names.claim(name, ss.owner.Key(), ss.owner.names())
 	if err != nil {
 		p.lg().WithError(err).Warn("session name not saved")
 	}
@@ -469,6 +469,8 @@ func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
 		srv.refuse(peer, "session name of another identity", fmt.Sprintf("%v asked for session name %q, which belongs to another client: %v", ss.owner, name, errno))
 	case syscall.ENOSPC:
 		srv.refuse(peer, "session names full", fmt.Sprintf("%v asked for a new session name %q with %d names kept: %v", ss.owner, name, maxNames, errno))
+	case syscall.EDQUOT:
+		srv.refuse(peer, "session names per client", fmt.Sprintf("%v asked for a new session name %q with %d of its names kept: %v", ss.owner, name, maxNamesPerOwner, errno))
 	}
 	return errno == 0
 }

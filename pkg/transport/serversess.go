@@ -20,6 +20,8 @@ type SrvSess struct {
 	srv   *Server
 	uuid  uuid.UUID
 	owner Identity
+	// client is what MaxSessionsPerClient counts the session under (clientKey).
+	client string
 	// Counted in Server.newSessFrom[newFrom] until its first INFO_REQ (Server.mu).
 	newFrom netip.Addr
 	isNew   bool
