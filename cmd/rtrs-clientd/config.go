@@ -64,7 +64,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.UblkAttach, "ublk-attach", c.UblkAttach, "attach mappings without a ublk= token to /dev/ublkbN: none or auto")
 	fs.StringVar(&c.UblkQueues, "ublk-queues", c.UblkQueues, "queues of a /dev/ublkbN: cpus (one per CPU), paths (one per path of its session) or a number")
 	fs.IntVar(&c.UblkDepth, "ublk-depth", c.UblkDepth, "requests in flight per ublk queue (1 to 4096)")
-	fs.DurationVar(&c.IOTimeout, "io-timeout", c.IOTimeout, "how long IO waits for a session that lost every path before it fails with EIO")
+	fs.DurationVar(&c.IOTimeout, "io-timeout", c.IOTimeout, "how long IO waits for a session that lost every path before it fails with EIO (0: 30 s)")
 	fs.DurationVar(&c.ReconnectDelay, "reconnect-delay", c.ReconnectDelay, "how long a disconnected path waits before each reconnect attempt, plus 0–7 ms so paths do not reconnect in step (0: 30 s, what RNBD asks of the kernel's RTRS)")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is reconnected (0: 5 s, as the kernel)")
 	fs.IntVar(&c.ConPerPath, "con-per-path", c.ConPerPath, "connections (QPs) per path: one for the service messages plus one per CPU to spread IO over (0: CPUs + 1, as the kernel)")
@@ -101,11 +101,14 @@ func (c *config) resolve() (*resolved, error) {
 		name string
 		d    time.Duration
 		zero bool
-	}{{"nbd-timeout", c.NBDTimeout, true}, {"io-timeout", c.IOTimeout, false},
+	}{{"nbd-timeout", c.NBDTimeout, true}, {"io-timeout", c.IOTimeout, true},
 		{"reconnect-delay", c.ReconnectDelay, true}, {"heartbeat-interval", c.HeartbeatInterval, true}} {
 		if err := daemon.CheckInterval(iv.name, iv.d, time.Millisecond, iv.zero); err != nil {
 			return nil, err
 		}
+	}
+	if c.IOTimeout == 0 {
+		c.IOTimeout = rnbd.DefaultReconnectTimeout
 	}
 	if r.nbdTimeout == 0 {
 		r.nbdTimeout = c.IOTimeout + time.Minute

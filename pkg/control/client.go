@@ -156,18 +156,18 @@ func (c *Client) Unmap(ctx context.Context, u UnmapRequest) error {
 		if d.Session() != u.SessName || (d.Path() != u.DevicePath && DeviceFileName(d.Path()) != u.DevicePath) {
 			continue
 		}
-		abort, err := beginUnmap(ctx, d, u.Force)
-		if err != nil {
-			return err
-		}
+		// The kernel devices first: an unmap they refuse must not have turned openers away.
 		fes := c.frontEnds(MapRequest{})
 		for _, fe := range fes {
 			if fe.a != nil && !u.Force {
 				if err := fe.a.Busy(d); err != nil {
-					abort()
 					return err
 				}
 			}
+		}
+		abort, err := beginUnmap(ctx, d, u.Force)
+		if err != nil {
+			return err
 		}
 		for _, fe := range fes {
 			if fe.a != nil {

@@ -45,7 +45,7 @@ func (t *ClientTree) Entries() []Entry {
 	for _, name := range t.Ctl.RNBD.SessionNames() {
 		if s := t.Ctl.RNBD.Session(name); s != nil && validEntry(name) && name != "ctl" {
 			alive := func() bool { return t.Ctl.RNBD.Session(name) == s }
-			out = append(out, Entry{Name: name, Dir: guarded(alive, DirFunc(func() []Entry { return t.sessEntries(s) }))})
+			out = append(out, Entry{Name: name, Obj: s, Dir: guarded("session "+name, alive, DirFunc(func() []Entry { return t.sessEntries(s) }))})
 		}
 	}
 	return out
@@ -106,7 +106,7 @@ func (t *ClientTree) pathsEntries(s *transport.Session) []Entry {
 			continue
 		}
 		alive := func() bool { return slices.Contains(s.Paths(), p) }
-		out = append(out, Entry{Name: p.Name(), Dir: guarded(alive, DirFunc(func() []Entry { return t.pathEntries(p) }))})
+		out = append(out, Entry{Name: p.Name(), Obj: p, Dir: guarded("path "+p.Name(), alive, DirFunc(func() []Entry { return t.pathEntries(p) }))})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out

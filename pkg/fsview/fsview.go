@@ -43,6 +43,9 @@ type Entry struct {
 	Dir   Dir
 	Block Block
 	Link  string
+	// Obj is the object a directory shows (a session, a path), where another one can come
+	// to have the same name: the name then gets a new inode. Comparable; nil for none.
+	Obj any
 }
 
 // Dir is a directory type: it lists its entries on every lookup and listing, so the tree
@@ -69,7 +72,7 @@ var mountTime = time.Now()
 // stores fail with ENODEV and do nothing, as sysfs answers for a removed kobject. Without
 // it, a directory kept across a close and reopen of the same name would act on the old
 // object.
-func guarded(alive func() bool, d Dir) Dir {
+func guarded(what string, alive func() bool, d Dir) Dir {
 	return DirFunc(func() []Entry {
 		if !alive() {
 			return nil
@@ -83,13 +86,13 @@ func guarded(alive func() bool, d Dir) Dir {
 				store := a.Store
 				a.Store = func(v string) error {
 					if !alive() {
-						return fmt.Errorf("%s is gone: %w", e.Name, syscall.ENODEV)
+						return fmt.Errorf("%s is gone: %w", what, syscall.ENODEV)
 					}
 					return store(v)
 				}
 				e.Attr = &a
 			case e.Dir != nil:
-				e.Dir = guarded(alive, e.Dir)
+				e.Dir = guarded(what, alive, e.Dir)
 			}
 			out[i] = e
 		}

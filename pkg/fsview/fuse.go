@@ -210,6 +210,7 @@ type dirNode struct {
 	fs.Inode
 	mu  sync.Mutex
 	dir Dir
+	obj any // Entry.Obj: the object the directory shows, if it says
 }
 
 func (n *dirNode) set(d Dir) { n.mu.Lock(); n.dir = d; n.mu.Unlock() }
@@ -252,12 +253,15 @@ func (n *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (
 		var ch *fs.Inode
 		switch {
 		case e.Dir != nil:
-			// A name keeps its inode while it exists; what it shows is asked anew each time.
-			if d, ok := nodeOf[*dirNode](old); ok {
+			// A name keeps its inode while it exists and shows the same object; what it
+			// shows is asked anew each time. Another object under the name (a session
+			// closed and opened again) gets a new inode, and a shell left in the old one
+			// stays with the old object.
+			if d, ok := nodeOf[*dirNode](old); ok && d.obj == e.Obj {
 				d.set(e.Dir)
 				ch = old
 			} else {
-				ch = n.NewInode(ctx, &dirNode{dir: e.Dir}, fs.StableAttr{Mode: syscall.S_IFDIR})
+				ch = n.NewInode(ctx, &dirNode{dir: e.Dir, obj: e.Obj}, fs.StableAttr{Mode: syscall.S_IFDIR})
 			}
 			out.Mode, out.Nlink = syscall.S_IFDIR|0o755, 2
 			setTimes(&out.Attr)
@@ -465,9 +469,10 @@ func (n *blockNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAt
 }
 
 // Holder is a Block that counts its openers (rnbd.Device): an open file of the device view
-// is one until it is closed, so that a normal unmap_device refuses to unmap it.
+// is one until it is closed, so that a normal unmap_device refuses to unmap it. revoke is
+// called if the device is unmapped all the same (nil: the file's IO then fails).
 type Holder interface {
-	Hold(who string) (release func(), err error)
+	Hold(who string, revoke func()) (release func(), err error)
 }
 
 // blockHandle is an open device file: the device it was opened on (a later map of the same
@@ -489,7 +494,7 @@ func (h *blockHandle) Release(ctx context.Context) syscall.Errno {
 func (n *blockNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
 	h := &blockHandle{b: n.dev()}
 	if hd, ok := h.b.(Holder); ok {
-		rel, err := hd.Hold("device view file")
+		rel, err := hd.Hold("device view file", nil)
 		if err != nil {
 			return nil, 0, errno.Of(err)
 		}

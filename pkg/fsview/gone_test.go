@@ -9,9 +9,10 @@ import (
 )
 
 // TestGoneDirectories: a shell sitting in a session's directory, and a file of it held open,
-// outlive a close and reopen of the same name: the old directory then lists nothing and a
-// write through the old file is ENODEV and does nothing, as sysfs answers for a removed
-// kobject; the new session is untouched. The same holds for a removed path's directory.
+// outlive a close and reopen of the same name: the old directory then lists nothing (also
+// once the new session has been looked up under the name) and a write through the old file
+// is ENODEV and does nothing, as sysfs answers for a removed kobject; the new session is
+// untouched. The same holds for a removed path's directory.
 func TestGoneDirectories(t *testing.T) {
 	leakcheck.Check(t)
 	tr := mountTrees(t)
@@ -23,6 +24,7 @@ cd `+tr.cli+`/n
 exec 3>mpath_policy 4>paths/`+p1+`/reconnect
 echo n > ../ctl/close_session
 `+open+`
+ls `+tr.cli+`/n >/dev/null # the new session looked up under the same name
 echo "ls: [$(ls)]"
 echo min-latency >&3 || echo "policy refused"
 echo 1 >&4 || echo "reconnect refused"

@@ -26,7 +26,7 @@ func (t *ServerTree) Entries() []Entry {
 		}
 		seen[name] = true
 		alive := func() bool { return slices.Contains(t.Server.Sessions(), ss) }
-		out = append(out, Entry{Name: name, Dir: guarded(alive, DirFunc(func() []Entry {
+		out = append(out, Entry{Name: name, Obj: ss, Dir: guarded("session "+name, alive, DirFunc(func() []Entry {
 			return []Entry{{Name: "paths", Dir: DirFunc(func() []Entry { return t.paths(ss) })}}
 		}))})
 	}
@@ -38,7 +38,7 @@ func (t *ServerTree) paths(ss *transport.SrvSess) []Entry {
 	for _, p := range ss.ListedPaths() {
 		if validEntry(p.Name()) {
 			alive := func() bool { return slices.Contains(ss.ListedPaths(), p) }
-			out = append(out, Entry{Name: p.Name(), Dir: guarded(alive, DirFunc(func() []Entry { return serverPath(p) }))})
+			out = append(out, Entry{Name: p.Name(), Obj: p, Dir: guarded("path "+p.Name(), alive, DirFunc(func() []Entry { return serverPath(p) }))})
 		}
 	}
 	return out

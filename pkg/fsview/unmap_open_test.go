@@ -64,7 +64,7 @@ func TestUnmapOpenDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shErr(t, unmap+" normal", "Device or resource busy")
+	shErr(t, "echo 'sessname=n device_path=disk normal' > "+tr.dev+"/ctl/unmap_device", "Device or resource busy")
 	shErr(t, "echo 'sessname=n device_path=disk force normal' > "+tr.dev+"/ctl/unmap_device", "Invalid argument")
 	mustSh(t, "echo 'sessname=n device_path=disk force' > "+tr.dev+"/ctl/unmap_device")
 	if _, err := f.ReadAt(got, 0); !errors.Is(err, syscall.ENODEV) {

@@ -42,11 +42,12 @@ type RangeOps interface {
 }
 
 // Holder is a Device that counts its openers (rnbd.Device): a socket client is one from the
-// end of its handshake to the end of its connection, so that a normal unmap of the device
-// is refused while a client uses it. Attachments to the kernel's NBD driver are not: their
-// front end answers for them.
+// option that chose the export (NBD_OPT_GO, NBD_OPT_EXPORT_NAME) to the end of its
+// connection, so that a normal unmap of the device is refused while a client uses it; an
+// unmap that goes through all the same calls revoke, which closes the connection.
+// Attachments to the kernel's NBD driver are not openers: their front end answers for them.
 type Holder interface {
-	Hold(who string) (release func(), err error)
+	Hold(who string, revoke func()) (release func(), err error)
 }
 
 // Export is one named device.
@@ -327,6 +328,7 @@ type conn struct {
 	wfn  func(fd uintptr) bool
 
 	tlsCfg *tls.Config // set on a listener that requires TLS
+	letGo  func()      // lets go of the export's device (Holder), once chosen
 	inTLS  bool
 }
 
@@ -350,6 +352,11 @@ func (s *Server) newConn(nc net.Conn) *conn {
 func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 	c := s.newConn(nc)
 	c.tlsCfg = tlsCfg
+	defer func() {
+		if c.letGo != nil {
+			c.letGo()
+		}
+	}()
 	lg := s.log.WithField("client", nc.RemoteAddr().String())
 	_ = nc.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
 	ok, err := c.handshake()
@@ -362,18 +369,24 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 		return
 	}
 	_ = nc.SetDeadline(time.Time{})
-	if h, ok := c.exp.Dev.(Holder); ok {
-		release, err := h.Hold(clientName(nc))
-		if err != nil {
-			s.refusals.Warn(s.log, "export refused", clientName(nc), clip(err.Error()))
-			return
-		}
-		defer release()
-	}
 	lg.Debugf("serving %q", c.exp.Name)
 	if err := c.transmit(); err != nil && !clientGone(err) && s.ctx.Err() == nil {
 		s.refusals.Warn(s.log, "connection ended", nc.RemoteAddr().String(), clip(err.Error()))
 	}
+}
+
+// hold makes the connection an opener of e's device (Holder), until it ends.
+func (c *conn) hold(e Export) error {
+	h, ok := e.Dev.(Holder)
+	if !ok {
+		return nil
+	}
+	release, err := h.Hold(clientName(c.nc), c.kill)
+	if err != nil {
+		return err
+	}
+	c.letGo = release
+	return nil
 }
 
 // clientName names a socket client for an unmap's refusal: its address over TCP, its pid
@@ -386,7 +399,9 @@ func clientName(nc net.Conn) string {
 				cred, _ = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
 			})
 			if cred != nil {
-				return fmt.Sprintf("NBD client pid %d", cred.Pid)
+				// nbd-client hands its socket to the kernel and exits: the pid may be gone,
+				// the /dev/nbdX it set up (whose pid file says so) stays until nbd-client -d.
+				return fmt.Sprintf("NBD client pid %d at connect", cred.Pid)
 			}
 		}
 		return "NBD client"
@@ -459,6 +474,9 @@ func (c *conn) handshake() (bool, error) {
 			e, ok := c.s.lookup(string(data))
 			if !ok {
 				return false, fmt.Errorf("nbd: no export %q", data)
+			}
+			if err := c.hold(e); err != nil {
+				return false, err // this option has no error reply
 			}
 			c.exp = e
 			b := make([]byte, 10, 134)
@@ -562,6 +580,12 @@ func (c *conn) infoGo(opt uint32, data []byte) (bool, error) {
 	reqs := map[uint16]bool{}
 	for i := 0; i < nreq; i++ {
 		reqs[be.Uint16(data[6+nl+2*i:])] = true
+	}
+	if opt == optGo {
+		if err := c.hold(e); err != nil {
+			c.s.refusals.Warn(c.s.log, "export refused", clientName(c.nc), clip(err.Error()))
+			return false, c.optReply(opt, repErrUnknwn, []byte(clip(err.Error())))
+		}
 	}
 	prev := c.exp
 	c.exp = e

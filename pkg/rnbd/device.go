@@ -45,9 +45,9 @@ type Device struct {
 	geo       MsgOpenRsp
 	downSince time.Time
 	changed   chan struct{} // closed and replaced on every state change
-	// holders counts the openers by kind (a device-view file, an NBD client): the kernel's
-	// block device refcount, which a normal unmap must find at zero.
-	holders   map[string]int
+	// holders are the openers (a device-view file, an NBD client): the kernel's block
+	// device refcount, which a normal unmap must find at zero.
+	holders   map[*holder]struct{}
 	unmapping bool // an unmap has begun: no new holder
 
 	// noUnmapRefused: the server answered a WRITE_ZEROES with RNBD_F_NOUNMAP EOPNOTSUPP (ours
@@ -154,29 +154,34 @@ func (d *Device) BlockSize() int {
 // errUnmappedMeanwhile is a remap's OPEN answered after the device was unmapped.
 var errUnmappedMeanwhile = errors.New("rnbd: unmapped while being opened")
 
+// holder is one opener: who it is, and how to make it let go when the device is unmapped
+// under it (nil: its IO fails, which is all).
+type holder struct {
+	who    string
+	revoke func()
+}
+
 // Hold records an opener of the device, named by who ("device view file", "NBD client
-// 10.0.0.1:4711"), until release is called: a normal unmap is refused while the device has
-// one, as the kernel refuses to unmap an open rnbd device. A device being unmapped takes
-// no new opener (ENODEV).
-func (d *Device) Hold(who string) (release func(), err error) {
+// pid 4711"), until release is called: a normal unmap is refused while the device has
+// one, as the kernel refuses to unmap an open rnbd device. An unmap that goes through all
+// the same (force, or the client closing) calls revoke, if not nil, once the device is
+// unmapped: an NBD client's connection is closed then. A device being unmapped takes no
+// new opener (ENODEV).
+func (d *Device) Hold(who string, revoke func()) (release func(), err error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.state == StateUnmapped || d.unmapping {
 		return nil, fmt.Errorf("rnbd: %q is being unmapped: %w", d.path, syscall.ENODEV)
 	}
 	if d.holders == nil {
-		d.holders = map[string]int{}
+		d.holders = map[*holder]struct{}{}
 	}
-	d.holders[who]++
-	var once sync.Once
+	h := &holder{who: who, revoke: revoke}
+	d.holders[h] = struct{}{}
 	return func() {
-		once.Do(func() {
-			d.mu.Lock()
-			if d.holders[who]--; d.holders[who] <= 0 {
-				delete(d.holders, who)
-			}
-			d.mu.Unlock()
-		})
+		d.mu.Lock()
+		delete(d.holders, h)
+		d.mu.Unlock()
 	}, nil
 }
 
@@ -188,9 +193,13 @@ func (d *Device) Holders() []string {
 }
 
 func (d *Device) holdersLocked() []string {
-	out := make([]string, 0, len(d.holders))
-	for who, n := range d.holders {
-		out = append(out, fmt.Sprintf("%s ×%d", who, n))
+	n := map[string]int{}
+	for h := range d.holders {
+		n[h.who]++
+	}
+	out := make([]string, 0, len(n))
+	for who, k := range n {
+		out = append(out, fmt.Sprintf("%s ×%d", who, k))
 	}
 	slices.Sort(out)
 	return out
@@ -224,7 +233,7 @@ func (d *Device) BeginUnmap(force bool) (abort func(), err error) {
 }
 
 // Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
-// waiting fails. A device whose first OPEN is still on the wire is refused (EBUSY): its id
+// waiting fails, and openers that said how are made to let go (Hold). A device whose first OPEN is still on the wire is refused (EBUSY): its id
 // is not known yet. A CLOSE that fails is logged, not returned, as the kernel's client does:
 // the device is unmapped here all the same, and the server lets the id go with the session.
 func (d *Device) Unmap(ctx context.Context) error {
@@ -240,7 +249,16 @@ func (d *Device) Unmap(ctx context.Context) error {
 	// A device the server closed is closed too: the server still holds its id for us.
 	wasMapped, id := d.state == StateMapped || d.state == StateClosedByServer, d.id
 	d.setStateLocked(StateUnmapped)
+	var revoke []func()
+	for h := range d.holders {
+		if h.revoke != nil {
+			revoke = append(revoke, h.revoke)
+		}
+	}
 	d.mu.Unlock()
+	for _, f := range revoke {
+		f()
+	}
 	if wasMapped {
 		d.sendClose(ctx, id)
 	}

@@ -994,12 +994,14 @@ func (p *Path) Disconnect() {
 // Reconnect tears the path down if it is up, and reconnects it now; it returns when the
 // attempt has finished (spec 5.1 reconnect). A path of a closed session is ErrClosed.
 func (p *Path) Reconnect(ctx context.Context) error {
+	p.mu.Lock()
 	// A closed session's path would reconnect with no session to serve (and its worker
-	// outlive it). A Close that comes after this check waits for the worker.
+	// outlive it). Close marks the session before it takes p.mu to close the path, so a
+	// Close that comes after this check closes the worker started here.
 	if p.sess.closed.Load() {
+		p.mu.Unlock()
 		return ErrClosed
 	}
-	p.mu.Lock()
 	switch p.state {
 	case StateConnected, StateConnectingErr, StateClosed:
 		p.setStateLocked(StateReconnecting)
