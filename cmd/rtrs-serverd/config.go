@@ -84,7 +84,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ACL, "acl", c.ACL, "export ACL file: lines of <export pattern> <client> <modes> (empty: everyone ro or rw, nobody migration)")
 	fs.StringVar(&c.NamesFile, "names-file", c.NamesFile, "where the owner of each session name is kept across restarts (empty: memory only)")
 	fs.IntVar(&c.MaxSessions, "max-sessions", c.MaxSessions, "sessions the server holds at most, established or not")
-	fs.IntVar(&c.MaxSessionsPerClient, "max-sessions-per-client", c.MaxSessionsPerClient, "sessions one client holds at most: its certificate subject or allowlist entry, else its address")
+	fs.IntVar(&c.MaxSessionsPerClient, "max-sessions-per-client", c.MaxSessionsPerClient, "sessions one client holds at most: its certificate subject, or its allowlist entry of single addresses, else its address (an IPv6 client: its /64)")
 	fs.StringVar(&c.MaxChunkMemory, "max-chunk-memory", c.MaxChunkMemory, "chunk memory of all sessions at most (e.g. 8G; empty: half the machine's memory)")
 	fs.IntVar(&c.MaxConnsPerPath, "max-conns-per-path", c.MaxConnsPerPath, "connections a path may have (its cid_num)")
 	fs.IntVar(&c.MaxConnecting, "max-connecting", c.MaxConnecting, "connections of paths not yet established, in all")

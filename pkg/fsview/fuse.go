@@ -390,9 +390,7 @@ func (n *attrNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 	if acc != syscall.O_WRONLY && a.Show != nil {
 		h.data = []byte(a.Show())
 	}
-	// Parallel writes: without the flag the kernel holds the inode's lock across each
-	// write, so the device file took one write at a time whatever the queue depth.
-	return h, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES, 0
+	return h, fuse.FOPEN_DIRECT_IO, 0
 }
 
 func (n *attrNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {

@@ -385,6 +385,9 @@ func (c *conn) hold(e Export) error {
 	if err != nil {
 		return err
 	}
+	if c.letGo != nil {
+		c.letGo() // an export chosen before (the handshake ends at the first, so far)
+	}
 	c.letGo = release
 	return nil
 }

@@ -36,17 +36,33 @@ func (i Identity) Key() string {
 	return "addr:" + i.Entry
 }
 
-// names says whether the identity names one client (or a group an allowlist entry treats as
-// one), rather than an address family when there is no allowlist and no certificate.
-func (i Identity) names() bool { return i.Subject != "" || (i.Entry != "ipv4" && i.Entry != "ipv6") }
+// names says whether the identity names one client: a certificate subject, or an allowlist
+// entry of single addresses (one host's rails, "10.0.1.5+10.0.2.5"). An address family (no
+// allowlist, no certificate) or an entry of networks ("10.0.3.0/24") is shared by many
+// hosts, whose bounds must not be one budget.
+func (i Identity) names() bool {
+	if i.Subject != "" {
+		return true
+	}
+	if i.Entry == "ipv4" || i.Entry == "ipv6" {
+		return false
+	}
+	for _, part := range strings.Split(i.Entry, "+") {
+		if p, err := netip.ParsePrefix(part); err != nil || !p.IsSingleIP() {
+			return false
+		}
+	}
+	return true
+}
 
 // clientKey is what the per-client bounds count by: the identity where it names a client,
-// else the address group a session was made from (rdma.AddrGroup: an IPv6 client's /64).
+// else the address group a session was made from (rdma.AddrGroup: an IPv6 client's /64)
+// within its identity.
 func clientKey(i Identity, from netip.Addr) string {
 	if i.names() {
 		return i.Key()
 	}
-	return "from:" + from.String()
+	return i.Key() + " from:" + from.String()
 }
 
 func (i Identity) String() string {
@@ -148,7 +164,7 @@ type nameStore struct {
 
 type nameOwner struct {
 	Owner string    `json:"owner"`
-	Seen  time.Time `json:"seen"` // when it was first claimed
+	Seen  time.Time `json:"seen"` // when it was last claimed by a new session
 }
 
 // loadNames reads path (a missing file is an empty store; "" keeps names in memory only).
@@ -176,30 +192,46 @@ func loadNames(path string) (*nameStore, error) {
 }
 
 // claim gives name to owner if it is free or owner's already. It answers 0, EPERM (another
-// owner's), ENOSPC (maxNames kept: names are never forgotten to make room, so a flood of
-// new names cannot push a tenant's out) or EDQUOT (maxNamesPerOwner kept for an owner that
-// quota applies to); err reports a names file not written.
-func (ns *nameStore) claim(name, owner string, quota bool) (syscall.Errno, error) {
+// owner's), ENOSPC (maxNames kept: names are never forgotten to make room for another
+// owner, so a flood of new names cannot push a tenant's out) or EDQUOT; err reports a names
+// file not written. Where quota applies, an owner at maxNamesPerOwner gives up its own
+// least recently claimed name that no live session uses (inUse) for the new one, and is
+// refused with EDQUOT only when all of them are in use.
+func (ns *nameStore) claim(name, owner string, quota bool, inUse map[string]bool) (syscall.Errno, error) {
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
 	if o, ok := ns.names[name]; ok {
 		if o.Owner != owner {
 			return syscall.EPERM, nil
 		}
-		return 0, nil
+		o.Seen = time.Now().UTC()
+		ns.names[name] = o
+		return 0, ns.saveLocked()
 	}
 	if len(ns.names) >= maxNames {
 		return syscall.ENOSPC, nil
 	}
 	if quota {
-		n := 0
-		for _, o := range ns.names {
-			if o.Owner == owner {
-				n++
+		n, oldest := 0, ""
+		for k, o := range ns.names {
+			if o.Owner != owner {
+				continue
+			}
+			n++
+			if inUse[k] {
+				continue
+			}
+			// The least recently claimed; of equal times the first by name, so that the
+			// choice does not depend on the map's order.
+			if oldest == "" || o.Seen.Before(ns.names[oldest].Seen) || o.Seen.Equal(ns.names[oldest].Seen) && k < oldest {
+				oldest = k
 			}
 		}
 		if n >= maxNamesPerOwner {
-			return syscall.EDQUOT, nil
+			if oldest == "" {
+				return syscall.EDQUOT, nil
+			}
+			delete(ns.names, oldest)
 		}
 	}
 	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC()}

@@ -229,63 +229,106 @@ func TestNamesFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range maxNames {
-		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a", false); errno != 0 {
+		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a", false, nil); errno != 0 {
 			t.Fatalf("name %d: %v", i, errno)
 		}
 	}
-	if errno, _ := ns.claim("late", "addr:b", false); errno != syscall.ENOSPC {
+	if errno, _ := ns.claim("late", "addr:b", false, nil); errno != syscall.ENOSPC {
 		t.Fatalf("a new name in a full store: %v, want ENOSPC", errno)
 	}
-	if errno, _ := ns.claim("n0", "addr:a", false); errno != 0 {
+	if errno, _ := ns.claim("n0", "addr:a", false, nil); errno != 0 {
 		t.Fatalf("the owner of a kept name: %v", errno)
 	}
-	if errno, _ := ns.claim("n1", "addr:b", false); errno != syscall.EPERM {
+	if errno, _ := ns.claim("n1", "addr:b", false, nil); errno != syscall.EPERM {
 		t.Fatalf("another owner's name: %v", errno)
 	}
 }
 
-// One owner that names a client cannot take every name: past maxNamesPerOwner its new names
-// are EDQUOT while another owner's still go in and its own kept names stay its; an owner
-// that is only an address family (no allowlist, no certificate) has no quota of its own.
+// One owner that names a client cannot take every name: at maxNamesPerOwner a new name
+// replaces the owner's least recently claimed one that no live session uses, and is EDQUOT
+// when all are in use; its kept names stay its, another owner's new name goes in, and an
+// owner that is only an address family has no quota of its own.
 func TestNamesPerOwner(t *testing.T) {
 	ns, err := loadNames("")
 	if err != nil {
 		t.Fatal(err)
 	}
+	inUse := map[string]bool{}
 	for i := range maxNamesPerOwner {
-		if errno, _ := ns.claim(fmt.Sprintf("a%d", i), "subject:CN=a", true); errno != 0 {
+		n := fmt.Sprintf("a%d", i)
+		if errno, _ := ns.claim(n, "subject:CN=a", true, inUse); errno != 0 {
 			t.Fatalf("name %d: %v", i, errno)
 		}
+		inUse[n] = true
 	}
-	if errno, _ := ns.claim("a-late", "subject:CN=a", true); errno != syscall.EDQUOT {
-		t.Fatalf("a name past the owner's quota: %v, want EDQUOT", errno)
+	if errno, _ := ns.claim("a-late", "subject:CN=a", true, inUse); errno != syscall.EDQUOT {
+		t.Fatalf("a name past the owner's quota, all in use: %v, want EDQUOT", errno)
 	}
-	if errno, _ := ns.claim("a0", "subject:CN=a", true); errno != 0 {
+	if errno, _ := ns.claim("a0", "subject:CN=a", true, inUse); errno != 0 {
 		t.Fatalf("a kept name of the owner at its quota: %v", errno)
 	}
-	if errno, _ := ns.claim("b0", "subject:CN=b", true); errno != 0 {
+	// a1 and a2 no longer in use: a1 is the least recently claimed (a0 was just claimed again).
+	delete(inUse, "a1")
+	delete(inUse, "a2")
+	if errno, _ := ns.claim("a-late", "subject:CN=a", true, inUse); errno != 0 {
+		t.Fatalf("a new name with an unused one to give up: %v", errno)
+	}
+	if _, kept := ns.names["a1"]; kept {
+		t.Error("the owner's least recently claimed unused name is still kept")
+	}
+	if _, kept := ns.names["a2"]; !kept {
+		t.Error("a name more recent than the one given up went")
+	}
+	if errno, _ := ns.claim("b0", "subject:CN=b", true, nil); errno != 0 {
 		t.Fatalf("another owner's new name: %v", errno)
 	}
 	for i := range maxNamesPerOwner + 1 {
-		if errno, _ := ns.claim(fmt.Sprintf("v%d", i), "addr:ipv4", false); errno != 0 {
+		if errno, _ := ns.claim(fmt.Sprintf("v%d", i), "addr:ipv4", false, nil); errno != 0 {
 			t.Fatalf("name %d of a family: %v", i, errno)
 		}
 	}
 }
 
+// An identity names one client when it is a subject or an entry of single addresses.
+func TestIdentityNamesClient(t *testing.T) {
+	for ent, want := range map[string]bool{"ipv4": false, "ipv6": false, "10.0.3.0/24": false,
+		"10.0.1.5/32+10.0.2.5/32": true, "10.0.1.5/32": true, "fd00::1/128": true, "10.0.1.5/32+10.0.2.0/24": false} {
+		if got := (Identity{Entry: ent}).names(); got != want {
+			t.Errorf("entry %q names one client: %v, want %v", ent, got, want)
+		}
+	}
+	if !(Identity{Entry: "ipv4", Subject: "CN=a"}).names() {
+		t.Error("a subject names one client")
+	}
+}
+
 // One client cannot take every session: past MaxSessionsPerClient its new sessions are
-// refused, counted by address without an allowlist and by allowlist entry with one, while
-// another client still gets in.
+// refused. A client is its address without an allowlist, its entry when the entry is one
+// host's addresses (its rails share the budget), and its address again within an entry of
+// networks (its neighbours do not share it).
 func TestSessionsPerClient(t *testing.T) {
-	for _, allow := range []bool{false, true} {
-		t.Run(fmt.Sprintf("allowlist=%v", allow), func(t *testing.T) {
+	a1, a2 := netip.MustParseAddr(testAddr(1)), netip.MustParseAddr(testAddr(2))
+	// The smallest network holding both addresses.
+	both := netip.PrefixFrom(a1, a1.BitLen())
+	for !both.Contains(a2) {
+		both, _ = both.Addr().Prefix(both.Bits() - 1)
+	}
+	for _, tc := range []struct {
+		name    string
+		allow   []string
+		a1Opens bool
+	}{
+		{"no allowlist", nil, true},
+		{"one host's entry", []string{a1.String() + "/" + fmt.Sprint(a1.BitLen()) + "+" + a2.String() + "/" + fmt.Sprint(a2.BitLen())}, false},
+		{"a network entry", []string{both.String()}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			e := newLimitedEnv(t, func(o *ServerOptions) {
 				o.Limits = ServerLimits{MaxSessionsPerClient: 3}
-				if allow {
-					o.Allow = prefixes(t, testAddr(1)+"/32", testAddr(2)+"/32")
+				if tc.allow != nil {
+					o.Allow = prefixes(t, tc.allow...)
 				}
 			})
-			a2 := netip.MustParseAddr(testAddr(2))
 			for i := range 3 {
 				if got := connectFrom(t, e, a2, silentPath(1)); got != 0 {
 					t.Fatalf("session %d: errno %d", i, got)
@@ -294,9 +337,12 @@ func TestSessionsPerClient(t *testing.T) {
 			if got := connectFrom(t, e, a2, silentPath(1)); got != -int16(syscall.ECONNRESET) {
 				t.Fatalf("4th session of one client: errno %d, want ECONNRESET", got)
 			}
-			s := e.open(t, "other", paths(t, path1()), nil)
-			if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
-				t.Fatalf("IO of another client: %v", err)
+			err := tryOpen(e, "other", paths(t, path1()))
+			if tc.a1Opens && err != nil {
+				t.Fatalf("a session from the other address: %v", err)
+			}
+			if !tc.a1Opens && err == nil {
+				t.Fatal("a session from the same host's other rail opened past its bound")
 			}
 		})
 	}

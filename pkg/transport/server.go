@@ -390,10 +390,12 @@ func (s *Server) sessionLocked(m *MsgConnReq, peer netip.AddrPort, from netip.Ad
 			s.refuse(peer, "new sessions per address", fmt.Sprintf("%d sessions from this address have not sent INFO_REQ (the bound per address)", lim.MaxNewSessionsPerAddr))
 			return nil, syscall.ECONNRESET
 		}
+		// Sessions winding down (no path left that is not closing) do not count: a client
+		// host that restarts opens new sessions while its old ones go.
 		client := clientKey(ident, from)
 		n := 0
 		for _, o := range s.sessions {
-			if o.client == client {
+			if o.client == client && o.holdsName() {
 				n++
 			}
 		}
@@ -521,6 +523,19 @@ func (s *Server) nameHolderLocked(ss *SrvSess, name string) *SrvSess {
 		}
 	}
 	return nil
+}
+
+// liveNames are the names live sessions hold.
+func (s *Server) liveNames() map[string]bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string]bool{}
+	for _, o := range s.sessions {
+		if o.holdsName() {
+			out[o.Name()] = true
+		}
+	}
+	return out
 }
 
 // nameLetGo wakes the paths waiting for a session name (waitName).

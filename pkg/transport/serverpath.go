@@ -460,7 +460,7 @@ func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
 	if named {
 		return true
 	}
-	errno, err := srv.names.claim(name, ss.owner.Key(), ss.owner.names())
+	errno, err := srv.names.claim(name, ss.owner.Key(), ss.owner.names(), srv.liveNames())
 	if err != nil {
 		p.lg().WithError(err).Warn("session name not saved")
 	}
@@ -470,7 +470,7 @@ func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
 	case syscall.ENOSPC:
 		srv.refuse(peer, "session names full", fmt.Sprintf("%v asked for a new session name %q with %d names kept: %v", ss.owner, name, maxNames, errno))
 	case syscall.EDQUOT:
-		srv.refuse(peer, "session names per client", fmt.Sprintf("%v asked for a new session name %q with %d of its names kept: %v", ss.owner, name, maxNamesPerOwner, errno))
+		srv.refuse(peer, "session names per client", fmt.Sprintf("%v asked for a new session name %q with %d of its names kept, all in use: %v", ss.owner, name, maxNamesPerOwner, errno))
 	}
 	return errno == 0
 }
