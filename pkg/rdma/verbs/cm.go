@@ -148,12 +148,13 @@ type connID struct {
 	established bool
 	gone        bool // disconnected: reported once
 	destroyed   bool
+	dead        chan struct{} // closed by Destroy: a call waiting for a setup event ends
 }
 
 var _ rdma.ConnID = (*connID)(nil)
 
 func (p *Provider) newConnID(ch *channel, id *C.struct_rdma_cm_id) *connID {
-	c := &connID{prov: p, ch: ch, id: id, evs: make(chan event, 8), events: make(chan rdma.CMEvent, 1)}
+	c := &connID{prov: p, ch: ch, id: id, evs: make(chan event, 8), events: make(chan rdma.CMEvent, 1), dead: make(chan struct{})}
 	ch.run(c.onEvent)
 	return c
 }
@@ -171,6 +172,7 @@ func (c *connID) onEvent(ev *C.struct_gev) {
 		case rdma.EventDisconnected, rdma.EventDeviceRemoval:
 			// The peer's DREQ is answered at once (a DREP), so that its side ends without
 			// waiting for the CM's timeouts, as the kernel's ULPs answer from their handler.
+			// Outside c.mu (onID): Destroy halts this reader before it frees the identifier.
 			C.rdma_disconnect(c.id)
 			c.disconnected(nil)
 		}
@@ -209,6 +211,8 @@ func (c *connID) wait(ctx context.Context, want rdma.CMEventType) (event, error)
 			return e, nil
 		}
 		return e, fmt.Errorf("verbs: %v while waiting for %v (status %d)", e.typ, want, e.status)
+	case <-c.dead:
+		return event{}, fmt.Errorf("verbs: waiting for %v: %w", want, rdma.ErrClosed)
 	case <-ctx.Done():
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			return event{}, fmt.Errorf("verbs: waiting for %v: %w", want, rdma.ErrTimeout)
@@ -313,10 +317,34 @@ func (p *Provider) ResolveAddr(ctx context.Context, src netip.Addr, dst netip.Ad
 	return c, nil
 }
 
-func (c *connID) Device() rdma.Device        { return c.dev }
-func (c *connID) Port() int                  { return int(C.rtrs_id_port(c.id)) }
-func (c *connID) LocalAddr() netip.AddrPort  { return addrOf(C.rdma_get_local_addr(c.id)) }
-func (c *connID) RemoteAddr() netip.AddrPort { return addrOf(C.rdma_get_peer_addr(c.id)) }
+// onID runs f, a C call on the identifier, unless it has been destroyed (ErrClosed): c.mu
+// is held across it, and Destroy marks the identifier under c.mu before it frees it, so
+// another goroutine's Destroy cannot free the identifier under the call.
+func (c *connID) onID(f func() error) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.destroyed {
+		return rdma.ErrClosed
+	}
+	return f()
+}
+
+func (c *connID) Device() rdma.Device { return c.dev }
+
+func (c *connID) Port() (port int) {
+	_ = c.onID(func() error { port = int(C.rtrs_id_port(c.id)); return nil })
+	return port
+}
+
+func (c *connID) LocalAddr() (a netip.AddrPort) {
+	_ = c.onID(func() error { a = addrOf(C.rdma_get_local_addr(c.id)); return nil })
+	return a
+}
+
+func (c *connID) RemoteAddr() (a netip.AddrPort) {
+	_ = c.onID(func() error { a = addrOf(C.rdma_get_peer_addr(c.id)); return nil })
+	return a
+}
 
 func (c *connID) CreateQP(p rdma.PD, attr rdma.QPInitAttr) (rdma.QP, error) {
 	vp, ok := p.(*pd)
@@ -373,8 +401,13 @@ func (c *connID) Connect(ctx context.Context, p rdma.ConnParam) ([]byte, error) 
 	if retry == 0 {
 		retry = 7
 	}
-	if rc := C.rtrs_connect(c.id, pdp, C.int(len(p.PrivateData)), C.int(min(p.RNRRetryCount, 7)), C.int(min(retry, 7)), rdAtoms); rc != 0 {
-		return nil, fmt.Errorf("verbs: rdma_connect: %w", errnoOf(rc))
+	if err := c.onID(func() error {
+		if rc := C.rtrs_connect(c.id, pdp, C.int(len(p.PrivateData)), C.int(min(p.RNRRetryCount, 7)), C.int(min(retry, 7)), rdAtoms); rc != 0 {
+			return fmt.Errorf("verbs: rdma_connect: %w", errnoOf(rc))
+		}
+		return nil
+	}); err != nil {
+		return nil, err
 	}
 	e, err := c.wait(ctx, rdma.EventEstablished)
 	if err == nil {
@@ -422,8 +455,13 @@ func (c *connID) Accept(ctx context.Context, p rdma.ConnParam) error {
 		pdp = C.CBytes(p.PrivateData)
 		defer C.free(pdp)
 	}
-	if rc := C.rtrs_accept(c.id, pdp, C.int(len(p.PrivateData)), C.int(min(p.RNRRetryCount, 7)), rdAtoms); rc != 0 {
-		return fmt.Errorf("verbs: rdma_accept: %w", errnoOf(rc))
+	if err := c.onID(func() error {
+		if rc := C.rtrs_accept(c.id, pdp, C.int(len(p.PrivateData)), C.int(min(p.RNRRetryCount, 7)), rdAtoms); rc != 0 {
+			return fmt.Errorf("verbs: rdma_accept: %w", errnoOf(rc))
+		}
+		return nil
+	}); err != nil {
+		return err
 	}
 	if _, err := c.wait(ctx, rdma.EventEstablished); err != nil {
 		return err
@@ -436,39 +474,32 @@ func (c *connID) Reject(privateData []byte) error {
 	if len(privateData) > rdma.MaxPrivateData {
 		return fmt.Errorf("%w: %d bytes of private data", rdma.ErrInvalid, len(privateData))
 	}
-	c.mu.Lock()
-	destroyed := c.destroyed
-	c.mu.Unlock()
-	if destroyed {
-		return rdma.ErrClosed // rdma_reject on a destroyed identifier would touch freed memory
-	}
 	var pdp unsafe.Pointer
 	if len(privateData) > 0 {
 		pdp = C.CBytes(privateData)
 		defer C.free(pdp)
 	}
-	if rc, err := C.rdma_reject(c.id, pdp, C.uint8_t(len(privateData))); rc != 0 {
-		return fmt.Errorf("verbs: rdma_reject: %w", errOr(err))
-	}
-	return nil
+	// ErrClosed once destroyed: rdma_reject then would touch freed memory.
+	return c.onID(func() error {
+		if rc, err := C.rdma_reject(c.id, pdp, C.uint8_t(len(privateData))); rc != 0 {
+			return fmt.Errorf("verbs: rdma_reject: %w", errOr(err))
+		}
+		return nil
+	})
 }
 
 func (c *connID) Events() <-chan rdma.CMEvent { return c.events }
 
 func (c *connID) Disconnect() error {
-	c.mu.Lock()
-	q, destroyed := c.qp, c.destroyed
-	c.mu.Unlock()
-	if destroyed {
-		return rdma.ErrClosed
-	}
-	if q != nil {
-		q.ToError()
-	}
-	if rc, err := C.rdma_disconnect(c.id); rc != 0 {
-		return fmt.Errorf("verbs: rdma_disconnect: %w", errOr(err))
-	}
-	return nil
+	return c.onID(func() error {
+		if c.qp != nil {
+			c.qp.ToError()
+		}
+		if rc, err := C.rdma_disconnect(c.id); rc != 0 {
+			return fmt.Errorf("verbs: rdma_disconnect: %w", errOr(err))
+		}
+		return nil
+	})
 }
 
 func (c *connID) Destroy() error {
@@ -478,6 +509,7 @@ func (c *connID) Destroy() error {
 		return rdma.ErrClosed
 	}
 	c.destroyed = true
+	close(c.dead)
 	q, up := c.qp, c.established
 	c.mu.Unlock()
 	// The event reader first: it may answer a DREQ, which must not meet a QP going away.
