@@ -195,8 +195,8 @@ func loadNames(path string) (*nameStore, error) {
 // owner's), ENOSPC (maxNames kept: names are never forgotten to make room for another
 // owner, so a flood of new names cannot push a tenant's out) or EDQUOT; err reports a names
 // file not written. Where quota applies, an owner at maxNamesPerOwner gives up its own
-// least recently claimed name that no live session uses (inUse) for the new one, and is
-// refused with EDQUOT only when all of them are in use.
+// least recently claimed name that no live session uses (inUse) for the new one, also when
+// the store is full, and is refused with EDQUOT only when all of them are in use.
 func (ns *nameStore) claim(name, owner string, quota bool, inUse map[string]bool) (syscall.Errno, error) {
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
@@ -207,9 +207,6 @@ func (ns *nameStore) claim(name, owner string, quota bool, inUse map[string]bool
 		o.Seen = time.Now().UTC()
 		ns.names[name] = o
 		return 0, ns.saveLocked()
-	}
-	if len(ns.names) >= maxNames {
-		return syscall.ENOSPC, nil
 	}
 	if quota {
 		n, oldest := 0, ""
@@ -233,6 +230,10 @@ func (ns *nameStore) claim(name, owner string, quota bool, inUse map[string]bool
 			}
 			delete(ns.names, oldest)
 		}
+	}
+	// After the owner's own name has given way: a full store takes its new one in its place.
+	if len(ns.names) >= maxNames {
+		return syscall.ENOSPC, nil
 	}
 	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC()}
 	return 0, ns.saveLocked()

@@ -282,6 +282,27 @@ func TestNamesPerOwner(t *testing.T) {
 	if errno, _ := ns.claim("b0", "subject:CN=b", true, nil); errno != 0 {
 		t.Fatalf("another owner's new name: %v", errno)
 	}
+	// A full store: another owner's new name is ENOSPC, but the owner at its quota still
+	// swaps an unused name of its own for a new one.
+	for i := len(ns.names); i < maxNames; i++ {
+		if errno, _ := ns.claim(fmt.Sprintf("f%d", i), "addr:ipv6", false, nil); errno != 0 {
+			t.Fatalf("filling name %d: %v", i, errno)
+		}
+	}
+	if errno, _ := ns.claim("b1", "subject:CN=b", true, nil); errno != syscall.ENOSPC {
+		t.Fatalf("a new name in a full store: %v, want ENOSPC", errno)
+	}
+	if errno, _ := ns.claim("a-new", "subject:CN=a", true, inUse); errno != 0 {
+		t.Fatalf("a swap at the owner's quota in a full store: %v", errno)
+	}
+	if _, kept := ns.names["a2"]; kept || len(ns.names) != maxNames {
+		t.Errorf("after the swap: a2 kept %v, %d names", kept, len(ns.names))
+	}
+	for k := range ns.names {
+		if strings.HasPrefix(k, "f") {
+			delete(ns.names, k) // room for the family's names below
+		}
+	}
 	for i := range maxNamesPerOwner + 1 {
 		if errno, _ := ns.claim(fmt.Sprintf("v%d", i), "addr:ipv4", false, nil); errno != 0 {
 			t.Fatalf("name %d of a family: %v", i, errno)
