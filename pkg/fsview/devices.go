@@ -27,21 +27,26 @@ type DevTree struct {
 // Entries lists ctl/ and the sessions that have devices.
 func (t *DevTree) Entries() []Entry {
 	out := []Entry{{Name: "ctl", Dir: DirFunc(t.ctl)}}
-	bySess := map[string][]Entry{}
-	var order []string
+	seen := map[string]bool{}
 	for _, d := range t.Ctl.Mapped() {
-		name := control.DeviceFileName(d.Path())
-		if !validEntry(name) {
+		s := d.Session()
+		if seen[s] || !validEntry(control.DeviceFileName(d.Path())) {
 			continue
 		}
-		if _, ok := bySess[d.Session()]; !ok {
-			order = append(order, d.Session())
-		}
-		bySess[d.Session()] = append(bySess[d.Session()], Entry{Name: name, Block: d})
+		seen[s] = true
+		out = append(out, Entry{Name: s, Dir: DirFunc(func() []Entry { return t.session(s) })})
 	}
-	for _, s := range order {
-		ents := bySess[s]
-		out = append(out, Entry{Name: s, Dir: DirFunc(func() []Entry { return ents })})
+	return out
+}
+
+// session lists a session's devices as they are now: a shell sitting in the directory sees
+// a device mapped or unmapped after it came in, and nothing once the last one is gone.
+func (t *DevTree) session(name string) []Entry {
+	var out []Entry
+	for _, d := range t.Ctl.Mapped() {
+		if f := control.DeviceFileName(d.Path()); d.Session() == name && validEntry(f) {
+			out = append(out, Entry{Name: f, Block: d})
+		}
 	}
 	return out
 }

@@ -2,6 +2,8 @@ package fsview
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -54,4 +56,75 @@ echo 1 >&3 || echo "reconnect refused"`)
 		t.Errorf("paths: %q", got)
 	}
 	mustSh(t, "echo n > "+tr.cli+"/ctl/close_session")
+}
+
+// TestDeviceViewSessionDir: a shell sitting in a session's directory of the device view sees
+// the devices mapped and unmapped after it came in (the directory is not a copy of the list
+// at its lookup), and nothing once the last one is gone.
+func TestDeviceViewSessionDir(t *testing.T) {
+	leakcheck.Check(t)
+	tr := mountTrees(t)
+	if err := os.WriteFile(filepath.Join(tr.exports, "disk2"), make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	mapDev := func(p string) string {
+		return fmt.Sprintf("echo 'sessname=b device_path=%s dest_port=%d path=ip:127.0.0.1@ip:127.0.0.1' > %s/ctl/map_device", p, tr.port, tr.dev)
+	}
+	unmapDev := func(p string) string {
+		return fmt.Sprintf("echo 'sessname=b device_path=%s' > %s/ctl/unmap_device", p, tr.dev)
+	}
+	mustSh(t, mapDev("disk"))
+	out := mustSh(t, `set -e
+cd `+tr.dev+`/b
+echo "1: $(ls | tr '\n' ' ')"
+`+mapDev("disk2")+`
+echo "2: $(ls | tr '\n' ' ')"
+`+unmapDev("disk")+`
+echo "3: $(ls | tr '\n' ' ')"
+`+unmapDev("disk2")+`
+echo "4: $(ls | tr '\n' ' ')"
+`)
+	if want := "1: disk \n2: disk disk2 \n3: disk2 \n4: \n"; out != want {
+		t.Errorf("a shell in the session's directory saw:\n%s\nwant:\n%s", out, want)
+	}
+}
+
+// TestRNBDServerSessionGone: a shell left in an rnbd-server session's directory after the
+// client unmapped the device and mapped it again under the same session sees nothing there
+// (the new open is another directory, with its own access mode), and its force_close is
+// ENODEV and leaves the new open alone.
+func TestRNBDServerSessionGone(t *testing.T) {
+	leakcheck.Check(t)
+	tr := mountTrees(t)
+	mapDev := func(mode string) string {
+		return fmt.Sprintf("echo 'sessname=s1 device_path=disk dest_port=%d path=ip:127.0.0.1@ip:127.0.0.1 access_mode=%s' > %s/ctl/map_device", tr.port, mode, tr.dev)
+	}
+	mustSh(t, mapDev("rw"))
+	real, err := filepath.EvalSymlinks(filepath.Join(tr.exports, "disk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sd := tr.rnbd + "/ctl/devices/" + strings.ReplaceAll(strings.TrimLeft(real, "/"), "/", "!") + "/sessions/s1"
+	out, err := sh(t, `set -e
+cd `+sd+`
+exec 3>force_close
+echo "old: $(cat access_mode)"
+echo 'sessname=s1 device_path=disk' > `+tr.dev+`/ctl/unmap_device
+`+mapDev("ro")+`
+echo "new: $(cat `+sd+`/access_mode)"
+echo "left: [$(ls)]"
+echo 1 >&3 || echo "force_close refused"
+`)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, want := range []string{"old: rw\n", "new: ro\n", "left: []\n", "No such device", "force_close refused"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("want %q in:\n%s", want, out)
+		}
+	}
+	if got := mustSh(t, "cat "+tr.dev+"/ctl/devices"); got != "s1/disk open ro\n" {
+		t.Errorf("the new open: %q", got)
+	}
+	mustSh(t, "echo 'sessname=s1 device_path=disk' > "+tr.dev+"/ctl/unmap_device")
 }

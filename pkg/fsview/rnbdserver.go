@@ -62,7 +62,10 @@ func (t *RNBDServerTree) sessions(name string) []Entry {
 				continue
 			}
 			seen[es.Session] = true
-			out = append(out, Entry{Name: es.Session, Dir: DirFunc(func() []Entry { return t.session(es) })})
+			// Its own inode and a guard: a shell left in the directory of an open that has
+			// ended sees nothing, not the next open under the session's name.
+			alive := func() bool { return t.Server.IsOpen(es) }
+			out = append(out, Entry{Name: es.Session, Obj: es, Dir: guarded("session "+es.Session+"'s open of "+name, alive, DirFunc(func() []Entry { return t.session(es) }))})
 		}
 	}
 	return out

@@ -82,6 +82,16 @@ func (s *Server) Exports() []Export {
 	return out
 }
 
+// IsOpen says whether e is still open: its session has not closed the device, has not lost
+// it to force_close and is not gone. Another open of the same device by the same session
+// gets another id, so it is not e.
+func (s *Server) IsOpen(e ExportSession) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ss := s.sessions[e.ts]
+	return ss != nil && ss.devs[e.ID] != nil
+}
+
 // ForceClose closes one session's use of an export, as the kernel's force_close does: the
 // device is closed for that session (IO in progress finishes first; its access mode no
 // longer counts against other openers) and leaves the tree, while the session and its other
