@@ -81,6 +81,8 @@ type Session struct {
 	opts      ClientOptions
 	pathsUUID uuid.UUID
 	log       *log.Entry
+	// beforePost, if set, runs in post just before PostSend: the tests' way into that window.
+	beforePost func(permit, cid int)
 
 	mu    sync.RWMutex
 	paths []*Path

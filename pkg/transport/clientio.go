@@ -21,7 +21,13 @@ type cltReq struct {
 	done   func(error)
 	// owner is the connection the request is in flight on; whoever swaps it to nil (the
 	// completion or the failover) finishes the request, exactly once.
-	owner     atomic.Pointer[con]
+	owner atomic.Pointer[con]
+	// posting is set while post is in PostSend with the request's chain; a response that
+	// comes meanwhile (only a hostile server can send it before the request has left)
+	// leaves its outcome in answer and the request to post to finish, so the permit and the
+	// chain are not reused under PostSend (the kernel's req->ref).
+	posting   atomic.Uint32
+	answer    error
 	path      *Path
 	admin     bool // on connection 0, as RTRS_ADMIN_CON permits are
 	countedMI bool
@@ -301,18 +307,43 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	if countMI {
 		p.Stats.Inflight.Add(1)
 	}
+	r.posting.Store(postPosting)
 	r.owner.Store(c)
 	s.plugCon(c)
-	if _, err := c.qp.PostSend(wrs[:k]); err != nil {
-		if r.owner.CompareAndSwap(c, nil) {
-			if countMI {
-				p.Stats.Inflight.Add(-1)
-			}
-			return err
+	if s.beforePost != nil {
+		s.beforePost(r.permit, c.cid)
+	}
+	if _, err := c.qp.PostSend(wrs[:k]); err != nil && r.owner.CompareAndSwap(c, nil) {
+		r.posting.Store(0)
+		if countMI {
+			p.Stats.Inflight.Add(-1)
 		}
-		return nil // the path failed meanwhile and failover owns it now
+		return err
+	}
+	// Posted, or not but a response took the request (failover waits for the path's posts).
+	if !r.posting.CompareAndSwap(postPosting, 0) {
+		// Answered under PostSend: finished here, on a goroutine, since done must not run
+		// on the caller's.
+		r.posting.Store(0)
+		go s.finish(r, r.answer)
 	}
 	return nil
+}
+
+// States of cltReq.posting.
+const (
+	postPosting  = 1 // in PostSend
+	postAnswered = 2 // and a response has come
+)
+
+// answered finishes r with a response's outcome, or leaves that to its post if the post is
+// still running.
+func (s *Session) answered(r *cltReq, err error) {
+	r.answer = err
+	if r.posting.CompareAndSwap(postPosting, postPosting|postAnswered) {
+		return
+	}
+	s.finish(r, err)
 }
 
 // onCompletions is connection c's completion handler.
@@ -402,7 +433,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	if errno != 0 {
 		s.failServer.Inc()
 	}
-	s.finish(r, errnoErr(errno))
+	s.answered(r, errnoErr(errno))
 }
 
 // account counts a finished request on the path that carried it.

@@ -1,0 +1,67 @@
+package transport
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/testutil"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
+)
+
+// TestEarlyResponseDuringPost: a response for a message id that comes while the client's
+// post of that request is still running (only a hostile server can send it before the
+// request has left) does not finish the request under PostSend, where its permit, header
+// and work requests could be taken by the next request; it is finished once, after the post
+// has returned, and the session goes on.
+func TestEarlyResponseDuringPost(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 8)
+	s := e.open(t, "early", paths(t, path1()), nil)
+	sp := e.srvPath(t, "ip:"+testAddr(1))
+	var calls atomic.Int32
+	var inWindow int32 = -1
+	s.beforePost = func(permit, cid int) {
+		s.beforePost = nil // once; read and written on the caller's goroutine only
+		sp.mu.Lock()
+		c := sp.cons[cid]
+		sp.mu.Unlock()
+		if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IORspImm(uint32(permit), 0, false)}}); err != nil {
+			t.Errorf("the forged response: %v", err)
+			return
+		}
+		r := &s.reqs[permit]
+		testutil.WaitFor(t, 5*time.Second, "the forged response taken", func() bool { return r.owner.Load() == nil })
+		time.Sleep(100 * time.Millisecond) // what the completion goroutine does with it
+		inWindow = calls.Load()
+	}
+	finished := make(chan error, 2)
+	err := s.Request(context.Background(), Write, offHdr(0), make([]byte, 4096), func(err error) {
+		calls.Add(1)
+		finished <- err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inWindow != 0 {
+		t.Fatalf("the request was finished %d times while its post ran", inWindow)
+	}
+	select {
+	case err := <-finished:
+		if err != nil {
+			t.Errorf("the request's outcome: %v (the forged response said 0)", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request was never finished")
+	}
+	// The real response, stale by now, is dropped; nothing else finishes the request.
+	time.Sleep(200 * time.Millisecond)
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("done called %d times", n)
+	}
+	if err := s.Do(context.Background(), Write, offHdr(4096), make([]byte, 4096)); err != nil {
+		t.Fatalf("the next request: %v", err)
+	}
+}
