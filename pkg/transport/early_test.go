@@ -28,6 +28,8 @@ func TestEarlyResponseDuringPost(t *testing.T) {
 		sp.mu.Lock()
 		c := sp.cons[cid]
 		sp.mu.Unlock()
+		// The server's end is ready once the client's RTU has reached it.
+		testutil.WaitFor(t, 5*time.Second, "the server's connection ready", func() bool { return c.qp.State() == rdma.QPSRTS })
 		if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IORspImm(uint32(permit), 0, false)}}); err != nil {
 			t.Errorf("the forged response: %v", err)
 			return

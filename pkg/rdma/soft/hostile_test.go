@@ -407,3 +407,52 @@ func TestAddrGroup(t *testing.T) {
 		t.Fatalf("an IPv4-mapped address counted as %v", g)
 	}
 }
+
+// TestToErrorFencesRemoteWrite: once ToError has returned, a peer's RDMA WRITE no longer
+// lands in local memory, even one whose payload was being placed when it was called (as on a
+// real QP moved to error). RTRS fails a dead connection's requests over to another path
+// right after ToError, and the memory they are answered in must not be written by the dead
+// one meanwhile. ToError also returns while the peer holds back the rest of that payload.
+func TestToErrorFencesRemoteWrite(t *testing.T) {
+	p := New(Options{})
+	srv, addr := acceptOne(t, p)
+	c := rawConnect(t, addr)
+	s := <-srv
+	if s == nil {
+		t.Fatal("server did not accept")
+	}
+	const n = 64 << 10
+	mr := s.reg(t, n, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
+	var hb [hdrLen]byte
+	(&frameHdr{op: fWrite, seq: 1, len: n, rkey: mr.RKey(), addr: mr.Addr()}).encode(hb[:])
+	if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xaa}, 4096)...)); err != nil {
+		t.Fatal(err)
+	}
+	sq := s.qp.(*qp)
+	deadline := time.Now().Add(10 * time.Second)
+	for sq.placingWrite.TryLock() { // not placing yet
+		sq.placingWrite.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatal("the write's placement never began")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	returned := make(chan struct{})
+	go func() { s.qp.ToError(); close(returned) }()
+	select {
+	case <-returned:
+	case <-time.After(10 * time.Second):
+		t.Fatal("ToError waited for the peer to send the rest of the write")
+	}
+	before := bytes.Clone(mr.Bytes())
+	// The rest of the payload, as a dead path's server might still send it.
+	_ = c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	_, _ = c.Write(bytes.Repeat([]byte{0xbb}, n-4096))
+	time.Sleep(200 * time.Millisecond)
+	if !bytes.Equal(mr.Bytes(), before) {
+		t.Fatal("the write went on landing in memory after ToError returned")
+	}
+	if bytes.IndexByte(before, 0xbb) >= 0 {
+		t.Fatal("the held-back part landed before ToError returned")
+	}
+}

@@ -55,22 +55,27 @@ type qp struct {
 	rnrRetry   uint8
 	rnrTimer   time.Duration
 
-	mu       sync.Mutex
-	state    rdma.QPState
-	sq       []sqEntry
-	sqHead   int
-	sqN      int
-	nextSeq  uint64 // next request sequence number (from 1)
-	acked    uint64 // highest of our requests the peer has answered
-	ackReq   uint64 // seq of our last frame that asked for an ack
-	rq       []rqEntry
-	rqHead   int
-	rqN      int
-	placing  bool // the responder loop is moving payload into the head SQ or RQ entry
-	dead     chan struct{}
-	rqAvail  chan struct{}
-	shutOnce sync.Once
-	segTmp   []seg // PostSend scratch for resolved SGEs
+	mu      sync.Mutex
+	state   rdma.QPState
+	sq      []sqEntry
+	sqHead  int
+	sqN     int
+	nextSeq uint64 // next request sequence number (from 1)
+	acked   uint64 // highest of our requests the peer has answered
+	ackReq  uint64 // seq of our last frame that asked for an ack
+	rq      []rqEntry
+	rqHead  int
+	rqN     int
+	placing bool // the responder loop is moving payload into the head SQ or RQ entry
+	// errored mirrors state == QPSErr for the responder's placement of a peer's RDMA WRITE,
+	// which holds placingWrite while it reads the payload into local memory: ToError takes
+	// it (cutting a placement short), so no write lands through a QP once it is in error.
+	errored      atomic.Bool
+	placingWrite sync.Mutex
+	dead         chan struct{}
+	rqAvail      chan struct{}
+	shutOnce     sync.Once
+	segTmp       []seg // PostSend scratch for resolved SGEs
 	// Initiator depth: READs on the wire whose response has not arrived, and the frames
 	// waiting in order behind a READ that would pass maxRdAtomic.
 	rdOut   int
@@ -451,6 +456,7 @@ func (q *qp) errorLocked() {
 		return
 	}
 	q.state = rdma.QPSErr
+	q.errored.Store(true)
 	close(q.dead)
 	for _, f := range q.held {
 		releaseAll(f.segs)
@@ -478,11 +484,24 @@ func (q *qp) flushLocked() {
 	}
 }
 
-// ToError moves the QP to error and tears the connection down.
+// ToError moves the QP to error and tears the connection down. When it returns, no peer's
+// RDMA WRITE lands in local memory through this QP any more, as on a real QP: RTRS fails the
+// requests of a dead connection over to another path right after, and the memory they are
+// answered in must not be written by the dead one's responder meanwhile.
 func (q *qp) ToError() {
 	q.mu.Lock()
 	q.errorLocked()
+	conn := q.conn
 	q.mu.Unlock()
+	if !q.placingWrite.TryLock() {
+		// A placement is reading its payload: cut it short (the QP is in error, the rest
+		// of the stream is dropped anyway) and wait for it to end.
+		if conn != nil {
+			_ = conn.SetReadDeadline(time.Now())
+		}
+		q.placingWrite.Lock()
+	}
+	q.placingWrite.Unlock()
 	q.notify()
 	q.shutdown(nil)
 }
@@ -654,8 +673,18 @@ func (q *qp) execute(h *frameHdr) error {
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("remote write to rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
 		}
-		if err := q.br.ReadFull(b); err != nil {
-			return err
+		if len(b) > 0 {
+			q.placingWrite.Lock()
+			err := errDisconnected // moved to error locally since the frame began
+			if !q.errored.Load() {
+				if err = q.br.ReadFull(b); err != nil && q.errored.Load() {
+					err = errDisconnected // cut short by ToError
+				}
+			}
+			q.placingWrite.Unlock()
+			if err != nil {
+				return err
+			}
 		}
 		if h.op == fWriteImm {
 			return q.finishRecv(rdma.WC{Opcode: rdma.WCRecvRDMAWithImm, Flags: rdma.WCWithImm, Imm: h.imm, ByteLen: h.len}, nil)
