@@ -19,6 +19,10 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
+// maxBackground bounds the asynchronous requests (a device file's libaio and split direct
+// IO) the kernel keeps in flight on a mount, each served on a goroutine of its own.
+const maxBackground = 64
+
 // MountOptions name a mount.
 type MountOptions struct {
 	// Name shows as the file system type ("fuse.<Name>") and source.
@@ -48,6 +52,12 @@ func Mount(dir string, root Dir, o MountOptions) (*Mounted, error) {
 			Debug:        o.Debug,
 			Logger:       log.StdLogger(log.G(context.Background()).WithField("component", "fuse"), "debug"),
 			MaxReadAhead: 0,
+			// A device file's libaio and large direct IO go out as concurrent requests
+			// (FUSE_ASYNC_DIO): without it the kernel runs each in the submitting thread,
+			// one after another, and a job was QD1 whatever its iodepth.
+			ExtraCapabilities: fuse.CAP_ASYNC_DIO,
+			// Those concurrent requests in flight per mount (the kernel's default is 12).
+			MaxBackground: maxBackground,
 		},
 		// Nothing is cached: every lookup and every stat asks the tree, so state changes
 		// (a path removed, a device mapped) show at once.
