@@ -21,7 +21,10 @@ import (
 
 // maxBackground bounds the asynchronous requests (a device file's libaio and split direct
 // IO) the kernel keeps in flight on a mount, each served on a goroutine of its own.
-const maxBackground = 64
+// They are the whole tree's, not a device's: a device whose IO waits (its paths
+// reconnecting) with this many requests out holds up the other devices' asynchronous
+// submitters until it is served or fails; hence well above one job's queue depth.
+const maxBackground = 256
 
 // MountOptions name a mount.
 type MountOptions struct {
@@ -52,9 +55,10 @@ func Mount(dir string, root Dir, o MountOptions) (*Mounted, error) {
 			Debug:        o.Debug,
 			Logger:       log.StdLogger(log.G(context.Background()).WithField("component", "fuse"), "debug"),
 			MaxReadAhead: 0,
-			// A device file's libaio and large direct IO go out as concurrent requests
-			// (FUSE_ASYNC_DIO): without it the kernel runs each in the submitting thread,
-			// one after another, and a job was QD1 whatever its iodepth.
+			// A device file's asynchronous O_DIRECT requests (libaio) go out as
+			// concurrent FUSE requests (FUSE_ASYNC_DIO): without it the kernel runs each
+			// in the submitting thread, one after another, and a job was QD1 whatever
+			// its iodepth.
 			ExtraCapabilities: fuse.CAP_ASYNC_DIO,
 			// Those concurrent requests in flight per mount (the kernel's default is 12).
 			MaxBackground: maxBackground,
@@ -488,6 +492,10 @@ type Holder interface {
 type blockHandle struct {
 	b       Block
 	release func()
+	// dsync: opened with O_DSYNC or O_SYNC, so every write is FUA, durable when it
+	// completes, as the kernel makes a block device's O_DSYNC direct writes. (go-fuse's
+	// node API does not pass a write's own RWF_DSYNC on: fsync or fdatasync then.)
+	dsync bool
 }
 
 var _ fs.FileReleaser = (*blockHandle)(nil)
@@ -500,7 +508,7 @@ func (h *blockHandle) Release(ctx context.Context) syscall.Errno {
 }
 
 func (n *blockNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
-	h := &blockHandle{b: n.dev()}
+	h := &blockHandle{b: n.dev(), dsync: flags&syscall.O_DSYNC != 0}
 	if hd, ok := h.b.(Holder); ok {
 		rel, err := hd.Hold("device view file", nil)
 		if err != nil {
@@ -520,6 +528,12 @@ func (n *blockNode) blk(f fs.FileHandle) Block {
 		return h.b
 	}
 	return n.dev()
+}
+
+// fua says whether writes through f are to be durable when they complete.
+func fua(f fs.FileHandle) bool {
+	h, ok := f.(*blockHandle)
+	return ok && h.dsync
 }
 
 // ioCtx: device IO is bounded by the device's own reconnect timeout, not by FUSE interrupts.
@@ -559,7 +573,7 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 	if off%bs == 0 && int64(len(data))%bs == 0 {
 		n.mu.RLock()
 		defer n.mu.RUnlock()
-		if err := d.WriteAtContext(ioCtx(), data, off, false); err != nil {
+		if err := d.WriteAtContext(ioCtx(), data, off, fua(f)); err != nil {
 			return 0, errno.Of(err)
 		}
 		return uint32(len(data)), 0
@@ -576,7 +590,7 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 		return 0, errno.Of(err)
 	}
 	copy(buf[off-start:], data)
-	if err := d.WriteAtContext(ioCtx(), buf, start, false); err != nil {
+	if err := d.WriteAtContext(ioCtx(), buf, start, fua(f)); err != nil {
 		return 0, errno.Of(err)
 	}
 	return uint32(len(data)), 0

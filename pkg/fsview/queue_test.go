@@ -38,7 +38,7 @@ func (g *gateBlock) ReadAtContext(ctx context.Context, p []byte, off int64) erro
 	g.gmu.Unlock()
 	select {
 	case <-g.all:
-	case <-time.After(2 * time.Second):
+	case <-time.After(5 * time.Second):
 	}
 	g.gmu.Lock()
 	g.cur--
@@ -106,5 +106,73 @@ func TestBlockFileQueueDepth(t *testing.T) {
 	g.gmu.Unlock()
 	if most != n {
 		t.Fatalf("at most %d of %d submitted reads reached the device together", most, n)
+	}
+}
+
+// fuaBlock is a memBlock that records the FUA flag of each write.
+type fuaBlock struct {
+	memBlock
+	fmu  sync.Mutex
+	fuas []bool
+}
+
+func (b *fuaBlock) WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error {
+	b.fmu.Lock()
+	b.fuas = append(b.fuas, fua)
+	b.fmu.Unlock()
+	return b.memBlock.WriteAtContext(ctx, p, off, fua)
+}
+
+func (b *fuaBlock) take() []bool {
+	b.fmu.Lock()
+	defer b.fmu.Unlock()
+	out := b.fuas
+	b.fuas = nil
+	return out
+}
+
+// TestBlockFileDsync: writes through a device file opened with O_DSYNC or O_SYNC are FUA
+// (durable when they complete, as a block device's O_DSYNC direct writes are), whole blocks
+// and partial ones alike; without the flag they are not.
+func TestBlockFileDsync(t *testing.T) {
+	leakcheck.Check(t)
+	b := &fuaBlock{memBlock: memBlock{b: make([]byte, 1<<20)}}
+	dir := mount(t, DirFunc(func() []Entry { return []Entry{{Name: "dev", Block: b}} }))
+	for _, tc := range []struct {
+		name  string
+		flags int
+		want  bool
+	}{
+		{"plain", os.O_WRONLY, false},
+		{"O_DSYNC", os.O_WRONLY | unix.O_DSYNC, true},
+		{"O_SYNC", os.O_WRONLY | unix.O_SYNC, true},
+		{"O_DSYNC|O_DIRECT", os.O_WRONLY | unix.O_DSYNC | unix.O_DIRECT, true},
+	} {
+		f, err := os.OpenFile(filepath.Join(dir, "dev"), tc.flags, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf, err := unix.Mmap(-1, 0, 8192, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, werr := f.WriteAt(buf, 8192)
+		if werr == nil && tc.flags&unix.O_DIRECT == 0 {
+			_, werr = f.WriteAt([]byte("x"), 100) // a partial block: read, merge, write back
+		}
+		_ = unix.Munmap(buf)
+		_ = f.Close()
+		if werr != nil {
+			t.Fatalf("%s: %v", tc.name, werr)
+		}
+		got := b.take()
+		if len(got) == 0 {
+			t.Fatalf("%s: no write reached the device", tc.name)
+		}
+		for i, fua := range got {
+			if fua != tc.want {
+				t.Errorf("%s: write %d of %d: FUA %v, want %v", tc.name, i+1, len(got), fua, tc.want)
+			}
+		}
 	}
 }

@@ -323,7 +323,12 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	// Posted, or not but a response took the request (failover waits for the path's posts).
 	if !r.posting.CompareAndSwap(postPosting, 0) {
 		// Answered under PostSend: finished here, on a goroutine, since done must not run
-		// on the caller's.
+		// on the caller's. The answer came before the chain's REG_MR had run, so it found
+		// no key to take back: the key this post handed the server must not outlive the
+		// request, which gives the buffer back to its caller.
+		if fr := res.fr[r.permit]; len(r.data) > 0 && fr != nil && fr.Valid() {
+			_, _ = c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}})
+		}
 		r.posting.Store(0)
 		go s.finish(r, r.answer)
 	}

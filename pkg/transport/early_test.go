@@ -15,32 +15,45 @@ import (
 // post of that request is still running (only a hostile server can send it before the
 // request has left) does not finish the request under PostSend, where its permit, header
 // and work requests could be taken by the next request; it is finished once, after the post
-// has returned, and the session goes on.
+// has returned, and the session goes on. For a READ the key the post registered over the
+// caller's buffer is taken back before the buffer is handed back: the server cannot write
+// into it afterwards.
 func TestEarlyResponseDuringPost(t *testing.T) {
+	for _, dir := range []Dir{Write, Read} {
+		t.Run(dir.String(), func(t *testing.T) { testEarlyResponse(t, dir) })
+	}
+}
+
+func testEarlyResponse(t *testing.T, dir Dir) {
 	leakcheck.Check(t)
 	e := newEnv(t, false, 8)
+	// The real request's answer comes late: an honest server's SEND_WITH_INV would take
+	// the READ's key back by itself.
+	e.disk.async, e.disk.delay = true, 3*time.Second
 	s := e.open(t, "early", paths(t, path1()), nil)
 	sp := e.srvPath(t, "ip:"+testAddr(1))
 	var calls atomic.Int32
 	var inWindow int32 = -1
-	s.beforePost = func(permit, cid int) {
+	permit := -1
+	s.beforePost = func(pm, cid int) {
 		s.beforePost = nil // once; read and written on the caller's goroutine only
+		permit = pm
 		sp.mu.Lock()
 		c := sp.cons[cid]
 		sp.mu.Unlock()
 		// The server's end is ready once the client's RTU has reached it.
 		testutil.WaitFor(t, 5*time.Second, "the server's connection ready", func() bool { return c.qp.State() == rdma.QPSRTS })
-		if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IORspImm(uint32(permit), 0, false)}}); err != nil {
+		if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IORspImm(uint32(pm), 0, false)}}); err != nil {
 			t.Errorf("the forged response: %v", err)
 			return
 		}
-		r := &s.reqs[permit]
+		r := &s.reqs[pm]
 		testutil.WaitFor(t, 5*time.Second, "the forged response taken", func() bool { return r.owner.Load() == nil })
 		time.Sleep(100 * time.Millisecond) // what the completion goroutine does with it
 		inWindow = calls.Load()
 	}
 	finished := make(chan error, 2)
-	err := s.Request(context.Background(), Write, offHdr(0), make([]byte, 4096), func(err error) {
+	err := s.Request(context.Background(), dir, offHdr(0), make([]byte, 4096), func(err error) {
 		calls.Add(1)
 		finished <- err
 	})
@@ -58,8 +71,17 @@ func TestEarlyResponseDuringPost(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the request was never finished")
 	}
+	if dir == Read {
+		p := s.Paths()[0]
+		p.mu.Lock()
+		fr := p.res.fr[permit]
+		p.mu.Unlock()
+		if fr.Valid() {
+			t.Fatal("the buffer handed back to the caller can still be written by the server")
+		}
+	}
 	// The real response, stale by now, is dropped; nothing else finishes the request.
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(e.disk.delay + 200*time.Millisecond)
 	if n := calls.Load(); n != 1 {
 		t.Fatalf("done called %d times", n)
 	}

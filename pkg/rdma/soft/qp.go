@@ -499,11 +499,31 @@ func (q *qp) ToError() {
 		if conn != nil {
 			_ = conn.SetReadDeadline(time.Now())
 		}
-		q.placingWrite.Lock()
+		if !lockWithin(&q.placingWrite, discWriteTimeout) {
+			// Out of the deadline's reach: TLS answering a KeyUpdate inside the read, on
+			// a socket the peer does not read. Failing the writes and closing the
+			// connection frees it, as Destroy would.
+			if conn != nil {
+				_ = conn.SetWriteDeadline(time.Now())
+				_ = conn.Close()
+			}
+			q.placingWrite.Lock()
+		}
 	}
 	q.placingWrite.Unlock()
 	q.notify()
 	q.shutdown(nil)
+}
+
+// lockWithin takes mu if it can within d, looking every millisecond (a teardown's rare
+// wait, not worth a goroutine that would outlive a failure).
+func lockWithin(mu *sync.Mutex, d time.Duration) bool {
+	for t0 := time.Now(); !mu.TryLock(); time.Sleep(time.Millisecond) {
+		if time.Since(t0) > d {
+			return false
+		}
+	}
+	return true
 }
 
 // shutdown ends the connection once: it sends term (if any) and a DISCONNECT, closes the write

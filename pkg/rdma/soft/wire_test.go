@@ -196,3 +196,53 @@ func TestHostilePeer(t *testing.T) {
 		})
 	}
 }
+
+// deafConn ignores read deadlines, as a TLS connection does while its reader, inside a
+// read, answers a KeyUpdate on a socket the peer does not read.
+type deafConn struct{ net.Conn }
+
+func (deafConn) SetReadDeadline(time.Time) error { return nil }
+
+// TestToErrorPlacementPastDeadline: a placement that the read deadline cannot cut short does
+// not hold ToError for ever: past a bound the connection is closed, the placement ends, and
+// nothing more lands.
+func TestToErrorPlacementPastDeadline(t *testing.T) {
+	p := New(Options{})
+	dev := p.device("lo")
+	pdv, _ := dev.AllocPD()
+	c, _ := dev.CreateCQ(64)
+	q, err := newQP(dev, pdv.(*pd), qpAttr(c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 64 << 10
+	m, _ := pdv.AllocMR(n, all)
+	local, peer := net.Pipe()
+	q.start(deafConn{local}, sockread.New(local, 4096), 0)
+	go func() { _, _ = io.Copy(io.Discard, peer) }()
+	_ = peer.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	if _, err := peer.Write(append(enc(frameHdr{op: fWrite, len: n, seq: 1, rkey: m.RKey(), addr: m.Addr()}), bytes.Repeat([]byte{0xaa}, 4096)...)); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); q.placingWrite.TryLock(); time.Sleep(time.Millisecond) {
+		q.placingWrite.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatal("the write's placement never began")
+		}
+	}
+	returned := make(chan struct{})
+	go func() { q.ToError(); close(returned) }()
+	select {
+	case <-returned:
+	case <-time.After(20 * time.Second):
+		t.Fatal("ToError waited for ever on a placement out of its read deadline's reach")
+	}
+	before := bytes.Clone(m.Bytes())
+	_ = peer.SetWriteDeadline(time.Now().Add(time.Second))
+	_, _ = peer.Write(bytes.Repeat([]byte{0xbb}, n-4096))
+	_ = peer.Close()
+	q.wg.Wait()
+	if !bytes.Equal(m.Bytes(), before) {
+		t.Fatal("the write went on landing in memory after ToError returned")
+	}
+}
