@@ -39,9 +39,12 @@ type cltReq struct {
 }
 
 // Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
-// user header (the server's handler gets both). done is called once with the outcome, on a
-// transport goroutine, unless Request returns an error; it must not block. Request waits for
-// a permit until ctx ends.
+// user header (the server's handler gets both). done is called once with the outcome, unless
+// Request returns an error; it must not block. It runs on a goroutine of the transport's or
+// of the provider's, which with the soft provider can be the goroutine of any caller of
+// Request (its posts run the completion handlers of what they find queued, another request's
+// done among them), so it must not take a lock a caller holds across Request. Request waits
+// for a permit until ctx ends.
 func (s *Session) Request(ctx context.Context, dir Dir, usr, data []byte, done func(error)) error {
 	_, _, err := s.request(ctx, dir, usr, data, done, true, false)
 	return err
@@ -322,8 +325,8 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	}
 	// Posted, or not but a response took the request (failover waits for the path's posts).
 	if !r.posting.CompareAndSwap(postPosting, 0) {
-		// Answered under PostSend: finished here, on a goroutine, since done must not run
-		// on the caller's. The answer came before the chain's REG_MR had run, so it found
+		// Answered under PostSend: finished on a goroutine of its own rather than this
+		// one, which may be inside its caller's Request with done's lock held. The answer came before the chain's REG_MR had run, so it found
 		// no key to take back: the key this post handed the server must not outlive the
 		// request, which gives the buffer back to its caller.
 		if fr := res.fr[r.permit]; len(r.data) > 0 && fr != nil && fr.Valid() {
