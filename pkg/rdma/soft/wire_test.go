@@ -100,9 +100,8 @@ func FuzzDecodeHdr(f *testing.F) {
 	})
 }
 
-// responderUnderTest runs a server-side QP, as after an accepted connection, over one end of
-// an in-memory pipe; the returned conn is the peer's end.
-func responderUnderTest(t testing.TB, rnrRetry uint8) (*qp, net.Conn, rdma.MR) {
+// unstartedQP makes a QP, with its PD, that no connection has started yet.
+func unstartedQP(t testing.TB) (*qp, rdma.PD) {
 	p := New(Options{RNRTimer: time.Millisecond})
 	dev := p.device("lo")
 	pdv, _ := dev.AllocPD()
@@ -111,6 +110,13 @@ func responderUnderTest(t testing.TB, rnrRetry uint8) (*qp, net.Conn, rdma.MR) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return q, pdv
+}
+
+// responderUnderTest runs a server-side QP, as after an accepted connection, over one end of
+// an in-memory pipe; the returned conn is the peer's end.
+func responderUnderTest(t testing.TB, rnrRetry uint8) (*qp, net.Conn, rdma.MR) {
+	q, pdv := unstartedQP(t)
 	m, _ := pdv.AllocMR(4096, all)
 	buf, _ := pdv.AllocMR(4096, lw)
 	for i := 0; i < 4; i++ {
@@ -207,14 +213,7 @@ func (deafConn) SetReadDeadline(time.Time) error { return nil }
 // not hold ToError for ever: past a bound the connection is closed, the placement ends, and
 // nothing more lands.
 func TestToErrorPlacementPastDeadline(t *testing.T) {
-	p := New(Options{})
-	dev := p.device("lo")
-	pdv, _ := dev.AllocPD()
-	c, _ := dev.CreateCQ(64)
-	q, err := newQP(dev, pdv.(*pd), qpAttr(c))
-	if err != nil {
-		t.Fatal(err)
-	}
+	q, pdv := unstartedQP(t)
 	const n = 64 << 10
 	m, _ := pdv.AllocMR(n, all)
 	local, peer := net.Pipe()
