@@ -41,10 +41,11 @@ type cltReq struct {
 // Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
 // user header (the server's handler gets both). done is called once with the outcome, unless
 // Request returns an error; it must not block. It runs on a goroutine of the transport's or
-// of the provider's, which with the soft provider can be the goroutine of any caller of
-// Request (its posts run the completion handlers of what they find queued, another request's
-// done among them), so it must not take a lock a caller holds across Request. Request waits
-// for a permit until ctx ends.
+// of the provider's, which can be that of a caller of Request (the soft provider's posts run
+// the completion handlers of what they find queued, another request's done among them) or of
+// Path.Disconnect, Path.Remove or Session.Close (their failover finishes what no other path
+// takes), so it must not take a lock held across those calls. Request waits for a permit
+// until ctx ends.
 func (s *Session) Request(ctx context.Context, dir Dir, usr, data []byte, done func(error)) error {
 	_, _, err := s.request(ctx, dir, usr, data, done, true, false)
 	return err

@@ -504,8 +504,14 @@ func (q *qp) ToError() {
 			// a socket the peer does not read. Failing the writes and closing the
 			// connection frees it, as Destroy would.
 			if conn != nil {
-				_ = conn.SetWriteDeadline(time.Now())
-				_ = conn.Close()
+				// The socket itself: a TLS close would first try to send close_notify
+				// to the peer that does not read.
+				raw := conn
+				if tc, ok := conn.(interface{ NetConn() net.Conn }); ok {
+					raw = tc.NetConn()
+				}
+				_ = raw.SetWriteDeadline(time.Now())
+				_ = raw.Close()
 			}
 			q.placingWrite.Lock()
 		}
