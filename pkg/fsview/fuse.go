@@ -19,8 +19,8 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
-// maxBackground bounds the asynchronous requests (a device file's libaio and split direct
-// IO) the kernel keeps in flight on a mount, each served on a goroutine of its own.
+// maxBackground bounds the asynchronous requests (a device file's libaio with O_DIRECT) the
+// kernel keeps in flight on a mount, each served on a goroutine of its own.
 // They are the whole tree's, not a device's: a device whose IO waits (its paths
 // reconnecting) with this many requests out holds up the other devices' asynchronous
 // submitters until it is served or fails; hence well above one job's queue depth.
