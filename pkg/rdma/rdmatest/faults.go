@@ -320,10 +320,13 @@ func testDisconnect(t *testing.T, env *Env) {
 				s = c.srv
 			}
 			c.disconnect(t, s)
-			// Every request completes once. The SEND may have been delivered (receive 200
+			// Every request completes once. The SEND may have been delivered (one receive
 			// succeeds) and still be flushed at the requester, whose ack the disconnect
-			// beat; but a successful SEND implies its receive succeeded.
+			// beat; but a successful SEND implies its receive succeeded. Which receive is
+			// not fixed: rxe on 6.12 can flush receive 200 while its responder, racing the
+			// move to error, takes the SEND into 201 (seen in the VM).
 			got := map[uint64]rdma.WCStatus{}
+			delivered := 0
 			for _, s := range []*side{c.cli, c.srv} {
 				n := 6
 				if s == c.srv {
@@ -335,14 +338,21 @@ func testDisconnect(t *testing.T, env *Env) {
 						t.Fatalf("%s: request %#x completed twice", s.name, wc.ID)
 					}
 					got[wc.ID] = wc.Status
-					if ok := wc.Status == rdma.WCFlushErr || (wc.Status == rdma.WCSuccess && (wc.ID == 1 || wc.ID == 200)); !ok {
+					received := s == c.srv && wc.Status == rdma.WCSuccess && wc.Opcode == rdma.WCRecv && wc.ByteLen == 8
+					if received {
+						delivered++
+					}
+					if ok := wc.Status == rdma.WCFlushErr || (s == c.cli && wc.ID == 1 && wc.Status == rdma.WCSuccess) || received; !ok {
 						t.Fatalf("%s: completion %s after the disconnect", s.name, fmtWC(wc))
 					}
 				}
 				s.quiet(t)
 			}
-			if got[1] == rdma.WCSuccess && got[200] != rdma.WCSuccess {
-				t.Fatalf("the SEND succeeded but its receive %q", got[200])
+			if delivered > 1 {
+				t.Fatalf("one SEND filled %d receives", delivered)
+			}
+			if got[1] == rdma.WCSuccess && delivered != 1 {
+				t.Fatal("the SEND succeeded but no receive did")
 			}
 			c.cli.expectState(t, rdma.QPSErr)
 			c.srv.expectState(t, rdma.QPSErr)
