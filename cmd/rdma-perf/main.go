@@ -199,10 +199,13 @@ func newSide(id rdma.ConnID, depth int) (*side, error) {
 	if s.pd, err = id.Device().AllocPD(); err != nil {
 		return nil, err
 	}
-	if s.cq, err = id.Device().CreateCQ(4 * depth); err != nil {
+	// Room in the CQ for every request both queues can hold: a disconnect flushes them all
+	// at once (a smaller CQ overflowed at each send_lat's end, which rxe logs as an error).
+	wrs := 2*depth + 64
+	if s.cq, err = id.Device().CreateCQ(2 * wrs); err != nil {
 		return nil, err
 	}
-	s.qp, err = id.CreateQP(s.pd, rdma.QPInitAttr{SendCQ: s.cq, RecvCQ: s.cq, MaxSendWR: 2*depth + 64, MaxRecvWR: 2*depth + 64, MaxSendSGE: 1, MaxRecvSGE: 1})
+	s.qp, err = id.CreateQP(s.pd, rdma.QPInitAttr{SendCQ: s.cq, RecvCQ: s.cq, MaxSendWR: wrs, MaxRecvWR: wrs, MaxSendSGE: 1, MaxRecvSGE: 1})
 	return s, err
 }
 
