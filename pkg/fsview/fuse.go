@@ -70,8 +70,12 @@ func Mount(dir string, root Dir, o MountOptions) (*Mounted, error) {
 		NegativeTimeout: &zero,
 		NullPermissions: true,
 	}
-	srv, err := fs.Mount(dir, &dirNode{dir: root}, opts)
+	srv, err := fuse.NewServer(newSyncWrites(fs.NewNodeFS(&dirNode{dir: root}, opts)), dir, &opts.MountOptions)
 	if err != nil {
+		return nil, err
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
 		return nil, err
 	}
 	m := &Mounted{srv: srv, dir: dir}
@@ -493,8 +497,8 @@ type blockHandle struct {
 	b       Block
 	release func()
 	// dsync: opened with O_DSYNC or O_SYNC, so every write is FUA, durable when it
-	// completes, as the kernel makes a block device's O_DSYNC direct writes. (go-fuse's
-	// node API does not pass a write's own RWF_DSYNC on: fsync or fdatasync then.)
+	// completes, as the kernel makes a block device's O_DSYNC direct writes. A write's
+	// own RWF_DSYNC is kept by syncWrites, a layer below the nodes.
 	dsync bool
 }
 

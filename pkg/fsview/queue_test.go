@@ -2,9 +2,12 @@ package fsview
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -173,6 +176,89 @@ func TestBlockFileDsync(t *testing.T) {
 			if fua != tc.want {
 				t.Errorf("%s: write %d of %d: FUA %v, want %v", tc.name, i+1, len(got), fua, tc.want)
 			}
+		}
+	}
+}
+
+// orderBlock is a memBlock that records its completed writes (with their FUA flag) and its
+// flushes, in order; a flush fails while flushErr is set.
+type orderBlock struct {
+	memBlock
+	omu      sync.Mutex
+	ops      []string
+	flushErr error
+}
+
+func (b *orderBlock) WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error {
+	err := b.memBlock.WriteAtContext(ctx, p, off, fua)
+	b.omu.Lock()
+	defer b.omu.Unlock()
+	if fua {
+		b.ops = append(b.ops, "write FUA")
+	} else {
+		b.ops = append(b.ops, "write")
+	}
+	return err
+}
+
+func (b *orderBlock) Flush(ctx context.Context) error {
+	b.omu.Lock()
+	defer b.omu.Unlock()
+	b.ops = append(b.ops, "flush")
+	return b.flushErr
+}
+
+func (b *orderBlock) take() string {
+	b.omu.Lock()
+	defer b.omu.Unlock()
+	out := strings.Join(b.ops, ", ")
+	b.ops = nil
+	return out
+}
+
+// TestBlockFileWriteDsync: a single write's RWF_DSYNC or RWF_SYNC (pwritev2) through a device
+// file is durable when it returns: its data is written, then the device flushed, before the
+// write is answered; a file opened with O_DSYNC writes with FUA and needs no flush; a flush
+// that fails fails the write.
+func TestBlockFileWriteDsync(t *testing.T) {
+	leakcheck.Check(t)
+	b := &orderBlock{memBlock: memBlock{b: make([]byte, 1<<20)}}
+	dir := mount(t, DirFunc(func() []Entry { return []Entry{{Name: "dev", Block: b}} }))
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unix.Munmap(buf) }()
+	for _, tc := range []struct {
+		name     string
+		open     int
+		rwf      int
+		flushErr error
+		want     string
+		wantErr  error
+	}{
+		{"plain", os.O_WRONLY, 0, nil, "write", nil},
+		{"RWF_DSYNC", os.O_WRONLY, unix.RWF_DSYNC, nil, "write, flush", nil},
+		{"RWF_SYNC", os.O_WRONLY, unix.RWF_SYNC, nil, "write, flush", nil},
+		{"O_DIRECT, RWF_DSYNC", os.O_WRONLY | unix.O_DIRECT, unix.RWF_DSYNC, nil, "write, flush", nil},
+		{"O_DSYNC, RWF_DSYNC", os.O_WRONLY | unix.O_DSYNC, unix.RWF_DSYNC, nil, "write FUA", nil},
+		{"RWF_DSYNC, the flush fails", os.O_WRONLY, unix.RWF_DSYNC, syscall.EIO, "write, flush", syscall.EIO},
+	} {
+		f, err := os.OpenFile(filepath.Join(dir, "dev"), tc.open, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.omu.Lock()
+		b.flushErr = tc.flushErr
+		b.omu.Unlock()
+		_, werr := unix.Pwritev2(int(f.Fd()), [][]byte{buf}, 8192, tc.rwf)
+		got := b.take()
+		_ = f.Close()
+		if !errors.Is(werr, tc.wantErr) {
+			t.Errorf("%s: pwritev2: %v, want %v", tc.name, werr, tc.wantErr)
+		}
+		if got != tc.want {
+			t.Errorf("%s: the device saw %q, want %q", tc.name, got, tc.want)
 		}
 	}
 }
