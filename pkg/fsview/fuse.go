@@ -420,6 +420,11 @@ func (n *attrNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off i
 	return fuse.ReadResultData(h.data[off:end]), 0
 }
 
+// Fsync does nothing and succeeds, as sysfs's does: a store has acted when its write returns.
+func (n *attrNode) Fsync(ctx context.Context, f fs.FileHandle, flags uint32) syscall.Errno {
+	return 0
+}
+
 // Write runs the store with the whole write (the offset is ignored, as sysfs does for a
 // first write) minus one trailing newline.
 func (n *attrNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {

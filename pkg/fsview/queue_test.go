@@ -261,4 +261,39 @@ func TestBlockFileWriteDsync(t *testing.T) {
 			t.Errorf("%s: the device saw %q, want %q", tc.name, got, tc.want)
 		}
 	}
+	// Asynchronous direct IO (libaio, FUSE_ASYNC_DIO) takes another path in the kernel.
+	b.omu.Lock()
+	b.flushErr = nil
+	b.omu.Unlock()
+	f, err := os.OpenFile(filepath.Join(dir, "dev"), os.O_WRONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, err := aio.New(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ctx.Destroy() }()
+	cb := &aio.IOCB{Opcode: aio.CmdPwrite, RWFlags: unix.RWF_DSYNC, Fd: uint32(f.Fd()),
+		Buf: uint64(uintptr(unsafe.Pointer(&buf[0]))), Nbytes: 4096, Offset: 8192}
+	if k, err := ctx.Submit([]*aio.IOCB{cb}); err != nil || k != 1 {
+		t.Fatalf("io_submit: %d, %v", k, err)
+	}
+	var ev [1]aio.Event
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(time.Millisecond) {
+		k, err := ctx.Ready(ev[:])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if k == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the asynchronous write did not complete")
+		}
+	}
+	if got := b.take(); ev[0].Res != 4096 || got != "write, flush" {
+		t.Fatalf("libaio write with RWF_DSYNC: result %d, the device saw %q, want a write, then a flush", ev[0].Res, got)
+	}
 }

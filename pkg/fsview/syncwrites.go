@@ -5,6 +5,8 @@ import (
 	"syscall"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
+
+	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
 // syncFlags are the open flags that make a write durable when it returns.
@@ -28,7 +30,8 @@ func newSyncWrites(fs fuse.RawFileSystem) *syncWrites {
 
 func (s *syncWrites) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	st := s.RawFileSystem.Open(cancel, in, out)
-	if st == fuse.OK && in.Flags&syncFlags != 0 {
+	// Handle 0 is every open without a handle of its own: never taken as one that writes FUA.
+	if st == fuse.OK && in.Flags&syncFlags != 0 && out.Fh != 0 {
 		s.mu.Lock()
 		s.opened[out.Fh] = true
 		s.mu.Unlock()
@@ -66,10 +69,12 @@ func (s *syncWrites) synced(cancel <-chan struct{}, in *fuse.WriteIn, n uint32, 
 	if fua {
 		return n, st
 	}
-	switch fst := s.RawFileSystem.Fsync(cancel, &fuse.FsyncIn{InHeader: in.InHeader, Fh: in.Fh, FsyncFlags: 1}); fst {
-	case fuse.OK, fuse.ENOTSUP, fuse.ENOSYS: // a file without a device (a control file) has nothing to flush
-		return n, st
-	default:
+	// Every file that takes writes has an fsync (a control file's does nothing, as sysfs's):
+	// any error, ENOTSUP included, is the device's.
+	if fst := s.RawFileSystem.Fsync(cancel, &fuse.FsyncIn{InHeader: in.InHeader, Fh: in.Fh, FsyncFlags: 1}); fst != fuse.OK {
+		log.L.WithFields(log.Fields{"component": "fsview", "node": in.NodeId, "offset": in.Offset, "size": in.Size, "errno": fst.String()}).
+			Warn("the flush after a write with RWF_DSYNC failed: the write fails")
 		return 0, fst
 	}
+	return n, st
 }

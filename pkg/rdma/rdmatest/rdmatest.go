@@ -69,6 +69,11 @@ type Env struct {
 	// behind an RDMA_READ whose local protection error it finds only when the response
 	// arrives, as Linux 7.x's rxe does (an HCA may too). The QP must still fail.
 	LocalErrorsFlush bool
+	// DisconnectReordersReceives says the provider may, when its QP moves to error while a
+	// SEND is being received, flush the receive at the head of the queue and place the SEND
+	// in the next one, as rxe after 6.1 did once in the VM (6.12). Otherwise the SEND can
+	// only land in the first receive.
+	DisconnectReordersReceives bool
 }
 
 // testCase is one conformance case.
