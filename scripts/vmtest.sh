@@ -12,7 +12,10 @@
 # Environment:
 #   RTRS_VM_KERNELS        the series list when there is no -k (comma- or space-separated)
 #   RTRS_VM_CACHE          cache of the kernel, initramfs, built modules (/var/cache/rtrs-vmtest)
-#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (2400: the interop suite waits out the kernel's 30 s reconnect delay several times)
+#   RTRS_VM_JOBS           with several series: how many run at once (1 by default; CI's
+#                          scripts/test.sh runs two: one TCG VM leaves a third of two cores idle)
+#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (3600: the interop
+#                          suite waits out reconnect delays, and a VM beside another runs slower)
 #   RTRS_VM_SUITE_TIMEOUT  seconds for one suite's guest part (default: the whole run's)
 #   RTRS_VM_KEEP=1         keep the work folder even when everything passed
 #   RTRS_VM_RESULTS        copy the guest's results/ (logs, suites' files) and console log here
@@ -30,7 +33,7 @@ repo=$(cd "$here/.." && pwd)
 [ "$(id -u)" = 0 ] || vm_die "run as root (installs packages, boots qemu)"
 export RTRS_VM_CACHE=${RTRS_VM_CACHE:-/var/cache/rtrs-vmtest}
 export RTRS_VM_REPO=$repo
-timeout_s=${RTRS_VM_TIMEOUT:-2400}
+timeout_s=${RTRS_VM_TIMEOUT:-3600}
 t_start=$(vm_now)
 
 # ---- kernel series ------------------------------------------------------------------------------
@@ -53,27 +56,53 @@ for k in "${klist[@]}"; do
 done
 
 # ---- the matrix: several series, one run of this script each ------------------------------
+# With RTRS_VM_JOBS above 1, up to that many run at once, in the order given (the longest
+# first, 6.1's); each one's output goes to a file, shown whole when it ends, and meanwhile
+# its progress lines (vmtest's own, the guest runner's) prefixed with the series.
 if [ ${#klist[@]} -gt 1 ]; then
-	msum=$(mktemp /tmp/rtrs-vmtest-matrix.XXXXXX)
-	trap 'rm -f "$msum"' EXIT
-	mfail=0
-	for k in "${klist[@]}"; do
-		echo "==== kernel $k: $0 -k $k $*"
+	jobs=${RTRS_VM_JOBS:-1}
+	[[ $jobs =~ ^[1-9]$ ]] || vm_die "RTRS_VM_JOBS: $jobs is not a count from 1 to 9"
+	mdir=$(mktemp -d /tmp/rtrs-vmtest-matrix.XXXXXX)
+	trap 'rm -rf "$mdir"' EXIT
+	# series K: one run; its verdicts and time in $mdir/K.sum.
+	series() {
+		local k=$1 t0 rc=0
+		shift
 		t0=$(vm_now)
-		rc=0
-		RTRS_VM_SUMMARY=$msum.$k RTRS_VM_RESULTS=${RTRS_VM_RESULTS:+$RTRS_VM_RESULTS/$k} \
+		RTRS_VM_SUMMARY=$mdir/$k.sum RTRS_VM_RESULTS=${RTRS_VM_RESULTS:+$RTRS_VM_RESULTS/$k} \
 			"$here/vmtest.sh" -k "$k" "$@" || rc=$?
-		if [ ! -s "$msum.$k" ]; then
-			echo "vmtest: $k FAIL: the run ended (rc $rc) before its suites' verdicts" >"$msum.$k"
+		if [ ! -s "$mdir/$k.sum" ]; then
+			echo "vmtest: $k FAIL: the run ended (rc $rc) before its suites' verdicts" >"$mdir/$k.sum"
 		fi
-		echo "vmtest: $k rc $rc, $(vm_since "$t0") s in all" >>"$msum.$k"
-		cat "$msum.$k" >>"$msum"
-		rm -f "$msum.$k"
-		[ "$rc" = 0 ] || mfail=1
-	done
-	echo "==== matrix summary (${klist[*]})"
-	cat "$msum"
-	echo "vmtest: matrix $(grep -c '^vmtest: [^ ]* PASS' "$msum") passed, $(grep -c '^vmtest: [^ ]* FAIL' "$msum") failed, whole run $(vm_since "$t_start") s"
+		echo "vmtest: $k rc $rc, $(vm_since "$t0") s in all" >>"$mdir/$k.sum"
+		return "$rc"
+	}
+	mfail=0
+	if [ "$jobs" = 1 ]; then
+		for k in "${klist[@]}"; do
+			echo "==== kernel $k: $0 -k $k $*"
+			series "$k" "$@" || mfail=1
+		done
+	else
+		declare -A pid_of=()
+		for k in "${klist[@]}"; do
+			while [ "$(jobs -pr | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+			echo "==== kernel $k: $0 -k $k $* (output below when it ends; progress: [$k])"
+			{ series "$k" "$@" 2>&1 | tee "$mdir/$k.out" |
+				grep --line-buffered -E '^(vmtest: |\[vm\] rtrs-vmtest: )' | sed -u "s/^/[$k] /"; } &
+			pid_of[$k]=$!
+		done
+		for k in "${klist[@]}"; do
+			wait "${pid_of[$k]}" || true
+			echo "==== kernel $k: $0 -k $k $* (its whole output)"
+			cat "$mdir/$k.out"
+		done
+		# The pipelines' status is tee's: the verdicts are read from the summaries.
+		for k in "${klist[@]}"; do grep -q "^vmtest: $k rc 0," "$mdir/$k.sum" || mfail=1; done
+	fi
+	echo "==== matrix summary (${klist[*]}, $jobs at once)"
+	for k in "${klist[@]}"; do cat "$mdir/$k.sum"; done | tee "$mdir/all"
+	echo "vmtest: matrix $(grep -c '^vmtest: [^ ]* PASS' "$mdir/all") passed, $(grep -c '^vmtest: [^ ]* FAIL' "$mdir/all") failed, whole run $(vm_since "$t_start") s"
 	exit "$mfail"
 fi
 kseries=${klist[0]}

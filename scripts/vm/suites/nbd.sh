@@ -248,9 +248,9 @@ fs_check() {
 # error, verify must pass, the kernel must log no IO error, and the paths come back.
 fio_check() {
 	local dev=$1 tag=$2
-	fio_with_failover "$dev" "$tag"-rand4k "$P2" --rw=randwrite --bs=4k --size=32m --iodepth=32 \
+	fio_with_failover "$dev" "$tag"-rand4k "$P2" --rw=randwrite --bs=4k --size=24m --iodepth=32 \
 		--verify_backlog=4096
-	fio_with_failover "$dev" "$tag"-seq1m "$P1" --rw=write --bs=1M --size=128m --iodepth=8
+	fio_with_failover "$dev" "$tag"-seq1m "$P1" --rw=write --bs=1M --size=64m --iodepth=8
 }
 
 # fio_with_failover DEV NAME PATHDIR FIO-ARGS...

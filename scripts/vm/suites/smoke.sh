@@ -41,9 +41,10 @@ guest() {
 	grep -q MEM_WINDOW_TYPE_2B /tmp/devinfo
 
 	# Plain verbs, out-of-band exchange over TCP.
-	perf ib_write_bw -d "$D" -F -- ib_write_bw -d "$D" -F "$A1"
+	# (1000 iterations each: perftest's default of 5000 took 10 to 12 s here, for a check.)
+	perf ib_write_bw -d "$D" -F -n 1000 -- ib_write_bw -d "$D" -F -n 1000 "$A1"
 	# rdma_cm (what RTRS uses), then from the second address: the second path.
-	perf ib_write_bw -d "$D" -F -R -- ib_write_bw -d "$D" -F -R "$A1"
+	perf ib_write_bw -d "$D" -F -R -n 1000 -- ib_write_bw -d "$D" -F -R -n 1000 "$A1"
 	perf ib_write_bw -d "$D" -F -R -n 1000 -- \
 		ib_write_bw -d "$D" -F -R -n 1000 --source_ip "$A2" "$A1"
 	# The forms later compared with the project's rdma-perf (1 MiB: 100 iterations, ~7 s here).
