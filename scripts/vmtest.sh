@@ -6,16 +6,19 @@
 # Usage (root, Debian 12): scripts/vmtest.sh [-k SERIES[,SERIES...]] [SUITE...]   (no suite: every suite)
 #   SUITE is a name from scripts/vm/suites/NAME.sh, or a path to a suite file.
 #   -k SERIES  the kernel the VM boots: 6.1 (bookworm), 6.12 (bookworm-backports) or 7.2
-#              (unstable); several, comma-separated: each in turn with the same suites (the
-#              matrix), then a summary line per kernel and suite. Default: RTRS_VM_KERNELS,
+#              (unstable); several, comma-separated: each with the same suites (the matrix),
+#              in turn or RTRS_VM_JOBS at once, then a summary line per kernel and suite. Default: RTRS_VM_KERNELS,
 #              else every series (6.1,6.12,7.2).
 # Environment:
 #   RTRS_VM_KERNELS        the series list when there is no -k (comma- or space-separated)
 #   RTRS_VM_CACHE          cache of the kernel, initramfs, built modules (/var/cache/rtrs-vmtest)
-#   RTRS_VM_JOBS           with several series: how many run at once (1 by default; CI's
-#                          scripts/test.sh runs two: one TCG VM leaves a third of two cores idle)
-#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (3600: the interop
-#                          suite waits out reconnect delays, and a VM beside another runs slower)
+#   RTRS_VM_JOBS           with several series: how many run at once (1 by default). Only where
+#                          the machine has a core per emulated CPU of every VM: two VMs of two
+#                          vCPUs on two cores ran each at under a quarter of its speed alone
+#                          (their vCPU threads wait on each other): slower than in turn
+#   RTRS_VM_SMP            the VM's CPUs (2; one made the nbd and smoke suites 1.6x slower)
+#   RTRS_VM_TIMEOUT        seconds for the whole VM run, boot to power-off (2400: the longest
+#                          run, 6.1's, took 1990 s before 2026-11-27's cuts)
 #   RTRS_VM_SUITE_TIMEOUT  seconds for one suite's guest part (default: the whole run's)
 #   RTRS_VM_KEEP=1         keep the work folder even when everything passed
 #   RTRS_VM_RESULTS        copy the guest's results/ (logs, suites' files) and console log here
@@ -33,7 +36,9 @@ repo=$(cd "$here/.." && pwd)
 [ "$(id -u)" = 0 ] || vm_die "run as root (installs packages, boots qemu)"
 export RTRS_VM_CACHE=${RTRS_VM_CACHE:-/var/cache/rtrs-vmtest}
 export RTRS_VM_REPO=$repo
-timeout_s=${RTRS_VM_TIMEOUT:-3600}
+timeout_s=${RTRS_VM_TIMEOUT:-2400}
+smp=${RTRS_VM_SMP:-2}
+[[ $smp =~ ^[1-8]$ ]] || vm_die "RTRS_VM_SMP: $smp is not a count of CPUs from 1 to 8"
 t_start=$(vm_now)
 
 # ---- kernel series ------------------------------------------------------------------------------
@@ -57,8 +62,9 @@ done
 
 # ---- the matrix: several series, one run of this script each ------------------------------
 # With RTRS_VM_JOBS above 1, up to that many run at once, in the order given (the longest
-# first, 6.1's); each one's output goes to a file, shown whole when it ends, and meanwhile
-# its progress lines (vmtest's own, the guest runner's) prefixed with the series.
+# first, 6.1's); each one's output goes to a file, shown whole as soon as that run ends (one
+# at a time), and meanwhile its progress lines (vmtest's own, the guest runner's) prefixed with
+# the series.
 if [ ${#klist[@]} -gt 1 ]; then
 	jobs=${RTRS_VM_JOBS:-1}
 	[[ $jobs =~ ^[1-9]$ ]] || vm_die "RTRS_VM_JOBS: $jobs is not a count from 1 to 9"
@@ -84,21 +90,23 @@ if [ ${#klist[@]} -gt 1 ]; then
 			series "$k" "$@" || mfail=1
 		done
 	else
-		declare -A pid_of=()
 		for k in "${klist[@]}"; do
 			while [ "$(jobs -pr | wc -l)" -ge "$jobs" ]; do wait -n || true; done
 			echo "==== kernel $k: $0 -k $k $* (output below when it ends; progress: [$k])"
-			{ series "$k" "$@" 2>&1 | tee "$mdir/$k.out" |
-				grep --line-buffered -E '^(vmtest: |\[vm\] rtrs-vmtest: )' | sed -u "s/^/[$k] /"; } &
-			pid_of[$k]=$!
+			{
+				{ series "$k" "$@" 2>&1 | tee "$mdir/$k.out" |
+					grep --line-buffered -E '^(vmtest: |\[vm\] rtrs-vmtest: )' | sed -u "s/^/[$k] /"; } || true
+				(
+					flock 9
+					echo "==== kernel $k: $0 -k $k $* (its whole output)"
+					cat "$mdir/$k.out"
+				) 9>"$mdir/print.lock"
+			} &
 		done
-		for k in "${klist[@]}"; do
-			wait "${pid_of[$k]}" || true
-			echo "==== kernel $k: $0 -k $k $* (its whole output)"
-			cat "$mdir/$k.out"
-		done
-		# The pipelines' status is tee's: the verdicts are read from the summaries.
-		for k in "${klist[@]}"; do grep -q "^vmtest: $k rc 0," "$mdir/$k.sum" || mfail=1; done
+		wait
+		# What the background pipelines returned says nothing (grep's status, under pipefail):
+		# the verdicts are read from the summaries.
+		for k in "${klist[@]}"; do grep -q "^vmtest: $k rc 0," "$mdir/$k.sum" 2>/dev/null || mfail=1; done
 	fi
 	echo "==== matrix summary (${klist[*]}, $jobs at once)"
 	for k in "${klist[@]}"; do cat "$mdir/$k.sum"; done | tee "$mdir/all"
@@ -348,7 +356,7 @@ if [ ${#guest_suites[@]} -gt 0 ]; then
 	append+=" ${RTRS_VM_APPEND:-}"
 	# No network device at all (-nic none): no guest packet may leave the VM.
 	# shellcheck disable=SC2054 # commas inside qemu's options, not between array elements
-	qemu=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 2048 -smp 2
+	qemu=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 2048 -smp "$smp"
 		-nographic -no-reboot -nic none
 		-kernel "$vmlinuz" -initrd "$initrd"
 		-append "$append"
