@@ -42,7 +42,7 @@ SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio nbd-client libnbd-bin
 host() {
 	case ${INTEROP_FIGURES:-0}:${INTEROP_POLICIES:-1} in
 	[01]:[01]) ;;
-	*) vm_die "INTEROP_FIGURES ($INTEROP_FIGURES) and INTEROP_POLICIES ($INTEROP_POLICIES) are 0 or 1" ;;
+	*) vm_die "INTEROP_FIGURES (${INTEROP_FIGURES:-}) and INTEROP_POLICIES (${INTEROP_POLICIES:-}) are 0 or 1" ;;
 	esac
 	{
 		echo "INTEROP_FIGURES=${INTEROP_FIGURES:-0}"
