@@ -62,9 +62,11 @@ type ClientOptions struct {
 	// OnLinkEvent gets LinkDisconnected when no path is left and LinkReconnected when the
 	// first comes back. It runs on a transport goroutine and must not block.
 	OnLinkEvent func(LinkEvent)
-	// AfterCompletions, if set, runs on a connection's completion goroutine after each batch
-	// of completions it handled (request callbacks included), so that a user can gather what
-	// those callbacks produced and send it once. It must not block.
+	// AfterCompletions, if set, runs after each batch of request callbacks, on the goroutine
+	// that ran them: a connection's completion goroutine after the completions it handled,
+	// and also one that finished requests outside it (a response that came while its
+	// request's post ran, a failover that found no path). A user can gather what those
+	// callbacks produced and send it once. It must not block.
 	AfterCompletions func()
 	// MaxChunkMemory bounds what a server can make the session allocate: a path whose server
 	// offers queue depth × (chunk size + a 4 KiB header buffer) above it is refused (default

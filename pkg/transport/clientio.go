@@ -23,9 +23,10 @@ type cltReq struct {
 	// completion or the failover) finishes the request, exactly once.
 	owner atomic.Pointer[con]
 	// posting is set while post is in PostSend with the request's chain; a response that
-	// comes meanwhile (only a hostile server can send it before the request has left)
-	// leaves its outcome in answer and the request to post to finish, so the permit and the
-	// chain are not reused under PostSend (the kernel's req->ref).
+	// comes meanwhile (a hostile server's before the request has left, or an honest one's
+	// to a request that left before PostSend returned: with the soft provider over loopback,
+	// often) leaves its outcome in answer and the request to post to finish, so the permit
+	// and the chain are not reused under PostSend (the kernel's req->ref).
 	posting   atomic.Uint32
 	answer    error
 	path      *Path
@@ -327,14 +328,18 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	// Posted, or not but a response took the request (failover waits for the path's posts).
 	if !r.posting.CompareAndSwap(postPosting, 0) {
 		// Answered under PostSend: finished on a goroutine of its own rather than this
-		// one, which may be inside its caller's Request with done's lock held. The answer came before the chain's REG_MR had run, so it found
-		// no key to take back: the key this post handed the server must not outlive the
-		// request, which gives the buffer back to its caller.
+		// one, which may be inside its caller's Request with done's lock held, and followed
+		// there by the AfterCompletions hook. An answer that came before the chain's
+		// REG_MR had run found no key to take back: the key this post handed the server
+		// must not outlive the request, which gives the buffer back to its caller.
 		if fr := res.fr[r.permit]; len(r.data) > 0 && fr != nil && fr.Valid() {
 			_, _ = c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}})
 		}
 		r.posting.Store(0)
-		go s.finish(r, r.answer)
+		go func(err error) {
+			s.finish(r, err)
+			s.afterCompletions()
+		}(r.answer)
 	}
 	return nil
 }
@@ -374,7 +379,14 @@ func (p *Path) onCompletions(c *con, wc []rdma.WC) {
 		}
 		p.recv(c, w)
 	}))
-	if f := p.sess.opts.AfterCompletions; f != nil {
+	p.sess.afterCompletions()
+}
+
+// afterCompletions runs the AfterCompletions hook after request callbacks have run: a
+// user that gathers what its callbacks produce sends it there, so every goroutine that
+// finishes requests calls this after them.
+func (s *Session) afterCompletions() {
+	if f := s.opts.AfterCompletions; f != nil {
 		f()
 	}
 }
@@ -471,6 +483,7 @@ func (s *Session) finish(r *cltReq, err error) {
 // (rtrs_clt_failover_req); those no path takes fail.
 func (p *Path) failover(cons []*con) {
 	s := p.sess
+	failed := false
 	for i := range s.reqs {
 		r := &s.reqs[i]
 		c := r.owner.Load()
@@ -483,7 +496,11 @@ func (p *Path) failover(cons []*con) {
 		if err := s.issue(r, p, true); err != nil {
 			s.failNoPath.Inc()
 			s.finish(r, err)
+			failed = true
 		}
+	}
+	if failed {
+		s.afterCompletions()
 	}
 }
 

@@ -38,18 +38,7 @@ func testEarlyResponse(t *testing.T, dir Dir) {
 	s.beforePost = func(pm, cid int) {
 		s.beforePost = nil // once; read and written on the caller's goroutine only
 		permit = pm
-		sp.mu.Lock()
-		c := sp.cons[cid]
-		sp.mu.Unlock()
-		// The server's end is ready once the client's RTU has reached it.
-		testutil.WaitFor(t, 5*time.Second, "the server's connection ready", func() bool { return c.qp.State() == rdma.QPSRTS })
-		if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IORspImm(uint32(pm), 0, false)}}); err != nil {
-			t.Errorf("the forged response: %v", err)
-			return
-		}
-		r := &s.reqs[pm]
-		testutil.WaitFor(t, 5*time.Second, "the forged response taken", func() bool { return r.owner.Load() == nil })
-		time.Sleep(100 * time.Millisecond) // what the completion goroutine does with it
+		forgeResponse(t, s, sp, pm, cid)
 		inWindow = calls.Load()
 	}
 	finished := make(chan error, 2)
@@ -92,4 +81,21 @@ func testEarlyResponse(t *testing.T, dir Dir) {
 	if err := s.Do(context.Background(), Write, offHdr(4096), make([]byte, 4096)); err != nil {
 		t.Fatalf("the next request: %v", err)
 	}
+}
+
+// forgeResponse has the server's end of connection cid answer message pm with success at
+// once, before the request has been sent, and waits for the client to take the answer.
+func forgeResponse(t *testing.T, s *Session, sp *SrvPath, pm, cid int) {
+	sp.mu.Lock()
+	c := sp.cons[cid]
+	sp.mu.Unlock()
+	// The server's end is ready once the client's RTU has reached it.
+	testutil.WaitFor(t, 5*time.Second, "the server's connection ready", func() bool { return c.qp.State() == rdma.QPSRTS })
+	if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpRDMAWriteWithImm, Imm: IORspImm(uint32(pm), 0, false)}}); err != nil {
+		t.Errorf("the forged response: %v", err)
+		return
+	}
+	r := &s.reqs[pm]
+	testutil.WaitFor(t, 5*time.Second, "the forged response taken", func() bool { return r.owner.Load() == nil })
+	time.Sleep(100 * time.Millisecond) // what the completion goroutine does with it
 }
