@@ -96,6 +96,9 @@ func forgeResponse(t *testing.T, s *Session, sp *SrvPath, pm, cid int) {
 		return
 	}
 	r := &s.reqs[pm]
-	testutil.WaitFor(t, 5*time.Second, "the forged response taken", func() bool { return r.owner.Load() == nil })
-	time.Sleep(100 * time.Millisecond) // what the completion goroutine does with it
+	// Taken, and left to the post: the window this is for.
+	testutil.WaitFor(t, 5*time.Second, "the forged response taken", func() bool {
+		return r.owner.Load() == nil && r.posting.Load() == postPosting|postAnswered
+	})
+	time.Sleep(100 * time.Millisecond) // what else the completion goroutine does with it
 }
