@@ -85,6 +85,9 @@ type Session struct {
 	log       *log.Entry
 	// beforePost, if set, runs in post just before PostSend: the tests' way into that window.
 	beforePost func(permit, cid int)
+	// beforePermitWait, if set, runs in request when it is about to wait for a permit, after
+	// what was plugged has been sent: the tests' way into that window.
+	beforePermitWait func()
 
 	mu    sync.RWMutex
 	paths []*Path

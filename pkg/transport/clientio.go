@@ -140,10 +140,18 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 	if wait {
 		var ok bool
 		if permit, ok = s.permits.tryGet(); !ok {
-			// Permits come back with completions, which need what a plug holds.
+			// Permits come back with completions, which need what a plug holds; and while
+			// anyone waits, nothing is held (the plug is the session's: another caller's
+			// requests would wait for this caller's Unplug).
+			s.plug.waiting.Add(1)
 			s.flushPlugs()
+			if s.beforePermitWait != nil {
+				s.beforePermitWait()
+			}
 			var err error
-			if permit, err = s.permits.get(ctx); err != nil {
+			permit, err = s.permits.get(ctx)
+			s.plug.waiting.Add(-1)
+			if err != nil {
 				return nil, 0, err
 			}
 		}

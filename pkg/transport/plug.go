@@ -13,8 +13,13 @@ import (
 // rings the doorbell once.
 type plug struct {
 	depth atomic.Int32
-	mu    sync.Mutex
-	qps   []rdma.Plugger // plugged by this session, unplugged together
+	// waiting counts requests waiting for a permit: while there is one, posts are not held.
+	// A plug is the session's, not its caller's, so a request of another caller would
+	// otherwise wait, held, until the waiting caller got its permit and unplugged; with every
+	// permit in such held requests that is never.
+	waiting atomic.Int32
+	mu      sync.Mutex
+	qps     []rdma.Plugger // plugged by this session, unplugged together
 }
 
 // Plug starts gathering the session's posts; calls nest. The caller must Unplug soon, and
@@ -52,9 +57,10 @@ func (s *Session) flushPlugs() {
 	s.releasePlugsLocked()
 }
 
-// plugCon plugs c's queue pair for the session's current plug, once.
+// plugCon plugs c's queue pair for the session's current plug, once, unless a request is
+// waiting for a permit.
 func (s *Session) plugCon(c *con) {
-	if s.plug.depth.Load() == 0 {
+	if s.plug.depth.Load() == 0 || s.plug.waiting.Load() > 0 {
 		return
 	}
 	pl, ok := c.qp.(rdma.Plugger)
@@ -63,7 +69,9 @@ func (s *Session) plugCon(c *con) {
 	}
 	s.plug.mu.Lock()
 	defer s.plug.mu.Unlock()
-	if s.plug.depth.Load() == 0 {
+	// Checked again under the lock: a waiter counts itself before its flushPlugs takes it,
+	// so a queue pair plugged here is either released by that flush or not plugged at all.
+	if s.plug.depth.Load() == 0 || s.plug.waiting.Load() > 0 {
 		return
 	}
 	for _, q := range s.plug.qps {
