@@ -15,10 +15,11 @@ type permits struct {
 	n     int
 	nfree int
 	avail chan struct{} // a permit came back; one token, re-armed by whoever takes it
+	idle  chan struct{} // every permit came back; one token, for drain
 }
 
 func newPermits(n int) *permits {
-	p := &permits{free: make([]uint64, (n+63)/64), n: n, nfree: n, avail: make(chan struct{}, 1)}
+	p := &permits{free: make([]uint64, (n+63)/64), n: n, nfree: n, avail: make(chan struct{}, 1), idle: make(chan struct{}, 1)}
 	for i := 0; i < n; i++ {
 		p.free[i/64] |= 1 << (i % 64)
 	}
@@ -61,8 +62,15 @@ func (p *permits) put(i int) {
 	p.mu.Lock()
 	p.free[i/64] |= 1 << (i % 64)
 	p.nfree++
+	all := p.nfree == p.n
 	p.mu.Unlock()
 	p.signal()
+	if all {
+		select {
+		case p.idle <- struct{}{}:
+		default:
+		}
+	}
 }
 
 func (p *permits) signal() {
@@ -72,7 +80,8 @@ func (p *permits) signal() {
 	}
 }
 
-// drain waits until every permit is back or ctx ends.
+// drain waits until every permit is back or ctx ends. It waits for the last put, not for
+// avail, whose token is there whenever a permit is free: taking and re-arming it spun.
 func (p *permits) drain(ctx context.Context) bool {
 	for {
 		p.mu.Lock()
@@ -82,15 +91,9 @@ func (p *permits) drain(ctx context.Context) bool {
 			return true
 		}
 		select {
-		case <-p.avail:
-			p.signal() // keep the token for request submitters
+		case <-p.idle: // possibly from an earlier moment: checked again
 		case <-ctx.Done():
 			return false
-		}
-		select {
-		case <-ctx.Done():
-			return false
-		default:
 		}
 	}
 }
