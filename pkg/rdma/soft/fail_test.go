@@ -208,3 +208,45 @@ func TestDestroyDuringAccept(t *testing.T) {
 		_ = scq.Destroy()
 	}
 }
+
+// TestRefusedPostRunsHandler: a PostSend that refuses a request reports the completions of
+// those before it to the CQ's handler, as a post that takes them all does. On the tree
+// before, a request flushed on a QP in error, ahead of one refused, had its completion queued
+// with no handler run: it waited for the next post or incoming frame.
+func TestRefusedPostRunsHandler(t *testing.T) {
+	leakcheck.Check(t)
+	pr := newPair(t, New(Options{}))
+	got := make(chan rdma.WC, 4)
+	pr.cli.cq.SetHandler(func() {
+		var wc [4]rdma.WC
+		for {
+			n := pr.cli.cq.Poll(wc[:])
+			for _, w := range wc[:n] {
+				got <- w
+			}
+			if n < len(wc) {
+				return
+			}
+		}
+	})
+	pr.cli.qp.ToError()
+	// Once the connection is down nothing else comes to run the handler.
+	pr.cli.expectEvent(t, rdma.EventDisconnected)
+	m := pr.cli.reg(t, 64, rdma.AccessLocalWrite)
+	sge := rdma.SGEOf(m, 0, 8)
+	n, err := pr.cli.qp.PostSend([]rdma.SendWR{
+		{ID: 1, Opcode: rdma.OpSend, Flags: rdma.SendSignaled, SGList: []rdma.SGE{sge}},
+		{ID: 2, Opcode: rdma.OpSend, Flags: rdma.SendSignaled, SGList: []rdma.SGE{sge, sge, sge, sge, sge}},
+	})
+	if n != 1 || !errors.Is(err, rdma.ErrInvalid) {
+		t.Fatalf("post: %d, %v; want 1 and ErrInvalid (5 SGEs, the QP allows 4)", n, err)
+	}
+	select {
+	case w := <-got:
+		if w.ID != 1 || w.Status != rdma.WCFlushErr {
+			t.Fatalf("completion id %d %v, want id 1 flushed", w.ID, w.Status)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the flushed request's completion did not reach the handler")
+	}
+}

@@ -209,8 +209,7 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 	for i := range wrs {
 		wr := &wrs[i]
 		if len(wr.SGList) > q.maxSendSGE {
-			q.finishPost(queued)
-			return i, fmt.Errorf("%w: %d SGEs, QP allows %d", rdma.ErrInvalid, len(wr.SGList), q.maxSendSGE)
+			return q.endPost(queued, failed, i, fmt.Errorf("%w: %d SGEs, QP allows %d", rdma.ErrInvalid, len(wr.SGList), q.maxSendSGE))
 		}
 		fop, wcop, wire := wireOp(wr.Opcode)
 		switch {
@@ -220,16 +219,13 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 		case wr.Opcode == rdma.OpRegMR:
 			wcop = rdma.WCRegMR
 			if wr.MR == nil {
-				q.finishPost(queued)
-				return i, fmt.Errorf("%w: REG_MR without an MR", rdma.ErrInvalid)
+				return q.endPost(queued, failed, i, fmt.Errorf("%w: REG_MR without an MR", rdma.ErrInvalid))
 			}
 		default:
-			q.finishPost(queued)
-			return i, fmt.Errorf("%w: opcode %v", rdma.ErrInvalid, wr.Opcode)
+			return q.endPost(queued, failed, i, fmt.Errorf("%w: opcode %v", rdma.ErrInvalid, wr.Opcode))
 		}
 		if q.sqN == len(q.sq) {
-			q.finishPost(queued)
-			return i, fmt.Errorf("%w: send queue of %d full", rdma.ErrNoMem, len(q.sq))
+			return q.endPost(queued, failed, i, fmt.Errorf("%w: send queue of %d full", rdma.ErrNoMem, len(q.sq)))
 		}
 		e := &q.sq[(q.sqHead+q.sqN)%len(q.sq)]
 		q.sqN++
@@ -269,13 +265,21 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			failed = true
 		}
 	}
+	return q.endPost(queued, failed, len(wrs), nil)
+}
+
+// endPost ends a PostSend that took n requests, all of them or those before one it refused
+// with err: what was queued is written, a local error shuts the QP down, and the handlers run
+// for the completions reported (a refusal's too: a flushed request's completion on a QP in
+// error would otherwise wait for the next post).
+func (q *qp) endPost(queued, failed bool, n int, err error) (int, error) {
 	q.finishPost(queued)
 	if failed {
 		// A local error kills the QP; the peer learns through the disconnect.
 		q.shutdown(nil)
 	}
 	q.notify()
-	return len(wrs), nil
+	return n, err
 }
 
 // queueWire resolves a request's local memory and queues its frame; false marks the entry
