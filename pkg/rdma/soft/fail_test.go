@@ -250,3 +250,24 @@ func TestRefusedPostRunsHandler(t *testing.T) {
 		t.Fatal("the flushed request's completion did not reach the handler")
 	}
 }
+
+// TestAckWhileReceiverNotReady: a responder that waits for a receive to be posted (RNR)
+// acknowledges what it has executed before it, so the requester's signaled WRITE ahead of
+// the SEND completes without waiting for that receive. On the tree before, the ack the
+// WRITE asked for was left for the end of the reader's next burst.
+func TestAckWhileReceiverNotReady(t *testing.T) {
+	leakcheck.Check(t)
+	pr := newPair(t, New(Options{}))
+	src := pr.cli.reg(t, 64, lw)
+	dst := pr.srv.reg(t, 64, rw)
+	if _, err := pr.cli.qp.PostSend([]rdma.SendWR{
+		{ID: 1, Opcode: rdma.OpRDMAWrite, Flags: rdma.SendSignaled, SGList: []rdma.SGE{rdma.SGEOf(src, 0, 8)}, RemoteAddr: dst.Addr(), RKey: dst.RKey()},
+		{ID: 2, Opcode: rdma.OpSend, Flags: rdma.SendSignaled, SGList: []rdma.SGE{rdma.SGEOf(src, 8, 8)}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	pr.cli.expect(t, 1, rdma.WCRDMAWrite, rdma.WCSuccess)
+	pr.srv.recv(t, 7, dst, 16, 8)
+	pr.srv.expect(t, 7, rdma.WCRecv, rdma.WCSuccess)
+	pr.cli.expect(t, 2, rdma.WCSend, rdma.WCSuccess)
+}

@@ -583,11 +583,6 @@ func (q *qp) readLoop() {
 			// End of what arrived together: run the handlers once for all of it.
 			frames = 0
 			q.endBurst()
-			if q.ackAsked {
-				q.ackAsked = false
-				q.w.requestAck()
-				q.w.flush()
-			}
 		}
 		if err = q.br.ReadFull(hb[:]); err != nil {
 			break
@@ -637,6 +632,12 @@ func (q *qp) endBurst() {
 	q.batching.Store(true)
 	q.notify()
 	q.batching.Store(false)
+	if q.ackAsked {
+		// Also when the burst ends at a wait for a receive: the peer's completions of what
+		// was executed before it must not wait for that receive (waitRecv).
+		q.ackAsked = false
+		q.w.requestAck()
+	}
 	q.w.flush()
 }
 
@@ -762,8 +763,12 @@ func (q *qp) waitRecv(h *frameHdr) error {
 	q.mu.Lock()
 	if q.rqN == 0 {
 		// The handlers may be about to re-post receives for completions of this burst.
+		// What was executed before this frame is acknowledged now; this frame's own ask
+		// (set when its header was read) stays for once it has been executed.
 		q.mu.Unlock()
+		asked := q.ackAsked
 		q.endBurst()
+		q.ackAsked = asked
 		q.mu.Lock()
 	}
 	for q.rqN == 0 {
