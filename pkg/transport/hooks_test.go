@@ -67,21 +67,19 @@ func (h *hookRecorder) wait(t *testing.T, what string) {
 	}
 }
 
-// TestAfterCompletionsAfterEarlyAnswer: a request answered while its post still ran is
-// finished on a goroutine of the post's, and the hook runs there after its callback. On the
-// tree before, the NBD server's reply to such a request waited for the next completion:
-// over loopback at queue depth 1 an IO now and then took the heartbeat's 5 s.
-func TestAfterCompletionsAfterEarlyAnswer(t *testing.T) {
-	leakcheck.Check(t)
+// hookedSession opens a session over one path whose AfterCompletions hook is h's, against a
+// server that answers after delay.
+func hookedSession(t *testing.T, name string, delay time.Duration) (*env, *Session, *hookRecorder) {
 	e := newEnv(t, false, 8)
-	e.disk.async, e.disk.delay = true, 3*time.Second
+	e.disk.async, e.disk.delay = true, delay
 	h := newHookRecorder()
-	s := e.open(t, "early-hook", paths(t, path1()), func(o *ClientOptions) { o.AfterCompletions = h.hook })
-	sp := e.srvPath(t, "ip:"+testAddr(1))
-	s.beforePost = func(pm, cid int) {
-		s.beforePost = nil
-		forgeResponse(t, s, sp, pm, cid)
-	}
+	s := e.open(t, name, paths(t, path1()), func(o *ClientOptions) { o.AfterCompletions = h.hook })
+	return e, s, h
+}
+
+// write sends a 4 KiB write whose callback is recorded; its outcome comes on the channel.
+func (h *hookRecorder) write(t *testing.T, s *Session) <-chan error {
+	t.Helper()
 	finished := make(chan error, 1)
 	if err := s.Request(context.Background(), Write, offHdr(0), make([]byte, 4096), func(err error) {
 		h.done()
@@ -89,7 +87,22 @@ func TestAfterCompletionsAfterEarlyAnswer(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := <-finished; err != nil {
+	return finished
+}
+
+// TestAfterCompletionsAfterEarlyAnswer: a request answered while its post still ran is
+// finished on a goroutine of the post's, and the hook runs there after its callback. On the
+// tree before, the NBD server's reply to such a request waited for the next completion:
+// over loopback at queue depth 1 an IO now and then took the heartbeat's 5 s.
+func TestAfterCompletionsAfterEarlyAnswer(t *testing.T) {
+	leakcheck.Check(t)
+	e, s, h := hookedSession(t, "early-hook", 3*time.Second)
+	sp := e.srvPath(t, "ip:"+testAddr(1))
+	s.beforePost = func(pm, cid int) {
+		s.beforePost = nil
+		forgeResponse(t, s, sp, pm, cid)
+	}
+	if err := <-h.write(t, s); err != nil {
 		t.Fatalf("the request's outcome: %v", err)
 	}
 	h.wait(t, "answered during its post")
@@ -100,17 +113,8 @@ func TestAfterCompletionsAfterEarlyAnswer(t *testing.T) {
 // path is disconnected, is finished by the failover, which runs the hook after it.
 func TestAfterCompletionsAfterFailover(t *testing.T) {
 	leakcheck.Check(t)
-	e := newEnv(t, false, 8)
-	e.disk.async, e.disk.delay = true, 2*time.Second
-	h := newHookRecorder()
-	s := e.open(t, "failover-hook", paths(t, path1()), func(o *ClientOptions) { o.AfterCompletions = h.hook })
-	finished := make(chan error, 1)
-	if err := s.Request(context.Background(), Write, offHdr(0), make([]byte, 4096), func(err error) {
-		h.done()
-		finished <- err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e, s, h := hookedSession(t, "failover-hook", 2*time.Second)
+	finished := h.write(t, s)
 	p := s.Paths()[0]
 	testutil.WaitFor(t, 5*time.Second, "the request in flight", func() bool { return p.Stats.Inflight.Load() == 1 })
 	p.Disconnect()
