@@ -195,7 +195,11 @@ func TestNbdcopy(t *testing.T) {
 	sameFile(t, out, data)
 }
 
-// TestFioVerify runs fio's nbd engine with crc32c verification over the mapped device.
+// TestFioVerify runs fio's nbd engine with crc32c verification over the mapped device. The
+// queue-depth-1 job also bounds every IO's latency far above any honest one and below the
+// heartbeat interval (5 s here): a reply left waiting for the session's next completion, as
+// before bfda810, fails it with ETIMEDOUT instead of passing slowly.
+
 func TestFioVerify(t *testing.T) {
 	leakcheck.Check(t)
 	tool := requireTool(t, "fio")
@@ -207,6 +211,7 @@ func TestFioVerify(t *testing.T) {
 		{"--rw=randwrite", "--bs=4k", "--iodepth=32"},
 		{"--rw=write", "--bs=1m", "--iodepth=8"},
 		{"--rw=randrw", "--bsrange=512-256k", "--iodepth=16"},
+		{"--rw=randrw", "--bs=4k", "--iodepth=1", "--max_latency=3s"},
 	} {
 		args := append([]string{"--name=verify", "--ioengine=nbd", "--uri=" + st.uri(), "--size=32m",
 			"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"}, job...)
