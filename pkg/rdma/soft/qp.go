@@ -764,11 +764,10 @@ func (q *qp) waitRecv(h *frameHdr) error {
 	if q.rqN == 0 {
 		// The handlers may be about to re-post receives for completions of this burst.
 		// What was executed before this frame is acknowledged now; this frame's own ask
-		// (set when its header was read) stays for once it has been executed.
+		// stays for once it has been executed.
 		q.mu.Unlock()
-		asked := q.ackAsked
 		q.endBurst()
-		q.ackAsked = asked
+		q.ackAsked = h.flags&flagAckReq != 0
 		q.mu.Lock()
 	}
 	for q.rqN == 0 {
