@@ -503,7 +503,7 @@ type blockHandle struct {
 	release func()
 	// dsync: opened with O_DSYNC or O_SYNC, so every write is FUA, durable when it
 	// completes, as the kernel makes a block device's O_DSYNC direct writes. A write's
-	// own RWF_DSYNC is kept by syncWrites, a layer below the nodes.
+	// own RWF_DSYNC comes through syncWrites, a layer below the nodes (takeFUA).
 	dsync bool
 }
 
@@ -539,10 +539,13 @@ func (n *blockNode) blk(f fs.FileHandle) Block {
 	return n.dev()
 }
 
-// fua says whether writes through f are to be durable when they complete.
-func fua(f fs.FileHandle) bool {
+// fua says whether a write through f, of context ctx, is to be durable when it completes:
+// its file opened with O_DSYNC, or the write's own RWF_DSYNC. Either way it is written with
+// FUA, and syncWrites is told so (no flush after it).
+func fua(ctx context.Context, f fs.FileHandle) bool {
+	own := takeFUA(ctx)
 	h, ok := f.(*blockHandle)
-	return ok && h.dsync
+	return own || ok && h.dsync
 }
 
 // ioCtx: device IO is bounded by the device's own reconnect timeout, not by FUSE interrupts.
@@ -582,7 +585,7 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 	if off%bs == 0 && int64(len(data))%bs == 0 {
 		n.mu.RLock()
 		defer n.mu.RUnlock()
-		if err := d.WriteAtContext(ioCtx(), data, off, fua(f)); err != nil {
+		if err := d.WriteAtContext(ioCtx(), data, off, fua(ctx, f)); err != nil {
 			return 0, errno.Of(err)
 		}
 		return uint32(len(data)), 0
@@ -599,7 +602,7 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 		return 0, errno.Of(err)
 	}
 	copy(buf[off-start:], data)
-	if err := d.WriteAtContext(ioCtx(), buf, start, fua(f)); err != nil {
+	if err := d.WriteAtContext(ioCtx(), buf, start, fua(ctx, f)); err != nil {
 		return 0, errno.Of(err)
 	}
 	return uint32(len(data)), 0

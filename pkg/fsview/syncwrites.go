@@ -1,7 +1,9 @@
 package fsview
 
 import (
+	"context"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -9,64 +11,81 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
 
-// syncFlags are the open flags that make a write durable when it returns.
+// syncFlags are the flags that make a write durable when it returns. The kernel sends a
+// write with the file's open flags and, for a write of its own RWF_DSYNC or RWF_SYNC
+// (pwritev2, or an AIO's), O_DSYNC or O_SYNC added.
 const syncFlags = syscall.O_DSYNC | syscall.O_SYNC
 
-// syncWrites is the tree's FUSE file system with a write's own RWF_DSYNC or RWF_SYNC
-// (pwritev2) kept. The kernel sends such a write with O_DSYNC or O_SYNC in its FUSE flags,
-// and go-fuse's node API hands a node only the data and the offset: here a write that carries
-// the flag on a file not opened with it is followed by a flush of the file (its device)
-// before it is answered, as the kernel's block layer flushes after a dsync write where it
-// cannot use FUA. A file opened with the flag writes with FUA already (blockHandle.dsync).
+// syncWrites is the tree's FUSE file system with a durable write's flag kept. go-fuse's node
+// API hands a node's Write only the data and the offset, so a write that carries the flag is
+// marked here, by its request's cancel channel (go-fuse gives every request in flight its own
+// and passes it to the node in the write's context), for the node to take as FUA
+// (takeFUA): a device file writes it with FUA, as the kernel's block device does a direct
+// dsync write. A write that no node took that way is followed by a flush of its file before
+// it is answered.
 type syncWrites struct {
 	fuse.RawFileSystem
-	mu     sync.Mutex
-	opened map[uint64]bool // FUSE handles of files opened with O_DSYNC or O_SYNC
 }
 
 func newSyncWrites(fs fuse.RawFileSystem) *syncWrites {
-	return &syncWrites{RawFileSystem: fs, opened: map[uint64]bool{}}
+	return &syncWrites{RawFileSystem: fs}
 }
 
-func (s *syncWrites) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	st := s.RawFileSystem.Open(cancel, in, out)
-	// Handle 0 is every open without a handle of its own: never taken as one that writes FUA.
-	if st == fuse.OK && in.Flags&syncFlags != 0 && out.Fh != 0 {
-		s.mu.Lock()
-		s.opened[out.Fh] = true
-		s.mu.Unlock()
+// fuaWrites holds the durable writes in flight: their cancel channel → whether a node took
+// the write as FUA. Package-wide, since a channel is one request's whatever its mount.
+var fuaWrites sync.Map
+
+// takeFUA says whether the write whose context ctx is asked to be durable, and records that
+// the caller writes it with FUA, so that no flush follows.
+func takeFUA(ctx context.Context) bool {
+	c, ok := ctx.(*fuse.Context)
+	if !ok || c.Cancel == nil {
+		return false
 	}
-	return st
-}
-
-func (s *syncWrites) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
-	// Forgotten before the handle is freed: the next open may be given the same number.
-	s.mu.Lock()
-	delete(s.opened, in.Fh)
-	s.mu.Unlock()
-	s.RawFileSystem.Release(cancel, in)
+	v, ok := fuaWrites.Load(c.Cancel)
+	if !ok {
+		return false
+	}
+	v.(*atomic.Bool).Store(true)
+	return true
 }
 
 func (s *syncWrites) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+	if in.Flags&syncFlags == 0 {
+		return s.RawFileSystem.Write(cancel, in, data)
+	}
+	taken := s.mark(cancel)
 	n, st := s.RawFileSystem.Write(cancel, in, data)
-	return s.synced(cancel, in, n, st)
+	return s.synced(cancel, in, taken, n, st)
 }
 
 func (s *syncWrites) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+	if in.Flags&syncFlags == 0 {
+		return s.RawFileSystem.Writev(cancel, in, data)
+	}
+	taken := s.mark(cancel)
 	n, st := s.RawFileSystem.Writev(cancel, in, data)
-	return s.synced(cancel, in, n, st)
+	return s.synced(cancel, in, taken, n, st)
 }
 
-// synced flushes after a successful write that asked to be durable, unless its file writes
-// with FUA. A failed flush fails the write: its data may not be on stable storage.
-func (s *syncWrites) synced(cancel <-chan struct{}, in *fuse.WriteIn, n uint32, st fuse.Status) (uint32, fuse.Status) {
-	if st != fuse.OK || in.Flags&syncFlags == 0 {
-		return n, st
+// mark records a durable write in flight; without a channel (never from go-fuse's server)
+// no node can take it, and it is flushed.
+func (s *syncWrites) mark(cancel <-chan struct{}) *atomic.Bool {
+	taken := new(atomic.Bool)
+	if cancel != nil {
+		fuaWrites.Store(cancel, taken)
 	}
-	s.mu.Lock()
-	fua := s.opened[in.Fh]
-	s.mu.Unlock()
-	if fua {
+	return taken
+}
+
+// synced ends a durable write: unless a node wrote it with FUA, its file is flushed. A
+// failed flush fails the write: its data may not be on stable storage.
+func (s *syncWrites) synced(cancel <-chan struct{}, in *fuse.WriteIn, taken *atomic.Bool, n uint32, st fuse.Status) (uint32, fuse.Status) {
+	// Forgotten before the answer: the request, and so its channel, is reused after it.
+	if cancel != nil {
+		fuaWrites.Delete(cancel)
+	}
+	if st != fuse.OK || taken.Load() {
 		return n, st
 	}
 	// Every file that takes writes has an fsync (a control file's does nothing, as sysfs's):

@@ -8,24 +8,21 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
 
-// fakeRaw is a FUSE file system that opens with the handle number it is given and records
-// writes and fsyncs.
+// fakeRaw is a FUSE file system that records writes and fsyncs; with takes, its writes take
+// a durable write as FUA, as a device file's node does.
 type fakeRaw struct {
 	fuse.RawFileSystem
-	fh      uint64
+	takes   bool
 	ops     []string
 	fsyncSt fuse.Status
 }
 
-func (f *fakeRaw) Open(_ <-chan struct{}, _ *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	out.Fh = f.fh
-	return fuse.OK
-}
-
-func (f *fakeRaw) Release(<-chan struct{}, *fuse.ReleaseIn) {}
-
-func (f *fakeRaw) Write(_ <-chan struct{}, _ *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
-	f.ops = append(f.ops, "write")
+func (f *fakeRaw) Write(cancel <-chan struct{}, _ *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+	if f.takes && takeFUA(&fuse.Context{Cancel: cancel}) {
+		f.ops = append(f.ops, "write FUA")
+	} else {
+		f.ops = append(f.ops, "write")
+	}
 	return uint32(len(data)), fuse.OK
 }
 
@@ -40,49 +37,54 @@ func (f *fakeRaw) take() string {
 	return out
 }
 
-// TestSyncWritesHandles: syncWrites knows a handle opened with O_DSYNC (its writes are FUA:
-// no flush) only until it is released, so a later open given the same number is flushed
-// after a dsync write; an open without a handle (number 0) is never taken for one; a failed
-// flush fails the write, ENOTSUP included; nothing is kept after the releases.
-func TestSyncWritesHandles(t *testing.T) {
+// TestSyncWritesFUA: a durable write (O_DSYNC or O_SYNC in its flags) that the node takes as
+// FUA is not flushed after; one the node writes plainly is, and so is one without a request
+// channel; a plain write is never marked; a failed flush fails the write, ENOTSUP included;
+// a request's mark is gone when it is answered, so the channel's next request is plain.
+func TestSyncWritesFUA(t *testing.T) {
 	raw := &fakeRaw{RawFileSystem: fuse.NewDefaultRawFileSystem(), fsyncSt: fuse.OK}
 	s := newSyncWrites(raw)
-	write := func(fh uint64, flags uint32) (uint32, fuse.Status) {
-		return s.Write(nil, &fuse.WriteIn{Fh: fh, Flags: flags}, make([]byte, 512))
-	}
-	open := func(fh uint64, flags uint32) {
-		raw.fh = fh
-		if st := s.Open(nil, &fuse.OpenIn{Flags: flags}, &fuse.OpenOut{}); st != fuse.OK {
-			t.Fatal(st)
-		}
+	cancel := make(chan struct{})
+	write := func(c <-chan struct{}, flags uint32) (uint32, fuse.Status) {
+		return s.Write(c, &fuse.WriteIn{Fh: 5, Flags: flags}, make([]byte, 512))
 	}
 	dsync := uint32(syscall.O_WRONLY | syscall.O_DSYNC)
-
-	open(5, dsync)
-	if _, st := write(5, dsync); st != fuse.OK || raw.take() != "write" {
-		t.Fatalf("a write to a file opened O_DSYNC: %v, want a write and no flush (it is FUA)", st)
+	for _, tc := range []struct {
+		name  string
+		takes bool
+		c     <-chan struct{}
+		flags uint32
+		want  string
+	}{
+		{"plain, a node that takes FUA", true, cancel, syscall.O_WRONLY, "write"},
+		{"O_DSYNC, a node that takes FUA", true, cancel, dsync, "write FUA"},
+		{"O_SYNC, a node that takes FUA", true, cancel, syscall.O_WRONLY | syscall.O_SYNC, "write FUA"},
+		{"O_DSYNC, no request channel", true, nil, dsync, "write, fsync"},
+		{"O_DSYNC, a node that writes plainly", false, cancel, dsync, "write, fsync"},
+		{"plain, a node that writes plainly", false, cancel, syscall.O_WRONLY, "write"},
+	} {
+		raw.takes = tc.takes
+		if n, st := write(tc.c, tc.flags); st != fuse.OK || n != 512 {
+			t.Fatalf("%s: %d, %v", tc.name, n, st)
+		}
+		if got := raw.take(); got != tc.want {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
+		}
 	}
-	s.Release(nil, &fuse.ReleaseIn{Fh: 5})
-	open(5, syscall.O_WRONLY)
-	if _, st := write(5, syscall.O_WRONLY); st != fuse.OK || raw.take() != "write" {
-		t.Fatalf("a plain write: %v, want a write and no flush", st)
+	// The channel's mark went with its request: a context of it is no durable write now.
+	if takeFUA(&fuse.Context{Cancel: cancel}) {
+		t.Fatal("a request's mark outlived its answer")
 	}
-	if _, st := write(5, dsync); st != fuse.OK || raw.take() != "write, fsync" {
-		t.Fatalf("RWF_DSYNC on handle 5 opened again without O_DSYNC: %v, want a write, then a flush", st)
-	}
-	s.Release(nil, &fuse.ReleaseIn{Fh: 5})
-
-	open(0, dsync)
-	if _, st := write(0, dsync); st != fuse.OK || raw.take() != "write, fsync" {
-		t.Fatalf("a dsync write without a handle: %v, want a write, then a flush", st)
-	}
+	raw.takes = false
 	for _, st := range []fuse.Status{fuse.EIO, fuse.ENOTSUP} {
 		raw.fsyncSt = st
-		if n, got := write(7, dsync); got != st || n != 0 || raw.take() != "write, fsync" {
+		if n, got := write(cancel, dsync); got != st || n != 0 || raw.take() != "write, fsync" {
 			t.Fatalf("flush failing with %v: the write gave %d, %v", st, n, got)
 		}
 	}
-	if len(s.opened) != 0 {
-		t.Fatalf("%d handles kept after their releases", len(s.opened))
+	kept := 0
+	fuaWrites.Range(func(any, any) bool { kept++; return true })
+	if kept != 0 {
+		t.Fatalf("%d durable writes still marked after their answers", kept)
 	}
 }
