@@ -165,12 +165,16 @@ type orderBlock struct {
 	omu      sync.Mutex
 	ops      []string
 	flushErr error
+	fuaAt    map[int64]bool // each write's FUA flag by its offset, when not nil
 }
 
 func (b *orderBlock) WriteAtContext(ctx context.Context, p []byte, off int64, fua bool) error {
 	err := b.memBlock.WriteAtContext(ctx, p, off, fua)
 	b.omu.Lock()
 	defer b.omu.Unlock()
+	if b.fuaAt != nil {
+		b.fuaAt[off] = fua
+	}
 	if fua {
 		b.ops = append(b.ops, "write FUA")
 	} else {
@@ -192,6 +196,76 @@ func (b *orderBlock) take() string {
 	out := strings.Join(b.ops, ", ")
 	b.ops = nil
 	return out
+}
+
+// TestBlockFileWriteDsyncConcurrent: plain and RWF_DSYNC writes in flight together through one
+// device file each go out with their own FUA flag (a durable write's mark is its request's
+// alone), with no flush; a 1 MiB RWF_DSYNC write, which the kernel sends as several FUSE
+// requests, is FUA in every one of them.
+func TestBlockFileWriteDsyncConcurrent(t *testing.T) {
+	leakcheck.Check(t)
+	const writers, each, bs = 8, 64, 4096
+	b := &orderBlock{memBlock: memBlock{b: make([]byte, 4<<20)}, fuaAt: map[int64]bool{}}
+	dir := mount(t, DirFunc(func() []Entry { return []Entry{{Name: "dev", Block: b}} }))
+	f, err := os.OpenFile(filepath.Join(dir, "dev"), os.O_WRONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf, err := unix.Mmap(-1, 0, 1<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unix.Munmap(buf) }()
+	dsync := func(w, i int) bool { return (w+i)%2 == 0 }
+	errs := make(chan error, writers)
+	for w := range writers {
+		go func() {
+			for i := range each {
+				rwf := 0
+				if dsync(w, i) {
+					rwf = unix.RWF_DSYNC
+				}
+				if _, err := unix.Pwritev2(int(f.Fd()), [][]byte{buf[:bs]}, int64(w*each+i)*bs, rwf); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for range writers {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.omu.Lock()
+	wrong := 0
+	for w := range writers {
+		for i := range each {
+			fua, ok := b.fuaAt[int64(w*each+i)*bs]
+			if !ok || fua != dsync(w, i) {
+				wrong++
+			}
+		}
+	}
+	clear(b.fuaAt)
+	b.omu.Unlock()
+	if wrong != 0 {
+		t.Fatalf("%d of %d writes went out without their own FUA flag", wrong, writers*each)
+	}
+	if got := b.take(); strings.Contains(got, "flush") {
+		t.Fatalf("a flush among the writes: %q", got)
+	}
+	if _, err := unix.Pwritev2(int(f.Fd()), [][]byte{buf}, 2<<20, unix.RWF_DSYNC); err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Split(b.take(), ", ")
+	for _, op := range got {
+		if op != "write FUA" {
+			t.Fatalf("a 1 MiB RWF_DSYNC write: the device saw %q, want FUA writes only", got)
+		}
+	}
 }
 
 // TestBlockFileWriteDsync: a single write's RWF_DSYNC or RWF_SYNC (pwritev2, or an AIO's)

@@ -54,7 +54,8 @@ func (s *syncWrites) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byte
 	if in.Flags&syncFlags == 0 {
 		return s.RawFileSystem.Write(cancel, in, data)
 	}
-	taken := s.mark(cancel)
+	taken, forget := s.mark(cancel)
+	defer forget() // also if the node panics (go-fuse recovers above us)
 	n, st := s.RawFileSystem.Write(cancel, in, data)
 	return s.synced(cancel, in, taken, n, st)
 }
@@ -63,28 +64,31 @@ func (s *syncWrites) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]b
 	if in.Flags&syncFlags == 0 {
 		return s.RawFileSystem.Writev(cancel, in, data)
 	}
-	taken := s.mark(cancel)
+	taken, forget := s.mark(cancel)
+	defer forget() // also if the node panics (go-fuse recovers above us)
 	n, st := s.RawFileSystem.Writev(cancel, in, data)
 	return s.synced(cancel, in, taken, n, st)
 }
 
-// mark records a durable write in flight; without a channel (never from go-fuse's server)
-// no node can take it, and it is flushed.
-func (s *syncWrites) mark(cancel <-chan struct{}) *atomic.Bool {
+// mark records a durable write in flight, and returns what its node sets when it takes the
+// write as FUA and what forgets the record: before the answer, since the request, and so its
+// channel, is reused after it. Without a channel of its own (none, never from go-fuse's
+// server, or one some other request in flight holds, which go-fuse never makes) no node can
+// take the write as FUA, and it is flushed.
+func (s *syncWrites) mark(cancel <-chan struct{}) (*atomic.Bool, func()) {
 	taken := new(atomic.Bool)
-	if cancel != nil {
-		fuaWrites.Store(cancel, taken)
+	if cancel == nil {
+		return taken, func() {}
 	}
-	return taken
+	if _, held := fuaWrites.LoadOrStore(cancel, taken); held {
+		return taken, func() {}
+	}
+	return taken, func() { fuaWrites.Delete(cancel) }
 }
 
 // synced ends a durable write: unless a node wrote it with FUA, its file is flushed. A
 // failed flush fails the write: its data may not be on stable storage.
 func (s *syncWrites) synced(cancel <-chan struct{}, in *fuse.WriteIn, taken *atomic.Bool, n uint32, st fuse.Status) (uint32, fuse.Status) {
-	// Forgotten before the answer: the request, and so its channel, is reused after it.
-	if cancel != nil {
-		fuaWrites.Delete(cancel)
-	}
 	if st != fuse.OK || taken.Load() {
 		return n, st
 	}

@@ -13,11 +13,15 @@ import (
 type fakeRaw struct {
 	fuse.RawFileSystem
 	takes   bool
+	panics  bool
 	ops     []string
 	fsyncSt fuse.Status
 }
 
 func (f *fakeRaw) Write(cancel <-chan struct{}, _ *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+	if f.panics {
+		panic("a node's bug")
+	}
 	if f.takes && takeFUA(&fuse.Context{Cancel: cancel}) {
 		f.ops = append(f.ops, "write FUA")
 	} else {
@@ -82,6 +86,31 @@ func TestSyncWritesFUA(t *testing.T) {
 			t.Fatalf("flush failing with %v: the write gave %d, %v", st, n, got)
 		}
 	}
+	// A node that panics (go-fuse recovers above syncWrites) leaves no mark behind for the
+	// channel's next request.
+	raw.panics, raw.fsyncSt = true, fuse.OK
+	func() {
+		defer func() { _ = recover() }()
+		_, _ = write(cancel, dsync)
+	}()
+	raw.panics, raw.takes = false, true
+	raw.take()
+	if _, st := write(cancel, syscall.O_WRONLY); st != fuse.OK || raw.take() != "write" {
+		t.Fatalf("a plain write after a durable one whose node panicked: %v, want a plain write", st)
+	}
+	// A channel some other request in flight holds is not taken over: that write is
+	// flushed, and the other's mark stays until its own end.
+	other, forget := s.mark(cancel)
+	if _, st := write(cancel, dsync); st != fuse.OK || raw.take() != "write FUA, fsync" {
+		t.Fatalf("a durable write on a channel in use: %v, want the write, then a flush", st)
+	}
+	if !other.Load() {
+		t.Fatal("the node's FUA did not reach the request that holds the channel")
+	}
+	if !takeFUA(&fuse.Context{Cancel: cancel}) {
+		t.Fatal("the holder's mark went with the other write's end")
+	}
+	forget()
 	kept := 0
 	fuaWrites.Range(func(any, any) bool { kept++; return true })
 	if kept != 0 {
