@@ -7,8 +7,11 @@ import (
 	"io"
 	"net"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rtrs-go/rtrs/internal/lib/racebuf"
 )
 
 // Reader reads a stream of headers and payloads. Headers and small payloads come through its
@@ -26,6 +29,7 @@ type Reader struct {
 	// State of the readv run by readFn, kept here so that the closure is allocated once.
 	vecs   [2][]byte
 	nvecs  int
+	iov    [2]unix.Iovec
 	n      int
 	rerr   error
 	wait   bool // readFn waits for data (a read), or returns at once (FillNow)
@@ -44,13 +48,13 @@ const (
 func New(conn net.Conn, size int) *Reader {
 	f := &Reader{conn: conn, buf: make([]byte, max(size, 2*SpillMax)), wait: true}
 	if sc, ok := conn.(syscall.Conn); ok {
-		if raw, err := sc.SyscallConn(); err == nil {
+		if raw, err := sc.SyscallConn(); err == nil && nonBlocking(raw) {
 			f.raw = raw
 		}
 	}
 	f.readFn = func(fd uintptr) bool {
 		for {
-			f.n, f.rerr = unix.Readv(int(fd), f.vecs[:f.nvecs])
+			f.n, f.rerr = f.rawReadv(fd)
 			if f.rerr != unix.EINTR {
 				break
 			}
@@ -58,6 +62,50 @@ func New(conn net.Conn, size int) *Reader {
 		return !f.wait || !errors.Is(f.rerr, unix.EAGAIN)
 	}
 	return f
+}
+
+// nonBlocking says whether raw's descriptor is non-blocking, as the runtime's poller makes
+// every socket of the net package: a blocking one would stall rawReadv's thread.
+func nonBlocking(raw syscall.RawConn) bool {
+	nb := false
+	if err := raw.Control(func(fd uintptr) {
+		fl, err := unix.FcntlInt(fd, unix.F_GETFL, 0)
+		nb = err == nil && fl&unix.O_NONBLOCK != 0
+	}); err != nil {
+		return false
+	}
+	return nb
+}
+
+// rawReadv is readv(2) of f.vecs without the runtime's system call bookkeeping. The socket is
+// non-blocking (the runtime's poller does the waiting), so the call returns at once; entered
+// as a blocking system call it would, in a process that has nothing else to run, also wake
+// the runtime's monitor thread (sysmon) from its sleep, and keep it ticking for a while: on
+// every message, a thread woken on another CPU for nothing (the soft provider's writes are
+// raw for the same reason).
+func (f *Reader) rawReadv(fd uintptr) (int, error) {
+	k := 0
+	for _, v := range f.vecs[:f.nvecs] {
+		if len(v) > 0 {
+			f.iov[k].Base = &v[0]
+			f.iov[k].SetLen(len(v))
+			k++
+		}
+	}
+	if k == 0 {
+		return 0, nil
+	}
+	r, _, e := unix.RawSyscall(unix.SYS_READV, fd, uintptr(unsafe.Pointer(&f.iov[0])), uintptr(k))
+	f.iov = [2]unix.Iovec{} // holds no buffer past the call
+	if e != 0 {
+		return -1, e
+	}
+	for i, left := 0, int(r); i < f.nvecs && left > 0; i++ {
+		k := min(left, len(f.vecs[i]))
+		racebuf.Written(f.vecs[i][:k])
+		left -= k
+	}
+	return int(r), nil
 }
 
 // FillNow adds to the buffer what the socket holds, without waiting, and returns how many

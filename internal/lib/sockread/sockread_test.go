@@ -5,8 +5,12 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 )
@@ -120,5 +124,42 @@ func TestFillNow(t *testing.T) {
 	got := make([]byte, 6)
 	if err := fr.ReadFull(got); err != nil || string(got) != "abcdef" {
 		t.Fatalf("read %q, %v", got, err)
+	}
+}
+
+// blockingConn is a net.Conn whose descriptor, as its SyscallConn shows it, blocks.
+type blockingConn struct {
+	net.Conn
+	f *os.File
+}
+
+func (c blockingConn) SyscallConn() (syscall.RawConn, error) { return c.f.SyscallConn() }
+
+// TestRawOnlyNonBlocking: the raw readv is used on the net package's sockets, which are
+// non-blocking, and never on a descriptor that blocks (it would stall its thread inside the
+// raw call): such a conn is read through its own Read.
+func TestRawOnlyNonBlocking(t *testing.T) {
+	_, r := testutil.TCPPair(t)
+	if New(r, 4096).raw == nil {
+		t.Fatal("a TCP socket is read without the raw readv")
+	}
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fds[0]), "blocking")
+	defer f.Close()
+	defer unix.Close(fds[1])
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	fr := New(blockingConn{Conn: b, f: f}, 4096)
+	if fr.raw != nil {
+		t.Fatal("a blocking descriptor is read with the raw readv")
+	}
+	go func() { _, _ = a.Write([]byte("xyz")) }()
+	got := make([]byte, 3)
+	if err := fr.ReadFull(got); err != nil || string(got) != "xyz" {
+		t.Fatalf("read %q, %v through the conn's Read", got, err)
 	}
 }

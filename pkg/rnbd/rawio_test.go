@@ -1,0 +1,56 @@
+package rnbd
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestRawPreadv2: the raw preadv2 reads what pread reads, at offsets past 4 GiB too (the
+// offset's halves), with RWF_NOWAIT on a disk file's cached pages as on tmpfs, and gives the
+// end of the file as 0 bytes and a bad descriptor as its errno.
+func TestRawPreadv2(t *testing.T) {
+	nowait := 0
+	for _, dir := range []string{tmpfsDir(t), t.TempDir()} {
+		f, err := os.Create(filepath.Join(dir, "sparse"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		want := bytes.Repeat([]byte("0123456789abcdef"), 256)
+		offs := []int64{0, 4096, 1<<32 - 2048, 1<<32 + 8192, 5<<32 + 512}
+		for _, off := range offs {
+			if _, err := f.WriteAt(want, off); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, off := range offs {
+			for _, flags := range []int{0, unix.RWF_NOWAIT} {
+				got := make([]byte, len(want))
+				n, err := rawPreadv2(int(f.Fd()), got, off, flags)
+				if err == unix.EOPNOTSUPP || err == unix.EAGAIN {
+					continue // RWF_NOWAIT refused by the file system, or the page not cached
+				}
+				if err != nil || n != len(want) || !bytes.Equal(got, want) {
+					t.Fatalf("%s at %d, flags %#x: %d bytes, %v; equal: %v", dir, off, flags, n, err, bytes.Equal(got, want))
+				}
+				if flags != 0 {
+					nowait++
+				}
+			}
+		}
+		end := 5<<32 + 512 + int64(len(want))
+		if n, err := rawPreadv2(int(f.Fd()), make([]byte, 512), end, 0); n != 0 || err != nil {
+			t.Fatalf("%s: read at the end: %d, %v", dir, n, err)
+		}
+	}
+	if nowait == 0 {
+		t.Fatal("no RWF_NOWAIT read was taken on either file system: that path went untested")
+	}
+	if _, err := rawPreadv2(-1, make([]byte, 512), 0, 0); err != unix.EBADF {
+		t.Fatalf("a bad descriptor: %v, want EBADF", err)
+	}
+}
