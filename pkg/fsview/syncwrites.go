@@ -72,19 +72,25 @@ func (s *syncWrites) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]b
 
 // mark records a durable write in flight, and returns what its node sets when it takes the
 // write as FUA and what forgets the record: before the answer, since the request, and so its
-// channel, is reused after it. Without a channel of its own (none, never from go-fuse's
-// server, or one some other request in flight holds, which go-fuse never makes) no node can
-// take the write as FUA, and it is flushed.
+// channel, is reused after it. Without a channel (never from go-fuse's server) no node can
+// take the write as FUA, and it is flushed. A channel some other request in flight holds
+// (go-fuse never makes one) is marked shared: a node still writes FUA on it, but neither
+// request is credited, so both are flushed.
 func (s *syncWrites) mark(cancel <-chan struct{}) (*atomic.Bool, func()) {
 	taken := new(atomic.Bool)
 	if cancel == nil {
 		return taken, func() {}
 	}
 	if _, held := fuaWrites.LoadOrStore(cancel, taken); held {
-		return taken, func() {}
+		fuaWrites.Store(cancel, sharedMark)
+		return taken, func() { fuaWrites.CompareAndDelete(cancel, sharedMark) }
 	}
-	return taken, func() { fuaWrites.Delete(cancel) }
+	return taken, func() { fuaWrites.CompareAndDelete(cancel, taken) }
 }
+
+// sharedMark marks a channel two durable writes held at once: what a node records on it
+// credits neither.
+var sharedMark = new(atomic.Bool)
 
 // synced ends a durable write: unless a node wrote it with FUA, its file is flushed. A
 // failed flush fails the write: its data may not be on stable storage.

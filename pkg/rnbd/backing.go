@@ -260,8 +260,8 @@ func (b *backing) readAt(p []byte, off int64, nowait bool) error {
 }
 
 // rawPreadv2 is preadv2(2) of p without the runtime's system call bookkeeping, for a memfs
-// file's read: a copy from memory, which can wait only for swap, as any touch of our own
-// memory can. Entered as a blocking system call, it would wake the runtime's monitor thread
+// file's read: a copy from memory, which waits only where a touch of our own memory could
+// (swap-in), or briefly for a page lock a concurrent write or a migration holds. Entered as a blocking system call, it would wake the runtime's monitor thread
 // (sysmon) from its sleep in a server with nothing else to do, on every IO. Not for other
 // files, RWF_NOWAIT or not: a page cache miss there still starts the readahead (block
 // mapping, a request slot) before EAGAIN, and a hit may write the atime, all while the

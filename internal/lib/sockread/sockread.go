@@ -30,6 +30,7 @@ type Reader struct {
 	vecs   [2][]byte
 	nvecs  int
 	iov    [2]unix.Iovec
+	msg    unix.Msghdr
 	n      int
 	rerr   error
 	wait   bool // readFn waits for data (a read), or returns at once (FillNow)
@@ -48,13 +49,13 @@ const (
 func New(conn net.Conn, size int) *Reader {
 	f := &Reader{conn: conn, buf: make([]byte, max(size, 2*SpillMax)), wait: true}
 	if sc, ok := conn.(syscall.Conn); ok {
-		if raw, err := sc.SyscallConn(); err == nil && nonBlocking(raw) {
+		if raw, err := sc.SyscallConn(); err == nil && isSocket(raw) {
 			f.raw = raw
 		}
 	}
 	f.readFn = func(fd uintptr) bool {
 		for {
-			f.n, f.rerr = f.rawReadv(fd)
+			f.n, f.rerr = f.rawRecv(fd)
 			if f.rerr != unix.EINTR {
 				break
 			}
@@ -64,26 +65,26 @@ func New(conn net.Conn, size int) *Reader {
 	return f
 }
 
-// nonBlocking says whether raw's descriptor is non-blocking, as the runtime's poller makes
-// every socket of the net package: a blocking one would stall rawReadv's thread.
-func nonBlocking(raw syscall.RawConn) bool {
-	nb := false
+// isSocket says whether raw's descriptor is a socket, which rawRecv needs.
+func isSocket(raw syscall.RawConn) bool {
+	ok := false
 	if err := raw.Control(func(fd uintptr) {
-		fl, err := unix.FcntlInt(fd, unix.F_GETFL, 0)
-		nb = err == nil && fl&unix.O_NONBLOCK != 0
+		_, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TYPE)
+		ok = err == nil
 	}); err != nil {
 		return false
 	}
-	return nb
+	return ok
 }
 
-// rawReadv is readv(2) of f.vecs without the runtime's system call bookkeeping. The socket is
-// non-blocking (the runtime's poller does the waiting), so the call returns at once; entered
-// as a blocking system call it would, in a process that has nothing else to run, also wake
-// the runtime's monitor thread (sysmon) from its sleep, and keep it ticking for a while: on
-// every message, a thread woken on another CPU for nothing (the soft provider's writes are
-// raw for the same reason).
-func (f *Reader) rawReadv(fd uintptr) (int, error) {
+// rawRecv reads into f.vecs by recvmsg(2) with MSG_DONTWAIT, without the runtime's system
+// call bookkeeping. It never blocks, whatever the descriptor's O_NONBLOCK (a flag of the open
+// file, which a dup's Fd() elsewhere could clear): the runtime's poller does the waiting.
+// Entered as a system call, a read would, in a process that has nothing else to run, wake the
+// runtime's monitor thread (sysmon) from its sleep and keep it ticking for a while: on every
+// message, a thread woken on another CPU for nothing (the soft provider's writes are raw for
+// the same reason).
+func (f *Reader) rawRecv(fd uintptr) (int, error) {
 	k := 0
 	for _, v := range f.vecs[:f.nvecs] {
 		if len(v) > 0 {
@@ -95,8 +96,10 @@ func (f *Reader) rawReadv(fd uintptr) (int, error) {
 	if k == 0 {
 		return 0, nil
 	}
-	r, _, e := unix.RawSyscall(unix.SYS_READV, fd, uintptr(unsafe.Pointer(&f.iov[0])), uintptr(k))
-	f.iov = [2]unix.Iovec{} // holds no buffer past the call
+	f.msg.Iov = &f.iov[0]
+	f.msg.SetIovlen(k)
+	r, _, e := unix.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&f.msg)), unix.MSG_DONTWAIT)
+	f.iov, f.msg = [2]unix.Iovec{}, unix.Msghdr{} // hold no buffer past the call
 	if e != 0 {
 		return -1, e
 	}

@@ -135,14 +135,11 @@ type blockingConn struct {
 
 func (c blockingConn) SyscallConn() (syscall.RawConn, error) { return c.f.SyscallConn() }
 
-// TestRawOnlyNonBlocking: the raw readv is used on the net package's sockets, which are
-// non-blocking, and never on a descriptor that blocks (it would stall its thread inside the
-// raw call): such a conn is read through its own Read.
-func TestRawOnlyNonBlocking(t *testing.T) {
-	_, r := testutil.TCPPair(t)
-	if New(r, 4096).raw == nil {
-		t.Fatal("a TCP socket is read without the raw readv")
-	}
+// TestRawNeverBlocks: the raw read never waits, even on a socket whose descriptor blocks
+// (O_NONBLOCK is the open file's, and a dup's Fd() elsewhere clears it): FillNow on an empty
+// blocking socket returns at once, and what the peer sends is read; a conn whose descriptor
+// is no socket is read through its own Read.
+func TestRawNeverBlocks(t *testing.T) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -150,16 +147,48 @@ func TestRawOnlyNonBlocking(t *testing.T) {
 	f := os.NewFile(uintptr(fds[0]), "blocking")
 	defer f.Close()
 	defer unix.Close(fds[1])
+	if fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0); err != nil || fl&unix.O_NONBLOCK != 0 {
+		t.Fatalf("the socket's flags %#x, %v: want it blocking", fl, err)
+	}
 	a, b := net.Pipe()
 	defer a.Close()
 	defer b.Close()
 	fr := New(blockingConn{Conn: b, f: f}, 4096)
-	if fr.raw != nil {
-		t.Fatal("a blocking descriptor is read with the raw readv")
+	if fr.raw == nil {
+		t.Fatal("a socket is read without the raw recvmsg")
 	}
-	go func() { _, _ = a.Write([]byte("xyz")) }()
+	done := make(chan int, 1)
+	go func() { done <- fr.FillNow() }()
+	select {
+	case n := <-done:
+		if n != 0 {
+			t.Fatalf("FillNow on an empty socket: %d bytes", n)
+		}
+	case <-time.After(5 * time.Second):
+		// The thread stays stuck in the kernel; unblock it before failing.
+		_, _ = unix.Write(fds[1], []byte("x"))
+		t.Fatal("the raw read waited on a blocking socket")
+	}
+	if _, err := unix.Write(fds[1], []byte("xyz")); err != nil {
+		t.Fatal(err)
+	}
 	got := make([]byte, 3)
 	if err := fr.ReadFull(got); err != nil || string(got) != "xyz" {
+		t.Fatalf("read %q, %v", got, err)
+	}
+
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pr.Close()
+	defer pw.Close()
+	fp := New(blockingConn{Conn: b, f: pr}, 4096)
+	if fp.raw != nil {
+		t.Fatal("a pipe is read with the raw recvmsg")
+	}
+	go func() { _, _ = a.Write([]byte("abc")) }()
+	if err := fp.ReadFull(got); err != nil || string(got) != "abc" {
 		t.Fatalf("read %q, %v through the conn's Read", got, err)
 	}
 }
