@@ -26,6 +26,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/lib/resched"
 	"github.com/rtrs-go/rtrs/internal/lib/size"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/rdma/pick"
@@ -191,6 +192,8 @@ type side struct {
 	cq rdma.CQ
 	qp rdma.QP
 	wc [1]rdma.WC // next's, kept here: on its stack it would be a heap allocation per call
+	// pace keeps a busy-polling next passing through the scheduler.
+	pace resched.Pacer
 }
 
 func newSide(id rdma.ConnID, depth int) (*side, error) {
@@ -217,6 +220,11 @@ func (s *side) close() {
 // next returns the next successful completion.
 func (s *side) next(ctx context.Context, poll bool) (rdma.WC, error) {
 	wc := &s.wc
+	if poll {
+		// A polling goroutine never parks: paced, the runtime's monitor does not take its P
+		// at every tick while it is inside the provider's call into C.
+		s.pace.Tick()
+	}
 	for spins := 0; s.poll(wc[:], poll) == 0; spins++ {
 		if poll {
 			// The context is looked at now and then: a spin should be one poll, not a lock.

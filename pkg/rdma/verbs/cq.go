@@ -16,6 +16,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/rtrs-go/rtrs/internal/lib/resched"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -260,12 +261,17 @@ func (c *cq) SetHandler(fn func()) {
 	c.stop, c.stopped = stop, stopped
 	go func() {
 		defer close(stopped)
+		// Under load an event is waiting whenever the goroutine looks, so it goes from one
+		// call into C to the next without parking: paced, the runtime's monitor does not
+		// take its P at every tick.
+		var pace resched.Pacer
 		for {
 			select {
 			case <-stop:
 				return
 			default:
 			}
+			pace.Tick()
 			c.arm()
 			fn()
 			err := c.waitEvent(time.Time{})
