@@ -419,6 +419,32 @@ vm_wait() {
 # vm_tcp_listening PORT: something listens on TCP PORT (for servers started in background).
 vm_tcp_listening() { ss -Hltn "sport = :$1" | grep . >/dev/null; }
 
+# vm_perftest_pair TOOL ARGS...: a perftest server and client (TOOL ARGS, the client also given
+# the first address); the client's output. Both sides are bounded in time, and a pair that fails
+# is tried again (up to three times): a perftest client that finds no listener yet is rejected
+# and may crash, and its server then waits for a client forever.
+vm_perftest_pair() {
+	local try s out=
+	for try in 1 2 3; do
+		timeout -k 5 120 "$@" >/tmp/perftest-server.log 2>&1 &
+		s=$!
+		if vm_wait 60 vm_perftest_listening && out=$(timeout -k 5 120 "$@" "$RTRS_VM_ADDR1" 2>&1) && wait $s; then
+			printf '%s\n' "$out"
+			return 0
+		fi
+		echo "perftest $1 failed (try $try):" >&2
+		printf '%s\n' "$out" | tail -5 >&2
+		tail -5 /tmp/perftest-server.log >&2
+		kill $s 2>/dev/null
+		wait $s
+		vm_wait 30 vm_perftest_gone
+	done
+	return 1
+}
+# perftest with -R listens through rdma_cm on its port 18515.
+vm_perftest_listening() { rdma res show cm_id | grep LISTEN | grep 18515 >/dev/null; }
+vm_perftest_gone() { ! rdma res show cm_id | grep 18515 >/dev/null; }
+
 # vm_insmod FILE [PARAM=VALUE...]: load a module unless a module of that name is loaded; the
 # modules it depends on that lie beside it (vm_kernel_module copies them) are loaded first. A
 # FILE missing with NAME.none beside it (vm_kernel_module: no such module in this kernel) is

@@ -29,8 +29,8 @@ type Pacer struct {
 	now  func() time.Time // time.Now; tests set it
 }
 
-// Tick yields the processor (runtime.Gosched) if Interval has passed since the last time it
-// did, and reports whether it did. A loop calls it once per round.
+// Tick yields the processor (runtime.Gosched) if Interval has passed since it last did or
+// since Passed, and reports whether it did. A loop calls it once per round.
 func (p *Pacer) Tick() bool {
 	now := p.clock()
 	if !p.last.IsZero() && now.Sub(p.last) < Interval {
@@ -42,6 +42,10 @@ func (p *Pacer) Tick() bool {
 	p.last = p.clock()
 	return true
 }
+
+// Passed tells the Pacer that the goroutine has just passed through the scheduler by itself
+// (it parked, in a channel or the netpoller): the next yield is due Interval from now.
+func (p *Pacer) Passed() { p.last = p.clock() }
 
 func (p *Pacer) clock() time.Time {
 	if p.now != nil {

@@ -181,13 +181,15 @@ func (c *cq) arm() bool {
 }
 
 // waitEvent blocks until the channel has an event (and takes it), the deadline passes or the
-// descriptor is closed.
-func (c *cq) waitEvent(deadline time.Time) error {
+// descriptor is closed. It reports whether it parked in the poller (found no event at first).
+func (c *cq) waitEvent(deadline time.Time) (parked bool, err error) {
 	if err := c.fd.SetReadDeadline(deadline); err != nil {
-		return err
+		return false, err
 	}
 	var cerr error
-	err := c.rc.Read(func(uintptr) bool {
+	looks := 0
+	err = c.rc.Read(func(uintptr) bool {
+		looks++
 		c.calls.Add(1)
 		rc := C.rtrs_get_cq_event(c.ch)
 		if rc < 0 {
@@ -198,7 +200,7 @@ func (c *cq) waitEvent(deadline time.Time) error {
 	if err == nil {
 		err = cerr
 	}
-	return err
+	return looks > 1, err
 }
 
 func (c *cq) Wait(ctx context.Context) error {
@@ -217,7 +219,7 @@ func (c *cq) Wait(ctx context.Context) error {
 			// Wake now and then to notice ctx ending without a deadline.
 			dl = time.Now().Add(100 * time.Millisecond)
 		}
-		if err := c.waitEvent(dl); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+		if _, err := c.waitEvent(dl); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
 			if errors.Is(err, os.ErrClosed) {
 				return rdma.ErrClosed
 			}
@@ -261,9 +263,9 @@ func (c *cq) SetHandler(fn func()) {
 	c.stop, c.stopped = stop, stopped
 	go func() {
 		defer close(stopped)
-		// Under load an event is waiting whenever the goroutine looks, so it goes from one
+		// Under load an event is waiting whenever the goroutine looks, so it may go from one
 		// call into C to the next without parking: paced, the runtime's monitor does not
-		// take its P at every tick.
+		// take its P at every tick. A wait that parked passed through the scheduler.
 		var pace resched.Pacer
 		for {
 			select {
@@ -274,7 +276,10 @@ func (c *cq) SetHandler(fn func()) {
 			pace.Tick()
 			c.arm()
 			fn()
-			err := c.waitEvent(time.Time{})
+			parked, err := c.waitEvent(time.Time{})
+			if parked {
+				pace.Passed()
+			}
 			select {
 			case <-stop:
 				return

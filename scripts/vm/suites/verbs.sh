@@ -150,7 +150,7 @@ perf_compare() {
 		}
 		theirs_bw() {
 			# perftest's MB/sec is 2^20 B/s: in 10^6 B/s, like rdma-perf's.
-			pw=$(perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 |
+			pw=$(vm_perftest_pair ib_write_bw -d "$D" -F -R -s 1048576 -t 16 -n 100 |
 				awk '$1 == 1048576 { printf "%.2f", $4 * 1048576 / 1e6; exit }')
 		}
 		ours_lat() {
@@ -158,7 +158,7 @@ perf_compare() {
 			ol=$(sed -n 's/.*"p50_us": *\([0-9.]*\).*/\1/p' <<<"$j")
 			oc=$(sed -n 's/.*"c_calls_per_op": *\([0-9.]*\).*/\1/p' <<<"$j")
 		}
-		theirs_lat() { pl=$(perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}'); }
+		theirs_lat() { pl=$(vm_perftest_pair ib_send_lat -d "$D" -F -R -s 8 -n 2000 | awk '$1 == 8 {print $5; exit}'); }
 		if [ $((i % 2)) = 1 ]; then
 			ours_bw && theirs_bw && ours_lat && theirs_lat || true
 		else
@@ -201,29 +201,3 @@ median() {
 		m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
 		printf "%.*f\n", p, m }'
 }
-
-# perftest_pair TOOL ARGS...: a perftest server and client on the first address; the client's
-# output. Both sides are bounded in time, and a pair that fails is tried again (up to three
-# times): a perftest client that finds no listener yet is rejected and may crash, and its
-# server then waits for a client forever.
-perftest_pair() {
-	local try s out
-	for try in 1 2 3; do
-		timeout -k 5 120 "$@" >/tmp/perftest-server.log 2>&1 &
-		s=$!
-		if vm_wait 60 perftest_listening && out=$(timeout -k 5 120 "$@" "$RTRS_VM_ADDR1" 2>&1) && wait $s; then
-			printf '%s\n' "$out"
-			return 0
-		fi
-		echo "perftest $1 failed (try $try):" >&2
-		printf '%s\n' "$out" | tail -5 >&2
-		tail -5 /tmp/perftest-server.log >&2
-		kill $s 2>/dev/null
-		wait $s
-		vm_wait 30 perftest_gone
-	done
-	return 1
-}
-# perftest with -R listens through rdma_cm on its port 18515.
-perftest_listening() { rdma res show cm_id | grep LISTEN | grep 18515 >/dev/null; }
-perftest_gone() { ! rdma res show cm_id | grep 18515 >/dev/null; }
