@@ -435,8 +435,8 @@ vm_perftest_pair() {
 		echo "perftest $1 failed (try $try):" >&2
 		printf '%s\n' "$out" | tail -5 >&2
 		tail -5 /tmp/perftest-server.log >&2
-		kill $s 2>/dev/null
-		wait $s
+		kill "$s" 2>/dev/null || true
+		wait "$s" || true
 		vm_wait 30 vm_perftest_gone
 	done
 	return 1

@@ -1,16 +1,18 @@
-// Package resched lets a loop that never waits in the Go scheduler pass through it now and
-// then, so that the runtime's monitor (sysmon) does not take it for a goroutine stuck in a
-// long system call.
+// Package resched lets a loop that lives in system calls or calls into C pass through the Go
+// scheduler now and then, so that the runtime's monitor (sysmon) does not take its P again
+// and again.
 //
-// The monitor counts the scheduler's passes per P. When a goroutine has run for 10 ms
-// without one and is found inside a system call or a call into C, the monitor takes its P
-// from it at every tick (from 20 µs apart), and each take keeps the monitor ticking at that
-// rate. A loop that goes from one waiting system call to the next (a ublk queue's
-// io_uring_enter, locked to its thread) or from one call into C to the next (a verbs
-// completion handler that always finds more work) never passes through the scheduler while
-// IO flows: the monitor then wakes thousands of times a second, and the loop reacquires a P
-// after nearly every call. One pass every Interval resets the count for the price of one
-// reschedule.
+// The monitor notes, per P, when the scheduler last ran a goroutine there. Once that is
+// 10 ms old (about 20 ms when a P is idle), each monitor tick that finds the goroutine inside
+// a system call or a call into C takes its P, and each take puts the monitor back on its
+// shortest sleep (20 µs). A tick that finds it in Go code preempts it instead, which ends
+// the run of takes; but a loop that is almost always in the kernel or in C (a ublk queue
+// going from one io_uring_enter to the next, locked to its thread; a busy poll spinning in
+// the provider's C) is rarely found there: while IO flows, the monitor then wakes thousands
+// of times a second and the loop gets a P back after nearly every call. One pass through the
+// scheduler every Interval keeps the P's last run recent. It does not keep a P through one
+// long wait: a call that outlasts a tick while other goroutines want the P still loses it, as
+// in any Go program.
 package resched
 
 import (
@@ -22,34 +24,34 @@ import (
 // monitor starts taking the P.
 const Interval = 5 * time.Millisecond
 
+// epoch is the origin of the Pacer's clock: time.Since of a monotonic time is one clock read.
+var epoch = time.Now()
+
 // Pacer times a loop's passes through the scheduler. The zero value is ready; it belongs to
 // one goroutine.
 type Pacer struct {
-	last time.Time
-	now  func() time.Time // time.Now; tests set it
+	last    time.Duration // since epoch, at the end of the last yield
+	yielded bool
+	now     func() time.Duration // since epoch; tests set it
 }
 
-// Tick yields the processor (runtime.Gosched) if Interval has passed since it last did or
-// since Passed, and reports whether it did. A loop calls it once per round.
+// Tick yields the processor (runtime.Gosched) if Interval has passed since it last did, and
+// reports whether it did. A loop calls it once per round.
 func (p *Pacer) Tick() bool {
-	now := p.clock()
-	if !p.last.IsZero() && now.Sub(p.last) < Interval {
+	if p.yielded && p.clock()-p.last < Interval {
 		return false
 	}
 	runtime.Gosched()
+	p.yielded = true
 	// Read again: a Gosched of a goroutine locked to its thread hands the thread's P off and
 	// back, which takes a while.
 	p.last = p.clock()
 	return true
 }
 
-// Passed tells the Pacer that the goroutine has just passed through the scheduler by itself
-// (it parked, in a channel or the netpoller): the next yield is due Interval from now.
-func (p *Pacer) Passed() { p.last = p.clock() }
-
-func (p *Pacer) clock() time.Time {
+func (p *Pacer) clock() time.Duration {
 	if p.now != nil {
 		return p.now()
 	}
-	return time.Now()
+	return time.Since(epoch)
 }

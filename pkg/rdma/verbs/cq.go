@@ -16,7 +16,6 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/rtrs-go/rtrs/internal/lib/resched"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
@@ -181,15 +180,13 @@ func (c *cq) arm() bool {
 }
 
 // waitEvent blocks until the channel has an event (and takes it), the deadline passes or the
-// descriptor is closed. It reports whether it parked in the poller (found no event at first).
-func (c *cq) waitEvent(deadline time.Time) (parked bool, err error) {
+// descriptor is closed.
+func (c *cq) waitEvent(deadline time.Time) error {
 	if err := c.fd.SetReadDeadline(deadline); err != nil {
-		return false, err
+		return err
 	}
 	var cerr error
-	looks := 0
-	err = c.rc.Read(func(uintptr) bool {
-		looks++
+	err := c.rc.Read(func(uintptr) bool {
 		c.calls.Add(1)
 		rc := C.rtrs_get_cq_event(c.ch)
 		if rc < 0 {
@@ -200,7 +197,7 @@ func (c *cq) waitEvent(deadline time.Time) (parked bool, err error) {
 	if err == nil {
 		err = cerr
 	}
-	return looks > 1, err
+	return err
 }
 
 func (c *cq) Wait(ctx context.Context) error {
@@ -219,7 +216,7 @@ func (c *cq) Wait(ctx context.Context) error {
 			// Wake now and then to notice ctx ending without a deadline.
 			dl = time.Now().Add(100 * time.Millisecond)
 		}
-		if _, err := c.waitEvent(dl); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+		if err := c.waitEvent(dl); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
 			if errors.Is(err, os.ErrClosed) {
 				return rdma.ErrClosed
 			}
@@ -263,23 +260,15 @@ func (c *cq) SetHandler(fn func()) {
 	c.stop, c.stopped = stop, stopped
 	go func() {
 		defer close(stopped)
-		// Under load an event is waiting whenever the goroutine looks, so it may go from one
-		// call into C to the next without parking: paced, the runtime's monitor does not
-		// take its P at every tick. A wait that parked passed through the scheduler.
-		var pace resched.Pacer
 		for {
 			select {
 			case <-stop:
 				return
 			default:
 			}
-			pace.Tick()
 			c.arm()
 			fn()
-			parked, err := c.waitEvent(time.Time{})
-			if parked {
-				pace.Passed()
-			}
+			err := c.waitEvent(time.Time{})
 			select {
 			case <-stop:
 				return
