@@ -13,7 +13,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rtrs-go/rtrs/internal/lib/errno"
-	"github.com/rtrs-go/rtrs/internal/lib/resched"
 	"github.com/rtrs-go/rtrs/internal/lib/uring"
 )
 
@@ -181,13 +180,7 @@ func (q *queue) run(ready chan<- error) {
 		return
 	}
 	ready <- nil
-	// Under steady IO the loop goes from one io_uring_enter to the next and never through
-	// the scheduler: paced, the runtime's monitor does not take its P at every tick. A yield
-	// of a locked goroutine resumes on its own thread (the driver's daemon task); with every
-	// P busy it may wait a scheduling round, as a return from a long wait may anyway.
-	var pace resched.Pacer
 	for !q.quit.Load() && (q.aborted < q.depth || q.inflight > 0) {
-		pace.Tick()
 		wait := uint32(0)
 		if !q.commit() {
 			q.bell.Sleep()

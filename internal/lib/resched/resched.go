@@ -13,6 +13,11 @@
 // scheduler every Interval keeps the P's last run recent. It does not keep a P through one
 // long wait: a call that outlasts a tick while other goroutines want the P still loses it, as
 // in any Go program.
+//
+// A pass costs a reschedule, and for a goroutine locked to its thread a hand-off of its P to
+// another thread and back, which may wait for a P when all are busy. Whether that pays is a
+// measurement per loop: rdma-perf's busy poll is paced; the ublk queue loop is not, as its
+// A/B in the VM gained at 4 KiB reads what it lost at writes (docs/benchmarks.md).
 package resched
 
 import (
