@@ -51,6 +51,14 @@ fig_host() {
 	} >"$RTRS_VM_WORK/$name.env"
 	vm_log "$name: $rounds rounds of $jobs on ${FIG_TARGETS[*]}, $secs s each; alt: ${desc:-the same binary and flags}"
 	vm_build_kernel_rtrs
+	fig_build "$cmd" "$rev"
+}
+
+# fig_build CMD [REV]: on the host, builds ./cmd/CMD (-tags verbs) from this tree into
+# $RTRS_VM_WORK/bin and, from git revision REV (git archive of it), into $RTRS_VM_WORK/alt;
+# without REV, alt gets a copy of the first.
+fig_build() {
+	local cmd=$1 rev=${2:-}
 	mkdir -p "$RTRS_VM_WORK/bin" "$RTRS_VM_WORK/alt"
 	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" "./cmd/$cmd")
 	if [ -z "$rev" ]; then

@@ -38,11 +38,14 @@
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev time"
 
+# shellcheck source-path=SCRIPTDIR source=figlib.sh
+. "$RTRS_VM_REPO/scripts/vm/bench/figlib.sh"
+
 host() {
-	local rounds=${FIG_ROUNDS:-5} jobs=${FIG_JOBS:-lat bw} j seen=" "
+	local rounds=${FIG_ROUNDS:-5} want=${FIG_JOBS:-lat bw} j seen=" "
 	local rev=${FIG_ALT_REV:-} env=${FIG_ALT_ENV:-} short=
 	[[ $rounds =~ ^[1-9][0-9]*$ ]] || vm_die "FIG_ROUNDS=$rounds: a whole number, at least 1"
-	for j in $jobs; do
+	for j in $want; do
 		case $j in
 		lat | bw) ;;
 		*) vm_die "FIG_JOBS: $j is neither lat nor bw" ;;
@@ -50,7 +53,7 @@ host() {
 		[[ $seen != *" $j "* ]] || vm_die "FIG_JOBS: $j twice"
 		seen+="$j "
 	done
-	[ -n "${jobs// /}" ] || vm_die "FIG_JOBS: no test"
+	[ -n "${want// /}" ] || vm_die "FIG_JOBS: no test"
 	[[ $env =~ ^([A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.,:/=-]*( |$))*$ ]] ||
 		vm_die "FIG_ALT_ENV=$env: NAME=value words (letters, digits and _.,:/=- in the values)"
 	[ -z "${FIG_ALT_FLAGS:-}" ] || vm_die "FIG_ALT_FLAGS: not used here (alt is a build, FIG_ALT_REV, or an environment, FIG_ALT_ENV)"
@@ -65,17 +68,7 @@ host() {
 		printf 'FIG_JOBS=%q\nFIG_ALT_ENV=%q\nFIG_ALT_DESC=%q\n' "${seen:1:${#seen}-2}" "$env" "$desc"
 	} >"$RTRS_VM_WORK/rdma-perf-ab.env"
 	vm_log "rdma-perf-ab: $rounds rounds of ${seen:1:${#seen}-2}; alt: ${desc:-the same binary}"
-	mkdir -p "$RTRS_VM_WORK/bin" "$RTRS_VM_WORK/alt"
-	(cd "$RTRS_VM_REPO" && go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rdma-perf)
-	if [ -z "$rev" ]; then
-		cp "$RTRS_VM_WORK/bin/rdma-perf" "$RTRS_VM_WORK/alt/"
-		return
-	fi
-	local src=$RTRS_VM_WORK/alt-src
-	mkdir -p "$src"
-	git -C "$RTRS_VM_REPO" archive "$rev" | tar -x -C "$src" || vm_die "FIG_ALT_REV=$rev: git archive failed"
-	(cd "$src" && go build -tags verbs -o "$RTRS_VM_WORK/alt/" ./cmd/rdma-perf)
-	rm -rf "$src"
+	fig_build rdma-perf "$rev"
 }
 
 # The servers' ports (RDMA on the port, rdma-perf's raw TCP on port+1), their timeout's pids
