@@ -13,6 +13,22 @@
 
 declare -A FIG_DEV=() FIG_LABEL=()
 
+# FIG_AWK_MEDIAN: awk's median(s), for the tables' programs (prepended to them): the median of
+# the numbers in the space-separated string s, the mean of the middle two for an even count,
+# "" for none.
+FIG_AWK_MEDIAN='
+	function median(s,   a, n, i, j, x) {
+		n = split(s, a, " ")
+		if (n == 0) return ""
+		for (i = 2; i <= n; i++) {
+			x = a[i] + 0
+			for (j = i - 1; j >= 1 && a[j] + 0 > x; j--) a[j + 1] = a[j]
+			a[j + 1] = x
+		}
+		if (n % 2) return a[(n + 1) / 2] + 0
+		return (a[n / 2] + a[n / 2 + 1]) / 2
+	}'
+
 # fig_host NAME CMD PLAIN_FLAGS: checks the inputs (before anything is built), writes them to
 # $RTRS_VM_WORK/NAME.env for fig_guest_init, builds the kernel's RTRS/RNBD modules and ./cmd/CMD
 # with verbs into $RTRS_VM_WORK/bin, and the alt slot's CMD into $RTRS_VM_WORK/alt (the same
@@ -222,17 +238,7 @@ fig_round() {
 fig_table() {
 	local t labels=
 	for t in "${FIG_TARGETS[@]}"; do labels+="${FIG_LABEL[$t]}"$'\t'; done
-	awk -v title="$1" -v intro="$2" -v ratios="$3" -v targets="${FIG_TARGETS[*]}" -v labels="$labels" '
-		function median(s,   a, n, i, j, x) {
-			n = split(s, a, " ")
-			for (i = 2; i <= n; i++) {
-				x = a[i] + 0
-				for (j = i - 1; j >= 1 && a[j] + 0 > x; j--) a[j + 1] = a[j]
-				a[j + 1] = x
-			}
-			if (n % 2) return a[(n + 1) / 2] + 0
-			return (a[n / 2] + a[n / 2 + 1]) / 2
-		}
+	awk -v title="$1" -v intro="$2" -v ratios="$3" -v targets="${FIG_TARGETS[*]}" -v labels="$labels" "$FIG_AWK_MEDIAN"'
 		function ratio(a, b) { return b > 0 ? sprintf("%.2f", a / b) : "n/a" }
 		/^#/ { next }
 		{ k = $2 SUBSEP $3; iops[k] = iops[k] " " $4; mbs[k] = mbs[k] " " $5; cpu[k] = cpu[k] " " $6; n[k]++ }

@@ -224,18 +224,7 @@ ab_perftest() {
 # the medians over the complete rounds; fails when fewer than half the rounds of a test are
 # complete (saying so under its table).
 ab_tables() {
-	awk -v rounds="$1" -v jobs="$2" -v dev="$3" -v kernel="$(uname -r)" -v desc="${FIG_ALT_DESC:-the same binary as new}" '
-		function median(s,   a, n, i, j, x) {
-			n = split(s, a, " ")
-			if (n == 0) return ""
-			for (i = 2; i <= n; i++) {
-				x = a[i] + 0
-				for (j = i - 1; j >= 1 && a[j] + 0 > x; j--) a[j + 1] = a[j]
-				a[j + 1] = x
-			}
-			if (n % 2) return a[(n + 1) / 2] + 0
-			return (a[n / 2] + a[n / 2 + 1]) / 2
-		}
+	awk -v rounds="$1" -v jobs="$2" -v dev="$3" -v kernel="$(uname -r)" -v desc="${FIG_ALT_DESC:-the same binary as new}" "$FIG_AWK_MEDIAN"'
 		function pos(x) { return x != "-" && x != "" && x + 0 > 0 }
 		function cnt(x) { return x ~ /^[0-9]+$/ }
 		function f(x, fmt) { return x == "" || x == "-" ? "-" : sprintf(fmt, x) }
