@@ -1,12 +1,13 @@
 #!/bin/bash
 # scripts/blk-ab.sh ROUNDS BIN...: an A/B (or A/B/C…) of rtrs-bench builds on the host's block
-# chain at queue depth 1, where wake-ups decide the figures: fio's nbd engine → BIN nbdclient
-# (NBD server, RNBD client, RTRS over the soft provider) → BIN blkserver → a 256 MiB file on
-# tmpfs, started afresh for each binary in each round, the binaries' order reversed every other
-# round. Per binary and job (4 KiB randread and randwrite QD1, AB_SECS seconds each, 5 by
-# default) one line: IOPS, p50 completion latency, CPU (user + system) of the two processes
-# per IO, and their threads' context switches (voluntary and involuntary) per IO; fio's own CPU
-# is left out. Build the binaries first, e.g.
+# chain: fio's nbd engine → BIN nbdclient (NBD server, RNBD client, RTRS over the soft provider)
+# → BIN blkserver → a 256 MiB file on tmpfs, started afresh for each binary in each round, the
+# binaries' order reversed every other round. The jobs are AB_JOBS, a space-separated list of
+# RW:BS:QD (by default "randread:4k:1 randwrite:4k:1", queue depth 1, where wake-ups decide the
+# figures; "write:1m:8" is blksuite's 1 MiB write row), AB_SECS seconds each (5 by default).
+# Per binary and job one line: IOPS, p50 completion latency, CPU (user + system) of the two
+# processes per IO, and their threads' context switches (voluntary and involuntary) per IO;
+# fio's own CPU is left out. Build the binaries first, e.g.
 #   go build -o /tmp/a/rtrs-bench ./cmd/rtrs-bench; git stash; go build -o /tmp/b/rtrs-bench ./cmd/rtrs-bench; git stash pop
 #   scripts/blk-ab.sh 6 /tmp/a/rtrs-bench /tmp/b/rtrs-bench
 # Needs fio with its nbd engine and python3. Reports; asserts nothing.
@@ -18,6 +19,10 @@ bins=("$@")
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS: a whole number, at least 1" >&2; exit 2; }
 for b in "${bins[@]}"; do [ -x "$b" ] || { echo "$b: not an executable" >&2; exit 2; }; done
 secs=${AB_SECS:-5}
+read -r -a jobs <<<"${AB_JOBS:-randread:4k:1 randwrite:4k:1}"
+for j in "${jobs[@]}"; do
+	[[ $j =~ ^(rand)?(read|write):[1-9][0-9]*[kmKM]?:[1-9][0-9]*$ ]] || { echo "AB_JOBS: $j is not RW:BS:QD (e.g. randread:4k:1, write:1m:8)" >&2; exit 2; }
+done
 dir=$(mktemp -d /dev/shm/rtrs-ab.XXXXXX)
 pids=()
 cleanup() {
@@ -35,7 +40,7 @@ cs() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ { s += $2 } END { pri
 
 # run BIN: both processes of BIN, the two jobs, a line each.
 run() {
-	local bin=$1 srv cli rw c0 s0 c1 s1
+	local bin=$1 srv cli job rw bs qd c0 s0 c1 s1
 	rm -f "$dir/nbd.sock"
 	"$bin" blkserver -provider soft -listen 127.0.0.1:18650 -dir "$dir" 2>"$dir/srv.log" &
 	srv=$!
@@ -46,20 +51,21 @@ run() {
 	pids+=("$cli")
 	for _ in $(seq 100); do [ -S "$dir/nbd.sock" ] && break; sleep 0.1; done
 	[ -S "$dir/nbd.sock" ] || { echo "$bin: no NBD socket; its logs:" >&2; cat "$dir/srv.log" "$dir/cli.log" >&2; exit 1; }
-	for rw in randread randwrite; do
+	for job in "${jobs[@]}"; do
+		IFS=: read -r rw bs qd <<<"$job"
 		c0=$(($(cpu "$srv") + $(cpu "$cli")))
 		s0=$(($(cs "$srv") + $(cs "$cli")))
-		fio --name=ab --ioengine=nbd --uri="nbd+unix:///?socket=$dir/nbd.sock" --rw=$rw --bs=4k --iodepth=1 \
+		fio --name=ab --ioengine=nbd --uri="nbd+unix:///?socket=$dir/nbd.sock" --rw=$rw --bs="$bs" --iodepth="$qd" \
 			--time_based --runtime="$secs" --size=256M --output-format=json --output="$dir/fio.json" >/dev/null
 		c1=$(($(cpu "$srv") + $(cpu "$cli")))
 		s1=$(($(cs "$srv") + $(cs "$cli")))
-		python3 - "$dir/fio.json" "$bin" $rw $((c1 - c0)) $((s1 - s0)) "$tck" <<'PY'
+		python3 - "$dir/fio.json" "$bin" "$job" $((c1 - c0)) $((s1 - s0)) "$tck" <<'PY'
 import json, sys
-path, binary, rw, ticks, switches, tck = sys.argv[1:]
-job = json.load(open(path))["jobs"][0]["read" if rw == "randread" else "write"]
+path, binary, name, ticks, switches, tck = sys.argv[1:]
+job = json.load(open(path))["jobs"][0]["read" if name.split(":")[0].endswith("read") else "write"]
 ios = job["total_ios"]
 print("%s %s iops %d p50_us %.1f cpu_us_per_io %.1f cs_per_io %.2f" % (
-    binary, rw, job["iops"], job["clat_ns"]["percentile"]["50.000000"] / 1000,
+    binary, name, job["iops"], job["clat_ns"]["percentile"]["50.000000"] / 1000,
     int(ticks) * 1e6 / int(tck) / ios, int(switches) / ios))
 PY
 	done

@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rtrs-go/rtrs/internal/lib/ntcopy"
 	"github.com/rtrs-go/rtrs/internal/lib/racebuf"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
@@ -321,7 +322,9 @@ func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
 
 // writeMapped copies p into the mapping at off. A page that is not there any more (the file
 // shrank) or cannot be allocated (the file system is full) faults; the fault becomes this
-// write's error instead of the daemon's end.
+// write's error instead of the daemon's end. The copy uses non-temporal stores (ntcopy): the
+// export's pages are not read again soon, and a plain copy would first read every line it
+// overwrites.
 func (b *backing) writeMapped(p []byte, off int64) (err error) {
 	if off < 0 || off > int64(len(b.mem))-int64(len(p)) {
 		return fmt.Errorf("write at %d of %d bytes beyond the mapping of %s: %w", off, len(p), b.f.Name(), syscall.EIO)
@@ -337,7 +340,7 @@ func (b *backing) writeMapped(p []byte, off int64) (err error) {
 		}
 		err = b.faultErr(off, len(p))
 	}()
-	copy(b.mem[off:], p)
+	ntcopy.Copy(b.mem[off:], p)
 	return nil
 }
 

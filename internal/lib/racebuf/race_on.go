@@ -14,3 +14,10 @@ func Written(p []byte) {
 		runtime.RaceWriteRange(unsafe.Pointer(&p[0]), len(p))
 	}
 }
+
+// Read tells the race detector that p was read by the calling goroutine.
+func Read(p []byte) {
+	if len(p) > 0 {
+		runtime.RaceReadRange(unsafe.Pointer(&p[0]), len(p))
+	}
+}
