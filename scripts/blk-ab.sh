@@ -38,7 +38,7 @@ dd if=/dev/urandom of="$dir/disk" bs=1M count=256 status=none
 cpu() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 cs() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ { s += $2 } END { print s }'; }
 
-# run BIN: both processes of BIN, the two jobs, a line each.
+# run BIN: both processes of BIN, the jobs, a line each.
 run() {
 	local bin=$1 srv cli job rw bs qd c0 s0 c1 s1
 	rm -f "$dir/nbd.sock"

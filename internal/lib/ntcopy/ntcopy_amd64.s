@@ -1,8 +1,8 @@
 #include "textflag.h"
 
 // func ntStore(dst, src *byte, n uintptr)
-// n is a multiple of 128 (possibly 0) and dst 16-byte aligned. X15 is left alone: Go's
-// internal ABI keeps it zero.
+// n is a multiple of 128 (possibly 0) and dst 16-byte aligned. X0-X7 are scratch registers
+// in both of Go's calling conventions.
 TEXT ·ntStore(SB), NOSPLIT, $0-24
 	MOVQ dst+0(FP), DI
 	MOVQ src+8(FP), SI
