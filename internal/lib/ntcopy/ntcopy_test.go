@@ -71,20 +71,8 @@ func TestCopyOverlapping(t *testing.T) {
 // copy; with SetPanicOnFault that is a panic carrying the address, which the caller recovers
 // (the memory-backed export's write turns it into an IO error), and the process goes on.
 func TestCopyFaultRecovers(t *testing.T) {
-	f, err := os.CreateTemp(t.TempDir(), "ntcopy")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
 	const size = 256 << 10
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	m, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(m)
+	f, m := mapFile(t, t.TempDir(), size)
 	src := bytes.Repeat([]byte{0x5a}, 128<<10)
 	if n := Copy(m[64<<10:], src); n != len(src) || !bytes.Equal(m[64<<10:192<<10], src) {
 		t.Fatalf("copy into the mapping: %d bytes, equal %v", n, bytes.Equal(m[64<<10:192<<10], src))
@@ -119,20 +107,7 @@ func TestCopyFaultRecovers(t *testing.T) {
 // and again (a destination in the cache): the built-in copy against Copy.
 func BenchmarkCopy128K(b *testing.B) {
 	const region = 256 << 20
-	f, err := os.CreateTemp("/dev/shm", "ntcopy-bench")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer os.Remove(f.Name())
-	defer f.Close()
-	if err := f.Truncate(region); err != nil {
-		b.Fatal(err)
-	}
-	m, err := unix.Mmap(int(f.Fd()), 0, region, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer unix.Munmap(m)
+	_, m := mapFile(b, "/dev/shm", region)
 	if err := unix.Madvise(m, unix.MADV_POPULATE_WRITE); err != nil {
 		b.Skipf("populating 256 MiB of /dev/shm: %v", err)
 	}
@@ -156,4 +131,25 @@ func BenchmarkCopy128K(b *testing.B) {
 			})
 		}
 	}
+}
+
+// mapFile makes a file of size bytes in dir, removed at the end, and maps it shared.
+func mapFile(tb testing.TB, dir string, size int) (*os.File, []byte) {
+	f, err := os.CreateTemp(dir, "ntcopy")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		f.Close()
+		os.Remove(f.Name())
+	})
+	if err := f.Truncate(int64(size)); err != nil {
+		tb.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { unix.Munmap(m) })
+	return f, m
 }
