@@ -19,9 +19,13 @@ bins=("$@")
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS: a whole number, at least 1" >&2; exit 2; }
 for b in "${bins[@]}"; do [ -x "$b" ] || { echo "$b: not an executable" >&2; exit 2; }; done
 secs=${AB_SECS:-5}
-read -r -a jobs <<<"${AB_JOBS:-randread:4k:1 randwrite:4k:1}"
+[[ $secs =~ ^[1-9][0-9]*$ ]] || { echo "AB_SECS: a whole number of seconds, at least 1" >&2; exit 2; }
+# Split on any blank, newlines included; each job's block size at most 9999k or 99m (the
+# device is 256 MiB).
+read -r -d '' -a jobs < <(printf '%s\0' "${AB_JOBS:-randread:4k:1 randwrite:4k:1}") || true
+[ ${#jobs[@]} -gt 0 ] || { echo "AB_JOBS: no job" >&2; exit 2; }
 for j in "${jobs[@]}"; do
-	[[ $j =~ ^(rand)?(read|write):[1-9][0-9]*[kmKM]?:[1-9][0-9]*$ ]] || { echo "AB_JOBS: $j is not RW:BS:QD (e.g. randread:4k:1, write:1m:8)" >&2; exit 2; }
+	[[ $j =~ ^(rand)?(read|write):([1-9][0-9]{0,3}[kK]|[1-9][0-9]?[mM]):[1-9][0-9]{0,2}$ ]] || { echo "AB_JOBS: $j is not RW:BS:QD (RW read, write, randread or randwrite; e.g. randread:4k:1, write:1m:8)" >&2; exit 2; }
 done
 dir=$(mktemp -d /dev/shm/rtrs-ab.XXXXXX)
 pids=()

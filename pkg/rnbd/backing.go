@@ -200,14 +200,11 @@ var (
 
 // respondFile answers a READ at off straight from the file. The file is checked for having
 // shrunk first: sending past its end would cost the client its connection, where a READ
-// beyond the end should only fail. The check is a raw fstat(2), as memfs reads are raw
-// preadv2s (rawPreadv2): it reads the inode of a memory file system and never waits, and
-// entered as a system call it would wake the runtime's monitor thread in a server that had
-// nothing else to do.
+// beyond the end should only fail.
 func (b *backing) respondFile(r *transport.SrvRequest, off int64) error {
 	var st unix.Stat_t
-	if _, _, e := unix.RawSyscall(unix.SYS_FSTAT, uintptr(b.fd), uintptr(unsafe.Pointer(&st)), 0); e != 0 {
-		return e
+	if err := rawFstat(b.fd, &st); err != nil {
+		return err
 	}
 	if off+int64(len(r.Data)) > st.Size {
 		return fmt.Errorf("read beyond the end of %s: %w", b.f.Name(), syscall.EIO)

@@ -2,9 +2,9 @@ package ntcopy
 
 import (
 	"bytes"
-	"fmt"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"testing"
@@ -90,8 +90,8 @@ func TestCopyFaultRecovers(t *testing.T) {
 				t.Fatalf("recovered %v, want a fault with its address", r)
 			}
 			addr = fault.Addr()
-			// The fault must have come from the non-temporal stores, not a plain copy.
-			if st := string(debug.Stack()); !strings.Contains(st, "ntStore") {
+			// On amd64 the fault must have come from the non-temporal stores, not a plain copy.
+			if st := string(debug.Stack()); runtime.GOARCH == "amd64" && !strings.Contains(st, "ntStore") {
 				t.Fatalf("the fault did not come from ntStore:\n%s", st)
 			}
 		}()
@@ -99,37 +99,6 @@ func TestCopyFaultRecovers(t *testing.T) {
 	}()
 	if base := uintptr(unsafe.Pointer(&m[0])); addr < base+64<<10 || addr >= base+size {
 		t.Fatalf("fault at %#x, outside the truncated part [%#x, %#x)", addr, base+64<<10, base+size)
-	}
-}
-
-// BenchmarkCopy128K: 128 KiB copies from a hot buffer to random places in 256 MiB of a tmpfs
-// file's mapping, as the server writes into a memory-backed export, and into one place again
-// and again (a destination in the cache): the built-in copy against Copy.
-func BenchmarkCopy128K(b *testing.B) {
-	const region = 256 << 20
-	_, m := mapFile(b, "/dev/shm", region)
-	if err := unix.Madvise(m, unix.MADV_POPULATE_WRITE); err != nil {
-		b.Skipf("populating 256 MiB of /dev/shm: %v", err)
-	}
-	const size = 128 << 10
-	src := bytes.Repeat([]byte{0xa5}, size)
-	for _, v := range []struct {
-		name string
-		copy func(dst, src []byte) int
-	}{{"builtin", func(d, s []byte) int { return copy(d, s) }}, {"ntcopy", Copy}} {
-		for _, hot := range []bool{false, true} {
-			b.Run(fmt.Sprintf("%s/hot=%v", v.name, hot), func(b *testing.B) {
-				rng := rand.New(rand.NewPCG(3, 4))
-				b.SetBytes(size)
-				for b.Loop() {
-					off := 0
-					if !hot {
-						off = rng.IntN(region/size) * size
-					}
-					v.copy(m[off:off+size], src)
-				}
-			})
-		}
 	}
 }
 
