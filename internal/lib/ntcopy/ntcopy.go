@@ -7,9 +7,10 @@
 package ntcopy
 
 // Min is the shortest copy made with non-temporal stores. A destination still in the cache (a
-// journal's block written again and again) is slower to write that way: on the host 4 KiB
-// took 0.42 µs against 0.03 µs, 128 KiB 7-8 µs against 3 µs; into cold memory 128 KiB took
-// 9-12 µs against 21-28 µs, and 4 KiB gained nothing beyond the noise. A block of 64 KiB
-// or more is most likely part of a stream (the host chain's 1 MiB writes come as 128 KiB
-// requests), which the export does not read back soon.
+// journal's block written again and again) is slower to write that way; into cold memory,
+// 4 KiB gains nothing beyond the noise. On the host (BenchmarkNonTemporal): 128 KiB cold
+// 7.5-8.3 µs against 16.9-17.0, hot 6.7-7.2 against 2.7; 4 KiB cold 0.5-1.1 against
+// 0.6-0.8, hot 0.71 against 0.03. A block of 64 KiB or more is most likely part of a stream
+// (the host chain's 1 MiB writes come as 124 KiB requests), which the export does not read
+// back soon.
 const Min = 64 << 10
