@@ -300,9 +300,11 @@ kc_faults() {
 	# response and the LOCAL_INV it posts after it (docs/interop.md, "A write's local
 	# invalidate at teardown"): 2 runs in about 9 on 7.2. There, the server-side disconnect
 	# runs under reads; writes failing over are covered by the client-side fault above.
+	local tr=
 	if kernel_at_least 7.2; then
 		wait "$FIO_PID" || fio_faults_failed "$K" "$T" || return 1
 		srvrw=randread
+		tr=$(uptime_now)
 		fio_run "kc-faults-srv" /dev/rnbd0 --rw=randread --bs=4k --iodepth=32 --size=32m \
 			--time_based --runtime=15 &
 		FIO_PID=$!
@@ -314,7 +316,15 @@ kc_faults() {
 	vm_wait 10 state_is "$K/paths/$pb" disconnected
 	vm_wait 60 reconnect_now "$K/paths/$pb"
 	echo "$pb: connected again $(vm_since "$t1") s after our server disconnected it (the kernel client alone waits 30 s)"
-	wait "$FIO_PID" || fio_faults_failed "$K" "$T" || return 1
+	if ! wait "$FIO_PID"; then
+		# The same race hits a READ that was registered and not yet answered: seen once in
+		# three CI runs of 2026-11-27/28. Only that signature passes; any other failure fails.
+		if [ -n "$tr" ] && inv_race_only "$tr"; then
+			echo "   kc-faults-srv: $(grep -c 'I/O error, dev rnbd0' /tmp/dmesg.race) READ(s) failed with EIO, each after a flushed LOCAL_INV of the kernel client's: its race at teardown (docs/interop.md), not counted"
+		else
+			fio_faults_failed "$K" "$T" || return 1
+		fi
+	fi
 	vm_wait 60 reconnect_all "$K"
 	echo "kernel client stats/reconnects: $(cat "$K"/paths/*/stats/reconnects | tr '\n' ' ')"
 	[ "$(reconnects "$K")" -ge $((r0 + 2)) ]
@@ -1050,6 +1060,21 @@ no_io_errors() {
 		return 1
 	fi
 	note "$(wc -l </tmp/dmesg.since) kernel messages, no IO error"
+}
+
+# inv_race_only T0: the IO errors the kernel logged since T0 are all READs failed on rnbd0,
+# and the kernel's client logged at least as many flushed LOCAL_INVs in that time: 7.2's
+# client completing a request both from its flushed LOCAL_INV and from its failover at path
+# teardown (docs/interop.md, "A write's local invalidate at teardown"). Its lines stay in
+# /tmp/dmesg.race.
+inv_race_only() {
+	dmesg | awk -v t="$1" '{ ts = $0; sub(/^\[ */, "", ts); sub(/\].*/, "", ts); if (ts + 0 >= t) print }' >/tmp/dmesg.race
+	local errs invs
+	errs=$(grep -c 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)' /tmp/dmesg.race || true)
+	invs=$(grep -c 'rtrs_client.*Failed IB_WR_LOCAL_INV: WR flushed' /tmp/dmesg.race || true)
+	[ "$errs" -ge 1 ] && [ "$invs" -ge "$errs" ] || return 1
+	! grep -E 'error, dev |I/O error|blk_update_request|Buffer I/O|EXT4-fs error|failed with err|returned error|IO request failed' /tmp/dmesg.race |
+		grep -v 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)'
 }
 
 # uptime_now: seconds of uptime, as dmesg stamps its lines.
