@@ -1050,12 +1050,21 @@ arrived_as() {
 	esac
 }
 
+# IO_ERRORS: the kernel's lines that say an IO failed: a block request on any device, a buffer
+# or ext4 error, an RNBD request failed on either kernel side, an NBD error from our export.
+IO_ERRORS='error, dev |I/O error|blk_update_request|Buffer I/O|EXT4-fs error|failed with err|returned error|IO request failed'
+
+# dmesg_since T0: the kernel's log from T0 on (seconds of uptime, as dmesg stamps its lines).
+dmesg_since() {
+	dmesg | awk -v t="$1" '{ ts = $0; sub(/^\[ */, "", ts); sub(/\].*/, "", ts); if (ts + 0 >= t) print }'
+}
+
 # no_io_errors T0: the kernel logged no IO error since T0 (seconds of uptime): no failed block
 # request on any device, no buffer or ext4 error, no RNBD request failed on either kernel side,
 # no NBD error from our export.
 no_io_errors() {
-	dmesg | awk -v t="$1" '{ ts = $0; sub(/^\[ */, "", ts); sub(/\].*/, "", ts); if (ts + 0 >= t) print }' >/tmp/dmesg.since
-	if grep -E 'error, dev |I/O error|blk_update_request|Buffer I/O|EXT4-fs error|failed with err|returned error|IO request failed' /tmp/dmesg.since; then
+	dmesg_since "$1" >/tmp/dmesg.since
+	if grep -E "$IO_ERRORS" /tmp/dmesg.since; then
 		echo "FAIL: the kernel logged IO errors (above)"
 		return 1
 	fi
@@ -1068,12 +1077,12 @@ no_io_errors() {
 # teardown (docs/interop.md, "A write's local invalidate at teardown"). Its lines stay in
 # /tmp/dmesg.race.
 inv_race_only() {
-	dmesg | awk -v t="$1" '{ ts = $0; sub(/^\[ */, "", ts); sub(/\].*/, "", ts); if (ts + 0 >= t) print }' >/tmp/dmesg.race
+	dmesg_since "$1" >/tmp/dmesg.race
 	local errs invs
 	errs=$(grep -c 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)' /tmp/dmesg.race || true)
 	invs=$(grep -c 'rtrs_client.*Failed IB_WR_LOCAL_INV: WR flushed' /tmp/dmesg.race || true)
 	[ "$errs" -ge 1 ] && [ "$invs" -ge "$errs" ] || return 1
-	! grep -E 'error, dev |I/O error|blk_update_request|Buffer I/O|EXT4-fs error|failed with err|returned error|IO request failed' /tmp/dmesg.race |
+	! grep -E "$IO_ERRORS" /tmp/dmesg.race |
 		grep -v 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)'
 }
 
