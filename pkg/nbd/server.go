@@ -317,15 +317,16 @@ type conn struct {
 	writing  bool
 
 	// The writer's (one at a time, under writing).
-	hdrs []byte
-	iovs net.Buffers // the batch's buffers
-	bufs net.Buffers // what of them is still to write
-	werr error
-	raw  syscall.RawConn // for writes that must not wait; nil if nc is no socket
-	iov  []syscall.Iovec
-	wn   int
-	we   syscall.Errno
-	wfn  func(fd uintptr) bool
+	hdrs  []byte
+	iovs  net.Buffers // the batch's buffers
+	bufs  net.Buffers // what of them is still to write
+	werr  error
+	raw   syscall.RawConn // for writes that must not wait; nil if nc is no socket
+	iov   []syscall.Iovec
+	wn    int
+	wleft int // what a blocking write's deadline still covers
+	we    syscall.Errno
+	wfn   func(fd uintptr) bool
 
 	tlsCfg *tls.Config // set on a listener that requires TLS
 	letGo  func()      // lets go of the export's device (Holder), once chosen
@@ -1076,17 +1077,26 @@ func (c *conn) write(batch []pendingReply, mayBlock bool) bool {
 // blockingWrite writes what is left of the batch a megabyte at a time, each waiting up to
 // ReplyTimeout for the client to take it: a client that takes nothing for that long dies, one
 // that reads slowly does not. The deadline is cleared after, since a deadline left behind
-// would fail the next non-blocking write once it has passed.
+// would fail the next non-blocking write once it has passed. On a socket the writes are raw
+// writevs that wait in the netpoller: entered as system calls they would wake the runtime's
+// monitor thread in an idle client on every large reply (docs/benchmarks.md).
 func (c *conn) blockingWrite() {
 	for len(c.bufs) > 0 && c.werr == nil {
+		if c.werr = c.c.SetWriteDeadline(time.Now().Add(c.s.opts.ReplyTimeout)); c.werr != nil {
+			break
+		}
+		if c.raw != nil {
+			c.wleft, c.we = writeChunk, 0
+			if c.werr = c.raw.Write(c.writevWait); c.werr == nil && c.we != 0 {
+				c.werr = c.we
+			}
+			continue
+		}
 		c.chunk = c.chunk[:0]
 		for left, i := writeChunk, 0; i < len(c.bufs) && left > 0; i++ {
 			b := c.bufs[i][:min(len(c.bufs[i]), left)]
 			c.chunk = append(c.chunk, b)
 			left -= len(b)
-		}
-		if c.werr = c.c.SetWriteDeadline(time.Now().Add(c.s.opts.ReplyTimeout)); c.werr != nil {
-			break
 		}
 		chunk := c.chunk
 		var n int64
@@ -1100,6 +1110,25 @@ func (c *conn) blockingWrite() {
 	if c.werr != nil {
 		c.kill() // the reader sees it and the connection ends
 	}
+}
+
+// writevWait is the RawConn callback of a blocking write: writevs of c.bufs until they are
+// written, writeChunk bytes have gone or the socket fails; false (wait until the socket takes
+// more) when it is full.
+func (c *conn) writevWait(fd uintptr) bool {
+	for len(c.bufs) > 0 && c.wleft > 0 {
+		c.wn = 0
+		c.writevOnce(fd)
+		if c.we != 0 {
+			return true
+		}
+		if c.wn == 0 {
+			return false
+		}
+		consume(&c.bufs, c.wn)
+		c.wleft -= c.wn
+	}
+	return true
 }
 
 // writeChunk is how much of a blocking write one deadline covers.
