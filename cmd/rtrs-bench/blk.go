@@ -30,6 +30,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	inv := fs.Bool("always-invalidate", true, "always_invalidate")
 	chunk := fs.String("chunk-size", "128K", "max_chunk_size")
 	zc := fs.String("zero-copy-read-min", "64K", "READs this large or larger leave a tmpfs export without a copy (off: never)")
+	zcLocal := fs.Bool("zero-copy-local", false, "the same for a client on this host (loopback)")
 	eio := fs.String("export-io", "direct", "block device exports: direct (O_DIRECT through Linux AIO) or buffered (the page cache)")
 	provName := fs.String("provider", "auto", pick.Usage)
 	prof := fs.String("profile-dir", "", "SIGUSR1 starts a CPU profile into this directory, SIGUSR2 stops it (blkserver.pprof, blkserver.sched)")
@@ -48,7 +49,7 @@ func blkServerCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("-export-io: %w", err)
 	}
-	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *dir, MaxIOSize: int(cs) - transport.MaxHdrSize, ZeroCopyReadMin: zcMin, ExportIO: exportIO})
+	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: *dir, MaxIOSize: int(cs) - transport.MaxHdrSize, ZeroCopyReadMin: zcMin, ZeroCopyLocal: *zcLocal, ExportIO: exportIO})
 	if err != nil {
 		return err
 	}

@@ -55,7 +55,7 @@ func run(parent context.Context, args []string) error {
 		return err
 	}
 	rs, err := rnbd.NewServer(rnbd.ServerOptions{SearchPath: c.SearchPath, MaxIOSize: r.chunkSize - transport.MaxHdrSize,
-		ZeroCopyReadMin: r.zcMin, ACL: r.acl, ExportIO: r.exportIO})
+		ZeroCopyReadMin: r.zcMin, ZeroCopyLocal: c.ZeroCopyLocal, ACL: r.acl, ExportIO: r.exportIO})
 	if err != nil {
 		return err
 	}

@@ -49,6 +49,9 @@ type testEnv struct {
 	intercept atomic.Pointer[func(*transport.SrvRequest) bool]
 	// exportIO is the server's ServerOptions.ExportIO.
 	exportIO ExportIO
+	// copyLocal leaves ServerOptions.ZeroCopyLocal off, as the daemons do: the tests' client
+	// is on loopback, and most of them want large READs to take the zero-copy path.
+	copyLocal bool
 
 	mu  sync.Mutex
 	srv *transport.Server
@@ -66,7 +69,7 @@ func newTestEnv(t testing.TB) *testEnv {
 
 func (e *testEnv) start(t testing.TB, port uint16) {
 	t.Helper()
-	rs, err := NewServer(ServerOptions{SearchPath: e.dir, ExportIO: e.exportIO})
+	rs, err := NewServer(ServerOptions{SearchPath: e.dir, ExportIO: e.exportIO, ZeroCopyLocal: !e.copyLocal})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -622,6 +625,31 @@ func TestFlushFUADiscard(t *testing.T) {
 	got := make([]byte, 64<<10)
 	if _, err := d.ReadAt(got, 3<<20); err != nil || !bytes.Equal(got, make([]byte, 64<<10)) {
 		t.Fatalf("zeroes via the device (%v)", err)
+	}
+}
+
+// TestZeroCopyNotLocal: by default a client on this host (here loopback) gets its large
+// READs copied through the chunk, not sent from the page cache, and reads the same data.
+func TestZeroCopyNotLocal(t *testing.T) {
+	leakcheck.Check(t)
+	e := &testEnv{prov: soft.New(soft.Options{}), dir: tmpfsDir(t), copyLocal: true}
+	e.start(t, 0)
+	t.Cleanup(e.stop)
+	model := e.file(t, "disk", 4<<20)
+	c := e.client(t, 5*time.Second)
+	d := mustMap(t, e, c, "local", "disk", AccessRO)
+	buf := make([]byte, 1<<20)
+	for off := int64(0); off < 4<<20; off += 1 << 20 {
+		if _, err := d.ReadAt(buf, off); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(buf, model[off:off+1<<20]) {
+			t.Fatalf("read at %d differs from the file", off)
+		}
+	}
+	p := c.Session("local").Paths()
+	if st := &e.server().Stats; st.Reads.Value() == 0 || st.ZeroCopyReads.Value() != 0 {
+		t.Fatalf("%d of %d reads from the page cache for a client on %s", st.ZeroCopyReads.Value(), st.Reads.Value(), p[0].Name())
 	}
 }
 

@@ -36,8 +36,13 @@ type ServerOptions struct {
 	// ZeroCopyReadMin: READs of at least this many bytes from a tmpfs or ramfs export go
 	// from the page cache to the client without passing through the chunk
 	// (transport.SrvRequest.RespondFile). 0 takes DefaultZeroCopyReadMin; a negative value
-	// turns it off.
+	// turns it off. Not for a client on this host (transport.SrvPath.PeerOnHost) unless
+	// ZeroCopyLocal: over a loopback socket the page cache's pages are copied all the same,
+	// by the client's receive, which costs it more than the server saves
+	// (docs/benchmarks.md).
 	ZeroCopyReadMin int
+	// ZeroCopyLocal lets READs of a client on this host go from the page cache too.
+	ZeroCopyLocal bool
 	// ACL says who may open which export in which mode (nil: everyone ro or rw, nobody
 	// migration). SetACL replaces it.
 	ACL *ACL
@@ -898,7 +903,7 @@ func (s *Server) runIO(r *transport.SrvRequest, m *MsgIO, op Op, b *backing, off
 	var err error
 	switch op {
 	case OpRead:
-		if b.src != nil && s.opts.ZeroCopyReadMin > 0 && n >= int64(s.opts.ZeroCopyReadMin) {
+		if b.src != nil && s.opts.ZeroCopyReadMin > 0 && n >= int64(s.opts.ZeroCopyReadMin) && (s.opts.ZeroCopyLocal || !r.Path().PeerOnHost()) {
 			if err = b.respondFile(r, off); err == errResponded {
 				s.Stats.Reads.Inc(r.ID())
 				s.Stats.ZeroCopyReads.Inc(r.ID())

@@ -2,6 +2,7 @@ package transport
 
 import (
 	"errors"
+	"net/netip"
 	"syscall"
 	"testing"
 )
@@ -32,5 +33,29 @@ func TestParsePathAddrs(t *testing.T) {
 	src, dst, _ := ParsePathAddrs("ip:127.0.0.2@ip:127.0.0.1")
 	if PathName(src, dst) != "ip:127.0.0.2@ip:127.0.0.1" {
 		t.Fatal(PathName(src, dst))
+	}
+}
+
+// TestOnHost: a path's client is on this host when its address is a loopback one or the
+// server's own, however it is written.
+func TestOnHost(t *testing.T) {
+	ip := func(s string) Addr { return Addr{IP: netip.MustParseAddr(s)} }
+	for _, c := range []struct {
+		src, dst Addr
+		want     bool
+	}{
+		{ip("127.0.0.1"), ip("127.0.0.1"), true},
+		{ip("127.0.0.2"), ip("10.0.0.1"), true},
+		{ip("::1"), ip("::1"), true},
+		{ip("::ffff:127.0.0.1"), ip("127.0.0.1"), true},
+		{ip("10.0.0.1"), ip("10.0.0.1"), true},
+		{ip("::ffff:10.0.0.1"), ip("10.0.0.1"), true},
+		{ip("10.0.0.1"), ip("10.0.0.2"), false},
+		{ip("fe80::1"), ip("fe80::2"), false},
+		{Addr{}, Addr{}, false},
+	} {
+		if got := onHost(c.src, c.dst); got != c.want {
+			t.Errorf("onHost(%v, %v) = %v, want %v", c.src.IP, c.dst.IP, got, c.want)
+		}
 	}
 }

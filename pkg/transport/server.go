@@ -475,7 +475,7 @@ func (s *Server) pathRoomLocked(ss *SrvSess, src, dst Addr, peer netip.AddrPort)
 // slot reserved and its zombie clock started. s.mu and ss.mu are held.
 func (s *Server) newPathLocked(ss *SrvSess, m *MsgConnReq, id rdma.ConnID, src, dst Addr, from netip.Addr) *SrvPath {
 	now := time.Now()
-	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: from, created: now, connStart: now, nCons: 1,
+	p := &SrvPath{sess: ss, uuid: m.SessUUID, src: src, dst: dst, peer: from, onHost: onHost(src, dst), created: now, connStart: now, nCons: 1,
 		cons: make([]*con, m.CidNum), closed: make(chan struct{}), hcaName: id.Device().Name(), hcaPort: id.Port()}
 	p.name = PathName(src, dst)
 	p.logp.Store(s.log.WithField("path", p.name))

@@ -32,6 +32,7 @@ type SrvPath struct {
 	src     Addr       // client
 	dst     Addr       // server
 	peer    netip.Addr // the client address as the per-address bounds count it (rdma.AddrGroup)
+	onHost  bool       // the client is on this host (PeerOnHost)
 	created time.Time
 	// connStart is when the path's latest connection request came (p.mu): a path still
 	// connecting longer than Timings.ZombieTimeout after it is a zombie.
@@ -82,6 +83,16 @@ func (p *SrvPath) SrcAddr() Addr { return p.src }
 
 // DstAddr is the server's (local) address.
 func (p *SrvPath) DstAddr() Addr { return p.dst }
+
+// PeerOnHost says whether the client runs on this host: its address is a loopback address or
+// the server's own. The path's traffic then never leaves the host.
+func (p *SrvPath) PeerOnHost() bool { return p.onHost }
+
+// onHost is PeerOnHost's test, on the path's addresses.
+func onHost(src, dst Addr) bool {
+	s, d := src.IP.Unmap(), dst.IP.Unmap()
+	return s.IsLoopback() || (s.IsValid() && s == d)
+}
 
 // HCA returns the device name and port of connection 0.
 func (p *SrvPath) HCA() (string, int) { return p.hcaName, p.hcaPort }
