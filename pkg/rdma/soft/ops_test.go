@@ -1,9 +1,12 @@
 package soft
 
 import (
+	"bytes"
 	"errors"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
@@ -129,4 +132,50 @@ func TestMRValidation(t *testing.T) {
 // invalidateKey runs what a LOCAL_INV work request does.
 func invalidateKey(dev rdma.Device, p rdma.PD, key uint32) bool {
 	return dev.(*device).invalidate(p.(*pd), nil, key)
+}
+
+// TestLargeWriteLeavesDuringBurst: a large RDMA WRITE that a completion handler posts while
+// the reader runs its burst's handlers leaves at once, not when the handlers return, so a
+// server answering a burst of large READs sends each answer as it is made. Before
+// flushLarge it waited for the handler, which here waits for the peer to see it: the
+// handler gave up after 5 s and the test failed.
+func TestLargeWriteLeavesDuringBurst(t *testing.T) {
+	leakcheck.Check(t)
+	pr := newPair(t, New(Options{}))
+	const n = 2 * handOff
+	src := pr.srv.reg(t, n, lw)
+	fill(src.Bytes(), 7)
+	dst := pr.cli.reg(t, n, rw)
+	msg := pr.cli.reg(t, 8, lw)
+	pr.srv.recv(t, 1, pr.srv.reg(t, 8, lw), 0, 8)
+	pr.cli.recv(t, 2, nil, 0, 0)
+	seen := make(chan struct{})
+	result := make(chan error, 1)
+	var once sync.Once
+	pr.srv.cq.SetHandler(func() {
+		var wc [4]rdma.WC
+		for pr.srv.cq.Poll(wc[:]) > 0 {
+			once.Do(func() {
+				_, err := pr.srv.qp.PostSend([]rdma.SendWR{{ID: 3, Opcode: rdma.OpRDMAWriteWithImm,
+					SGList: []rdma.SGE{rdma.SGEOf(src, 0, n)}, RemoteAddr: dst.Addr(), RKey: dst.RKey(), Imm: 9}})
+				if err == nil {
+					select {
+					case <-seen:
+					case <-time.After(5 * time.Second):
+						err = errors.New("the WRITE did not leave while the handler ran")
+					}
+				}
+				result <- err
+			})
+		}
+	})
+	pr.cli.post(t, rdma.SendWR{ID: 4, Opcode: rdma.OpSend, SGList: []rdma.SGE{rdma.SGEOf(msg, 0, 8)}})
+	wc := pr.cli.expect(t, 2, rdma.WCRecvRDMAWithImm, rdma.WCSuccess)
+	close(seen)
+	if err := <-result; err != nil {
+		t.Fatal(err)
+	}
+	if wc.Imm != 9 || !bytes.Equal(dst.Bytes(), src.Bytes()) {
+		t.Fatalf("immediate %d, data equal %v", wc.Imm, bytes.Equal(dst.Bytes(), src.Bytes()))
+	}
 }

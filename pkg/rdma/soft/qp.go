@@ -391,6 +391,8 @@ func (q *qp) finishPost(queued bool) {
 	// clearing the flag takes these frames along, and so does the last Unplug.
 	if queued && !q.batching.Load() && q.plugs.Load() == 0 {
 		w.flush()
+	} else if queued && q.batching.Load() {
+		w.flushLarge()
 	}
 }
 

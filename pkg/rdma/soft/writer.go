@@ -82,7 +82,7 @@ type writer struct {
 	busy   bool       // the flusher goroutine is in a blocking write
 	failed bool
 	pend   []seg
-	large  bool // pend holds a piece of at least handOff bytes
+	large  atomic.Bool // pend holds a piece of at least handOff bytes (read without mu by flushLarge)
 	arena  []byte
 	spend  []seg // spare piece list, swapped with pend per blocking batch
 	sarena []byte
@@ -172,7 +172,9 @@ func (w *writer) addLocked(h *frameHdr, payload []seg, cnt *atomic.Int32) {
 	for _, p := range payload {
 		if p.len() > 0 {
 			w.pend = append(w.pend, p)
-			w.large = w.large || p.len() >= handOff
+			if p.len() >= handOff {
+				w.large.Store(true)
+			}
 		} else {
 			p.release()
 		}
@@ -198,6 +200,36 @@ func (w *writer) addResponse(h *frameHdr, payload []seg) {
 	w.mu.Lock()
 	w.addLocked(h, payload, &w.rsp)
 	w.mu.Unlock()
+}
+
+// flushLarge writes the queue now, without waiting for the socket, if it holds a large piece
+// and the flusher is idle; the rest is left to the flusher. A reader running a burst's
+// handlers calls it as each posts: a server answering a burst of large READs then sends each
+// response as it is made, and its peer copies and completes them while the next one is read
+// from the export, where flushing at the burst's end moved all of them in one convoy
+// (docs/benchmarks.md). Written by the reader itself: a hand-off to the flusher per
+// response costs a wake-up each.
+func (w *writer) flushLarge() {
+	if !w.large.Load() {
+		return // the common case, without the lock
+	}
+	w.mu.Lock()
+	if !w.large.Load() || w.busy || w.failed || w.raw == nil {
+		w.mu.Unlock()
+		return
+	}
+	w.large.Store(false)
+	err := w.tryWrite()
+	if err == nil && len(w.pend) > 0 {
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+	}
+	w.mu.Unlock()
+	if err != nil {
+		w.onFail(err)
+	}
 }
 
 // requestAck asks for an ACK frame if the peer has not been sent an ack of everything
@@ -232,8 +264,8 @@ func (w *writer) flush() {
 		w.mu.Unlock()
 		return
 	}
-	if w.large && w.raw != nil {
-		w.large = false
+	if w.large.Load() && w.raw != nil {
+		w.large.Store(false)
 		select {
 		case w.kick <- struct{}{}:
 		default:
@@ -388,7 +420,7 @@ func (w *writer) flushLocked() error {
 	var err error
 	for w.takeAckLocked(); len(w.pend) > 0 && !w.failed; w.takeAckLocked() {
 		w.batch, w.pend = w.pend, w.spend[:0]
-		w.large = false
+		w.large.Store(false)
 		barena := w.arena
 		w.arena = w.sarena[:0]
 		w.mu.Unlock()
