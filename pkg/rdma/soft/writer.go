@@ -219,17 +219,7 @@ func (w *writer) flushLarge() {
 		return
 	}
 	w.large.Store(false)
-	err := w.tryWrite()
-	if err == nil && len(w.pend) > 0 {
-		select {
-		case w.kick <- struct{}{}:
-		default:
-		}
-	}
-	w.mu.Unlock()
-	if err != nil {
-		w.onFail(err)
-	}
+	w.writeNowUnlock()
 }
 
 // requestAck asks for an ACK frame if the peer has not been sent an ack of everything
@@ -273,6 +263,12 @@ func (w *writer) flush() {
 		w.mu.Unlock()
 		return
 	}
+	w.writeNowUnlock()
+}
+
+// writeNowUnlock writes what the socket takes now and leaves the rest to the flusher
+// goroutine; w.mu is held on entry and released.
+func (w *writer) writeNowUnlock() {
 	err := w.tryWrite()
 	if err == nil && len(w.pend) > 0 {
 		select {
