@@ -76,7 +76,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ChunkSize, "chunk-size", c.ChunkSize, "size of one chunk, so the largest IO a client may send in one request (the kernel's max_chunk_size)")
 	fs.BoolVar(&c.AlwaysInvalidate, "always-invalidate", c.AlwaysInvalidate, "invalidate a chunk's key before its IO is handed to the export and give it a new one after, so a client cannot write into a chunk the server is working on (the kernel's always_invalidate; off saves two work requests per IO)")
 	fs.StringVar(&c.ZeroCopyReadMin, "zero-copy-read-min", c.ZeroCopyReadMin, "READs this large or larger leave a tmpfs or ramfs export straight from the page cache (off: never)")
-	fs.BoolVar(&c.ZeroCopyLocal, "zero-copy-local", c.ZeroCopyLocal, "the same for clients on this host (a loopback address or the server's own), whose receive copies the page cache's pages anyway, at more cost than the copy it saves the server")
+	fs.BoolVar(&c.ZeroCopyLocal, "zero-copy-local", c.ZeroCopyLocal, "the same for clients on this host (from a loopback address or the address they reach), whose receive copies the page cache's pages anyway, at more cost than the copy it saves the server")
 	fs.StringVar(&c.ExportIO, "export-io", c.ExportIO, "how READs and WRITEs reach a block device export: direct (O_DIRECT through Linux AIO, as the kernel's server sends bios) or buffered (through the page cache); files always use the page cache")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is closed (0: 5 s, as the kernel)")
 	fs.StringVar(&c.Mount, "mount", c.Mount, "where the rtrs-server tree is mounted")

@@ -257,3 +257,37 @@ func TestSlowSteadyReader(t *testing.T) {
 	}
 	cl.c.Close()
 }
+
+// TestRawWriteBounded: one raw writev of a blocking write copies no more than the deadline
+// still covers, whatever the socket's buffer would take, and the bytes arrive in order.
+func TestRawWriteBounded(t *testing.T) {
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fds[0])
+	defer syscall.Close(fds[1])
+	if err := syscall.SetsockoptInt(fds[0], syscall.SOL_SOCKET, syscall.SO_SNDBUF, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	x, y := make([]byte, 10000), make([]byte, 10000)
+	for i := range x {
+		x[i], y[i] = byte(i), byte(i+1)
+	}
+	c := &conn{bufs: net.Buffers{x, y}}
+	n, e := c.writev(uintptr(fds[0]), 15000)
+	if e != 0 || n != 15000 {
+		t.Fatalf("writev of at most 15000 bytes: %d, %v", n, e)
+	}
+	got := make([]byte, 20000)
+	if k, err := syscall.Read(fds[1], got); err != nil || k != 15000 {
+		t.Fatalf("read %d, %v", k, err)
+	}
+	consume(&c.bufs, n)
+	if len(c.bufs) != 1 || len(c.bufs[0]) != 5000 || c.bufs[0][0] != y[5000] {
+		t.Fatalf("left %d buffers, the first of %d bytes", len(c.bufs), len(c.bufs[0]))
+	}
+	if got[9999] != x[9999] || got[10000] != y[0] || got[14999] != y[4999] {
+		t.Fatal("the bytes came out of order")
+	}
+}

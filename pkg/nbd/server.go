@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/netip"
 	"strings"
@@ -1117,16 +1118,20 @@ func (c *conn) blockingWrite() {
 // more) when it is full.
 func (c *conn) writevWait(fd uintptr) bool {
 	for len(c.bufs) > 0 && c.wleft > 0 {
-		c.wn = 0
-		c.writevOnce(fd)
-		if c.we != 0 {
+		// At most what the deadline still covers: one raw call copies no more than that,
+		// however large the socket's buffer.
+		n, e := c.writev(fd, c.wleft)
+		switch {
+		case e == syscall.EINTR:
+			continue // a socket with room may never report writable again
+		case e == syscall.EAGAIN:
+			return false
+		case e != 0:
+			c.we = e
 			return true
 		}
-		if c.wn == 0 {
-			return false
-		}
-		consume(&c.bufs, c.wn)
-		c.wleft -= c.wn
+		consume(&c.bufs, n)
+		c.wleft -= n
 	}
 	return true
 }
@@ -1137,11 +1142,24 @@ const writeChunk = 1 << 20
 // writevOnce is the RawConn callback of a non-blocking write: one writev of c.bufs (as
 // much of it as one call takes), never waiting for the socket.
 func (c *conn) writevOnce(fd uintptr) bool {
+	n, e := c.writev(fd, math.MaxInt)
+	c.wn = n
+	if e != syscall.EAGAIN && e != syscall.EINTR {
+		c.we = e
+	}
+	return true
+}
+
+// writev makes one non-blocking writev of the head of c.bufs, at most limit bytes, and
+// returns what it wrote or its error.
+func (c *conn) writev(fd uintptr, limit int) (int, syscall.Errno) {
 	iov := c.iov[:0]
 	for _, b := range c.bufs {
-		if len(iov) == maxIOV {
+		if len(iov) == maxIOV || limit <= 0 {
 			break
 		}
+		b = b[:min(len(b), limit)]
+		limit -= len(b)
 		v := syscall.Iovec{Base: &b[0]}
 		v.SetLen(len(b))
 		iov = append(iov, v)
@@ -1150,12 +1168,10 @@ func (c *conn) writevOnce(fd uintptr) bool {
 	w, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
 	clear(iov)
 	c.iov = iov[:0]
-	if e == 0 {
-		c.wn = int(w)
-	} else if e != syscall.EAGAIN && e != syscall.EINTR {
-		c.we = e
+	if e != 0 {
+		return 0, e
 	}
-	return true
+	return int(w), 0
 }
 
 // handOff: replies carrying this much data are written by a goroutine of their own.

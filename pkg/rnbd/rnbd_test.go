@@ -651,6 +651,17 @@ func TestZeroCopyNotLocal(t *testing.T) {
 	if st := &e.server().Stats; st.Reads.Value() == 0 || st.ZeroCopyReads.Value() != 0 {
 		t.Fatalf("%d of %d reads from the page cache for a client on %s", st.ZeroCopyReads.Value(), st.Reads.Value(), p[0].Name())
 	}
+	// The control: with ZeroCopyLocal the same reads do leave from the page cache (they
+	// could not on an export off tmpfs, where the count above proves nothing).
+	z := newTestEnv(t)
+	z.file(t, "disk", 1<<20)
+	zd := mustMap(t, z, z.client(t, 5*time.Second), "zc", "disk", AccessRO)
+	if _, err := zd.ReadAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if n := z.server().Stats.ZeroCopyReads.Value(); n == 0 {
+		t.Fatal("no read from the page cache with ZeroCopyLocal: the export is not on a memory file system")
+	}
 }
 
 // TestDeviceFails: the backing file shrinks under a mapped device; reads past its new end

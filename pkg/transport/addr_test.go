@@ -52,6 +52,9 @@ func TestOnHost(t *testing.T) {
 		{ip("::ffff:10.0.0.1"), ip("10.0.0.1"), true},
 		{ip("10.0.0.1"), ip("10.0.0.2"), false},
 		{ip("fe80::1"), ip("fe80::2"), false},
+		{ip("fe80::1%eth0"), ip("fe80::1%eth0"), true},
+		// Another address of this host is not recognised (PeerOnHost's doc).
+		{ip("10.0.0.2"), ip("10.0.0.1"), false},
 		{Addr{}, Addr{}, false},
 	} {
 		if got := onHost(c.src, c.dst); got != c.want {

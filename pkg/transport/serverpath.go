@@ -84,8 +84,10 @@ func (p *SrvPath) SrcAddr() Addr { return p.src }
 // DstAddr is the server's (local) address.
 func (p *SrvPath) DstAddr() Addr { return p.dst }
 
-// PeerOnHost says whether the client runs on this host: its address is a loopback address or
-// the server's own. The path's traffic then never leaves the host.
+// PeerOnHost says whether the client runs on this host, as far as the path's addresses tell:
+// its address is a loopback one or the very address it reached. A local client connecting from
+// another of the host's addresses is not recognised (that would take the host's address list
+// per path).
 func (p *SrvPath) PeerOnHost() bool { return p.onHost }
 
 // onHost is PeerOnHost's test, on the path's addresses.

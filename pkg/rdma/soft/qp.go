@@ -91,7 +91,8 @@ type qp struct {
 	wg     sync.WaitGroup
 
 	// batching is set while the reader runs completion handlers at the end of a burst: sends
-	// they post on this QP wait for the reader's flush, so a burst's answers leave together.
+	// they post on this QP wait for the reader's flush, so a burst's answers leave together,
+	// except a large frame, which leaves at once (writer.flushLarge).
 	batching atomic.Bool
 	// plugs counts Plug calls not yet unplugged: posts leave their frames queued.
 	plugs atomic.Int32
@@ -388,11 +389,15 @@ func (q *qp) finishPost(queued bool) {
 	w := q.w
 	q.mu.Unlock()
 	// Enqueued before the flags are read: if the reader is still batching, its flush after
-	// clearing the flag takes these frames along, and so does the last Unplug.
-	if queued && !q.batching.Load() && q.plugs.Load() == 0 {
-		w.flush()
-	} else if queued && q.batching.Load() {
-		w.flushLarge()
+	// clearing the flag takes these frames along, and so does the last Unplug. A large frame
+	// posted while the reader batches (by its handlers, or by any poster in that window)
+	// leaves now, unless plugged.
+	if queued && q.plugs.Load() == 0 {
+		if !q.batching.Load() {
+			w.flush()
+		} else {
+			w.flushLarge()
+		}
 	}
 }
 

@@ -182,7 +182,7 @@ func (w *writer) addLocked(h *frameHdr, payload []seg, cnt *atomic.Int32) {
 }
 
 // handOff: a frame with a piece this large is written by the flusher goroutine, not by the
-// poster. Its copy into the socket takes long enough (tens of µs per 128 KiB) that the
+// poster (but see flushLarge: the reader's burst handlers write theirs themselves). Its copy into the socket takes long enough (tens of µs per 128 KiB) that the
 // poster, often the goroutine that reads the next request, is better off going back to
 // reading while another CPU copies: the two copies of a byte a forwarding process makes
 // (read in, send on) then overlap instead of taking turns.
