@@ -82,13 +82,15 @@ func (n *nbdAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.Att
 		n.mu.Unlock()
 		return err
 	}
+	// As for ublk: an unmap that began meanwhile found nothing to detach (under n.mu, which
+	// its Detach takes after BeginUnmap).
 	n.mu.Lock()
-	if n.closed || d.State() == rnbd.StateUnmapped {
+	if n.closed || d.Unmapping() {
 		n.mu.Unlock()
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
 		_ = a.Detach(dctx)
-		return fmt.Errorf("%s went away while it was attached: %w", name, syscall.ENODEV)
+		return fmt.Errorf("%s was unmapped while it was attached: %w", name, syscall.ENODEV)
 	}
 	n.devs[d] = a
 	n.wg.Add(1)
@@ -136,12 +138,6 @@ func (n *nbdAttacher) Detach(ctx context.Context, d *rnbd.Device, force bool) er
 	}
 	n.mu.Lock()
 	a := n.devs[d]
-	n.mu.Unlock()
-	n.mu.Lock()
-	if n.devs[d] != a {
-		n.mu.Unlock()
-		return fmt.Errorf("%s changed while being detached: %w", d.Path(), syscall.EAGAIN)
-	}
 	delete(n.devs, d)
 	delete(n.tokens, d)
 	n.mu.Unlock()
@@ -166,7 +162,6 @@ func (n *nbdAttacher) Attached(d *rnbd.Device) string {
 	return ""
 }
 
-// token is the nbd= value map_device was given for d ("" if none).
 // Token is nbd= as map_device gave it for d (AttachDefault when it gave none).
 func (n *nbdAttacher) Token(d *rnbd.Device) control.Attach {
 	n.mu.Lock()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math/bits"
+	"os"
 	"runtime"
 	"strconv"
 	"sync"
@@ -204,11 +205,14 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 	if err != nil {
 		return fmt.Errorf("%s: ublk=%v: %w", name, at, err)
 	}
+	// An unmap that began meanwhile found no ublk device to detach: it is this one's to stop.
+	// Looked at under u.mu, which the unmap's Detach takes after BeginUnmap: either that
+	// Detach finds the device stored here, or this finds the unmap begun.
 	u.mu.Lock()
-	if u.closed || d.State() == rnbd.StateUnmapped {
+	if u.closed || d.Unmapping() {
 		u.mu.Unlock()
 		_ = dev.Stop()
-		return fmt.Errorf("%s went away while it was attached: %w", name, syscall.ENODEV)
+		return fmt.Errorf("%s was unmapped while it was attached: %w", name, syscall.ENODEV)
 	}
 	u.devs[d] = dev
 	u.tokens[d] = tok
@@ -262,8 +266,12 @@ const (
 	claimRefuse               // not d's
 )
 
-// ublkMaxIO is the largest request of d's ublk device.
-func ublkMaxIO(d *rnbd.Device) int { return min(d.MaxIO()&^4095, 1<<20) }
+// ublkMaxIO is the largest request of d's ublk device, in whole pages: the driver rounds its
+// buffers down to its page size.
+func ublkMaxIO(d *rnbd.Device) int {
+	m := min(d.MaxIO(), 1<<20)
+	return m - m%os.Getpagesize()
+}
 
 // ublkClaim decides what an attach of the mapping of sess and path, whose device would have
 // the parameters want, does with an existing device of that info and those parameters p:

@@ -232,6 +232,15 @@ func (d *Device) BeginUnmap(force bool) (abort func(), err error) {
 	}, nil
 }
 
+// Unmapping says whether the device is unmapped or an unmap has begun (BeginUnmap): a front
+// end that finishes attaching to it then lets go instead, since the unmap has already
+// detached the front ends it found.
+func (d *Device) Unmapping() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.state == StateUnmapped || d.unmapping
+}
+
 // Unmap sends CLOSE and forgets the device; the session goes with its last device. IO still
 // waiting fails, and openers that said how are made to let go (Hold). A device whose first OPEN is still on the wire is refused (EBUSY): its id
 // is not known yet. A CLOSE that fails is logged, not returned, as the kernel's client does:

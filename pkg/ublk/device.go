@@ -63,14 +63,16 @@ func Create(ctrl *Ctrl, o Options, h Handler) (*Device, error) {
 	d := &Device{ctrl: ctrl, id: info.DevID, info: info}
 	p := o.Params
 	p.Types |= ParamTypeBasic
-	if p.Basic.MaxSectors == 0 {
-		p.Basic.MaxSectors = uint32(o.MaxIO >> 9)
+	var ok bool
+	if p.Basic.MaxSectors, ok = maxSectors(p.Basic.MaxSectors, o.MaxIO, info.MaxIOBufBytes); !ok {
+		d.delete()
+		return nil, fmt.Errorf("ublk device %d: max IO %d is below the driver's page (it granted %d bytes): %w", d.id, o.MaxIO, info.MaxIOBufBytes, syscall.EINVAL)
 	}
 	if err := ctrl.SetParams(d.id, p); err != nil {
 		d.delete()
 		return nil, fmt.Errorf("ublk SET_PARAMS on %d: %w", d.id, err)
 	}
-	if err := d.start(h, ctrl.StartDev); err != nil {
+	if err := d.start(h, ctrl.StartDev, true); err != nil {
 		d.delete()
 		return nil, fmt.Errorf("ublk START_DEV on %d: %w", d.id, err)
 	}
@@ -110,10 +112,20 @@ func Recover(ctrl *Ctrl, id int, h Handler, wait time.Duration) (*Device, error)
 		return nil, err
 	}
 	d := &Device{ctrl: ctrl, id: uint32(id), info: info}
-	if err := d.start(h, ctrl.EndUserRecovery); err != nil {
+	if err := d.start(h, ctrl.EndUserRecovery, false); err != nil {
 		return nil, fmt.Errorf("ublk END_USER_RECOVERY on %d: %w", id, err)
 	}
 	return d, nil
+}
+
+// maxSectors is the device's max_sectors: want (0: all of maxIO), within the buffer the driver
+// granted, which ADD_DEV rounds down to its page size (64 KiB on some arm64 and ppc64
+// kernels) and SET_PARAMS refuses max_sectors beyond; false if it granted none.
+func maxSectors(want uint32, maxIO int, granted uint32) (uint32, bool) {
+	if want == 0 {
+		want = uint32(maxIO >> 9)
+	}
+	return min(want, granted>>9), granted >= 4096
 }
 
 func processGone(pid int) bool {
@@ -122,8 +134,9 @@ func processGone(pid int) bool {
 }
 
 // start opens the char device, starts the queue loops, and once each has fetched its
-// requests runs final (START_DEV or END_USER_RECOVERY), which waits for exactly that.
-func (d *Device) start(h Handler, final func(uint32) error) error {
+// requests runs final (START_DEV or END_USER_RECOVERY), which waits for exactly that;
+// scans says final also waits for the new disk's partition scan (START_DEV).
+func (d *Device) start(h Handler, final func(uint32) error, scans bool) error {
 	path := "/dev/ublkc" + strconv.Itoa(int(d.id))
 	var err error
 	// devtmpfs makes the node as the driver registers it; udev may be slower.
@@ -154,7 +167,7 @@ func (d *Device) start(h Handler, final func(uint32) error) error {
 		}
 	}
 	if err := final(d.id); err != nil {
-		if errors.Is(err, syscall.ETIMEDOUT) {
+		if scans && errors.Is(err, syscall.ETIMEDOUT) {
 			// Every queue has fetched, so what the command still waits for is the new
 			// disk's partition scan, whose reads the queues serve (each bounded by the
 			// mapping's IO timeout): the device is served and finishes starting when they

@@ -179,6 +179,19 @@ func (q *queue) run(ready chan<- error) {
 		ready <- fmt.Errorf("ublk queue %d: submitting the fetches: %w", q.id, err)
 		return
 	}
+	// A fetch the driver refuses is answered within the submit. The device cannot start
+	// then: START_DEV and END_USER_RECOVERY wait for every tag's fetch.
+	var refused int32
+	ring.Completions(func(c uring.CQE) {
+		if c.UserData != udWake && c.Res < 0 && refused == 0 {
+			refused = c.Res
+		}
+		q.completion(c)
+	})
+	if refused != 0 {
+		ready <- fmt.Errorf("ublk queue %d: the driver refused a fetch: %w", q.id, unix.Errno(-refused))
+		return
+	}
 	ready <- nil
 	for !q.quit.Load() && (q.aborted < q.depth || q.inflight > 0) {
 		wait := uint32(0)

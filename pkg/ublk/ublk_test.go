@@ -402,3 +402,26 @@ func TestIdleBuffersGiveBack(t *testing.T) {
 	}
 	roundTrip()
 }
+
+// TestMaxSectors: max_sectors stays within the buffer the driver granted, which ADD_DEV
+// rounds down to its page size (SET_PARAMS refuses more), and a grant of nothing is refused.
+func TestMaxSectors(t *testing.T) {
+	for _, c := range []struct {
+		want    uint32
+		maxIO   int
+		granted uint32
+		out     uint32
+		ok      bool
+	}{
+		{0, 124 << 10, 124 << 10, 248, true},   // 4 KiB pages: as asked
+		{0, 124 << 10, 64 << 10, 128, true},    // 64 KiB pages: the driver's rounding
+		{64, 124 << 10, 124 << 10, 64, true},   // a smaller limit of the caller's stays
+		{300, 124 << 10, 124 << 10, 248, true}, // a larger one is cut to the buffer
+		{0, 16 << 10, 0, 0, false},             // below a 64 KiB page: nothing granted
+	} {
+		out, ok := maxSectors(c.want, c.maxIO, c.granted)
+		if out != c.out || ok != c.ok {
+			t.Errorf("maxSectors(%d, %d, %d) = %d, %v; want %d, %v", c.want, c.maxIO, c.granted, out, ok, c.out, c.ok)
+		}
+	}
+}

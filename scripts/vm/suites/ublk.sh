@@ -8,6 +8,7 @@
 # - blkdiscard and blkdiscard -z;
 # - fio verify while a path is disconnected and reconnected mid-IO;
 # - unmap_device while fio has the device open: EBUSY at once, fio unharmed;
+# - unmap_device while map_device is attaching the device: no ublk device left behind;
 # - rtrs-clientd killed with SIGKILL under fio verify and started again: it takes its
 #   /dev/ublkbN back (user recovery), the IO that waited resumes, fio finds no error;
 # - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same.
@@ -123,11 +124,17 @@ no_driver() {
 	wait "$CLI_PID" "$SRV_PID"
 }
 
-# ops_arrived: what the block layer sent through /dev/ublkbN reached our server as RNBD asks:
+# server_errors: the RNBD requests our server has failed so far.
+server_errors() {
+	curl -sf --max-time 10 "http://$METRICS_ADDR/metrics" | awk '/^rtrs_rnbd_server_errors_total / { print $NF }'
+}
+
+# ops_arrived [ERRORS]: what the block layer sent through /dev/ublkbN reached our server as RNBD asks:
 # flushes (ext4's journal, blkdiscard's end), FUA writes (O_DSYNC on a device with a volatile
 # cache and FUA), discards and write-zeroes, and no request failed.
+# ERRORS (default 0) is the server's error count before the checked IO began.
 ops_arrived() {
-	curl -sf --max-time 10 "http://$METRICS_ADDR/metrics" | awk '
+	curl -sf --max-time 10 "http://$METRICS_ADDR/metrics" | awk -v base="${1:-0}" '
 		/^rtrs_rnbd_server_requests_total\{/ { match($0, /op="[^"]*"/); n[substr($0, RSTART + 4, RLENGTH - 5)] = $NF }
 		/^rtrs_rnbd_server_fua_writes_total / { n["fua_writes"] = $NF }
 		/^rtrs_rnbd_server_errors_total / { n["errors"] = $NF }
@@ -135,7 +142,7 @@ ops_arrived() {
 			printf "our server'"'"'s RNBD requests:"
 			for (k in n) printf " %s=%d", k, n[k]
 			print ""
-			exit !(n["flush"] > 0 && n["discard"] > 0 && n["write_zeroes"] > 0 && n["fua_writes"] > 0 && ("errors" in n) && n["errors"] == 0)
+			exit !(n["flush"] > 0 && n["discard"] > 0 && n["write_zeroes"] > 0 && n["fua_writes"] > 0 && ("errors" in n) && n["errors"] == base)
 		}'
 }
 
@@ -171,6 +178,47 @@ ext4_on() {
 	echo "ext4 on $B: made, fsck clean, read back"
 }
 
+# ublk_count: how many ublk devices the driver has.
+ublk_count() { find /dev -maxdepth 1 -name 'ublkc*' | wc -l; }
+
+# unmap_while_attaching T: unmap_device written as soon as a map_device … ublk=auto has
+# listed its device, while its /dev/ublkbN starts (ADD_DEV, the queues, START_DEV and the
+# partition scan). Either the unmap comes first and the attach stops its own device
+# (map_device fails, ENODEV), or the attach finished and the unmap detaches it; in both no
+# ublk device is left behind, none listed. The loop polls with shell builtins only (no fork),
+# so as to land inside the attach; at least one of ten tries must, or the race went untested.
+unmap_while_attaching() {
+	local T=$1 n0 i hit=0 mpid x
+	truncate -s 64M "$T"/exports/race
+	n0=$(ublk_count)
+	for i in $(seq 10); do
+		{ echo "sessname=r device_path=race dest_port=$PORT path=ip:$RTRS_VM_ADDR1@ip:$RTRS_VM_ADDR1 ublk=auto" >"$T"/dev/ctl/map_device; } 2>/tmp/race-map.err &
+		mpid=$!
+		x=
+		until [[ $x == *race* ]] || gone "$mpid"; do
+			IFS= read -r -d '' x <"$T"/dev/ctl/devices || true
+		done
+		until echo "sessname=r device_path=race" 2>/tmp/race-unmap.err >"$T"/dev/ctl/unmap_device; do
+			gone "$mpid" && break
+		done
+		if wait "$mpid"; then
+			echo "try $i: the attach finished first"
+		else
+			echo "try $i: map_device failed: $(cat /tmp/race-map.err)"
+			grep -q "No such device" /tmp/race-map.err
+			hit=$((hit + 1))
+		fi
+		vm_wait 30 test "$(ublk_count)" -eq "$n0" || {
+			echo "try $i: $(ublk_count) ublk devices, $n0 before: one left behind"
+			ls -l /dev/ublk*
+			return 1
+		}
+		[ -z "$(cat "$T"/dev/ctl/ublk_devices)" ] && ! grep -q race "$T"/dev/ctl/devices
+		[ "$hit" -eq 0 ] || break
+	done
+	[ "$hit" -gt 0 ] || { echo "the unmap never came during the attach in 10 tries"; return 1; }
+}
+
 ours() {
 	local T=/tmp/ub A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 B C pb err t0 id
 	mkdir -p "$T"/exports "$T"/srv "$T"/rnbd "$T"/cli "$T"/dev
@@ -178,6 +226,10 @@ ours() {
 	: >"$T"/clientd.conf
 	start_server "$T"
 	start_client "$T"
+	unmap_while_attaching "$T"
+	# The race's partition scan may have read a device its unmap had just closed.
+	local e0
+	e0=$(server_errors)
 	echo "sessname=u device_path=disk dest_port=$PORT path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 ublk=auto" >"$T"/dev/ctl/map_device
 	cat "$T"/dev/ctl/ublk_devices
 	B=$(ublk_of "$T")
@@ -198,7 +250,7 @@ ours() {
 	cmp -n 2097152 "$B" /dev/zero
 	echo "discarded and zeroed ranges read back as zeros"
 	dd if=/tmp/mb of="$B" bs=4k count=16 oflag=direct,dsync status=none
-	ops_arrived
+	ops_arrived "$e0"
 
 	echo "-- fio verify while a path is disconnected and reconnected"
 	C=$T/cli/u
