@@ -14,8 +14,9 @@ import (
 
 // TestHoldAndBeginUnmap: openers are counted and named; a normal unmap is EBUSY while there
 // is one and changes nothing; once an unmap has begun a second one is EBUSY and no new
-// opener gets in (ENODEV); abort undoes the mark; force goes through with openers, and the
-// unmap calls their revoke.
+// opener gets in (ENODEV), and the device says so (Unmapping, which a front end still
+// attaching looks at); abort undoes the mark; force goes through with openers, and the unmap
+// calls their revoke.
 func TestHoldAndBeginUnmap(t *testing.T) {
 	leakcheck.Check(t)
 	e := newTestEnv(t)
@@ -54,9 +55,15 @@ func TestHoldAndBeginUnmap(t *testing.T) {
 		t.Fatalf("holders after every release: %q", got)
 	}
 
+	if d.Unmapping() {
+		t.Fatal("unmapping before any unmap began")
+	}
 	abort, err := d.BeginUnmap(false)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if !d.Unmapping() {
+		t.Error("not unmapping once the unmap has begun (its CLOSE not sent yet)")
 	}
 	if _, err := d.BeginUnmap(true); !errors.Is(err, syscall.EBUSY) {
 		t.Errorf("a second unmap under way: %v", err)
@@ -65,6 +72,9 @@ func TestHoldAndBeginUnmap(t *testing.T) {
 		t.Errorf("an opener during an unmap: %v", err)
 	}
 	abort()
+	if d.Unmapping() {
+		t.Error("unmapping after the unmap was aborted")
+	}
 	rel, err := d.Hold("NBD client pid 8", func() { revoked++ })
 	if err != nil {
 		t.Fatalf("an opener after an aborted unmap: %v", err)
@@ -82,6 +92,9 @@ func TestHoldAndBeginUnmap(t *testing.T) {
 		t.Fatal(err)
 	}
 	abort() // after the unmap: does not bring the device back to openers
+	if !d.Unmapping() {
+		t.Error("not unmapping once unmapped")
+	}
 	if revoked != 1 {
 		t.Errorf("revoke called %d times by the unmap, want 1", revoked)
 	}
