@@ -57,6 +57,7 @@ type ublkAttacher struct {
 	closed  bool
 	busy    sync.WaitGroup // attaches and detaches under way, which detachAll waits for
 	devs    map[*rnbd.Device]*ublk.Device
+	failIO  map[*rnbd.Device]context.CancelFunc // ends the context of a device's IO (force)
 	tokens  map[*rnbd.Device]control.Attach
 	pending map[int]bool // device numbers an attach is taking
 }
@@ -71,7 +72,8 @@ func newUblkAttacher(ctx context.Context, c *config, r *resolved, rc *rnbd.Clien
 			}
 			return 1
 		},
-		devs: map[*rnbd.Device]*ublk.Device{}, tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}}
+		devs: map[*rnbd.Device]*ublk.Device{}, failIO: map[*rnbd.Device]context.CancelFunc{},
+		tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}}
 }
 
 func parseUblkQueues(v string) error {
@@ -187,7 +189,9 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 	defer u.busy.Done()
 	u.mu.Unlock()
 	name := d.Session() + "/" + control.DeviceFileName(d.Path())
-	h := &ublkHandler{d: d, ctx: u.ctx, name: name, lg: u.lg}
+	// The device's IO has a context of its own, which a force unmap ends (failIO).
+	ioCtx, failIO := context.WithCancel(u.ctx)
+	h := &ublkHandler{d: d, ctx: ioCtx, name: name, lg: u.lg}
 	var dev *ublk.Device
 	recovered := false
 	if at >= 0 {
@@ -203,6 +207,7 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 			Params: ublkParams(d, maxIO), SrvFlags: ublkOwner(d.Session(), d.Path())}, h)
 	}
 	if err != nil {
+		failIO()
 		return fmt.Errorf("%s: ublk=%v: %w", name, at, err)
 	}
 	// An unmap that began meanwhile found no ublk device to detach: it is this one's to stop.
@@ -211,10 +216,12 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 	u.mu.Lock()
 	if u.closed || d.Unmapping() {
 		u.mu.Unlock()
+		failIO()
 		_ = dev.Stop()
 		return fmt.Errorf("%s was unmapped while it was attached: %w", name, syscall.ENODEV)
 	}
 	u.devs[d] = dev
+	u.failIO[d] = failIO
 	u.tokens[d] = tok
 	u.mu.Unlock()
 	how := "attached to"
@@ -334,9 +341,16 @@ func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) err
 		u.mu.Unlock()
 		return nil
 	}
+	failIO := u.failIO[d]
 	u.busy.Add(1)
 	defer u.busy.Done()
 	u.mu.Unlock()
+	if force && failIO != nil {
+		// STOP_DEV waits for the requests this daemon holds, and one waiting for a session
+		// that lost its paths would hold it up to the IO timeout, as long as a control
+		// command may take: forced, they fail now.
+		failIO()
+	}
 	// Forgotten only once stopped: a device a failed Stop leaves behind stays listed, in
 	// the write-back too, and the unmap that failed may be tried again.
 	if err := dev.Stop(); err != nil {
@@ -346,6 +360,10 @@ func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) err
 	u.mu.Lock()
 	if u.devs[d] == dev {
 		delete(u.devs, d)
+		if failIO != nil {
+			failIO()
+		}
+		delete(u.failIO, d)
 	}
 	delete(u.tokens, d)
 	u.mu.Unlock()
@@ -394,6 +412,11 @@ func (u *ublkAttacher) detachAll() {
 	u.mu.Lock()
 	all := u.devs
 	u.devs = map[*rnbd.Device]*ublk.Device{}
+	// The daemon's context has ended, and with it the devices' IO: what waits fails.
+	for _, f := range u.failIO {
+		f()
+	}
+	u.failIO = map[*rnbd.Device]context.CancelFunc{}
 	c := u.ctrl
 	u.mu.Unlock()
 	var wg sync.WaitGroup

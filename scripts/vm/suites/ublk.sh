@@ -9,6 +9,7 @@
 # - fio verify while a path is disconnected and reconnected mid-IO;
 # - unmap_device while fio has the device open: EBUSY at once, fio unharmed;
 # - unmap_device while map_device is attaching the device: no ublk device left behind;
+# - a force unmap under fio with the server killed: done at once, fio fails, nothing left;
 # - rtrs-clientd killed with SIGKILL under fio verify and started again: it takes its
 #   /dev/ublkbN back (user recovery), the IO that waited resumes, fio finds no error;
 # - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same.
@@ -219,6 +220,41 @@ unmap_while_attaching() {
 	[ "$hit" -gt 0 ] || { echo "the unmap never came during the attach in 10 tries"; return 1; }
 }
 
+# force_unmap_dead_server T: a force unmap of a device under fio whose server was killed
+# (its IO waiting for the session, up to the IO timeout of 120 s) goes through at once: the
+# waiting IO fails (fio sees errors), the device goes, nothing is left. The server is started
+# again after.
+force_unmap_dead_server() {
+	local T=$1 n0 B fpid t0 err
+	n0=$(ublk_count)
+	echo "sessname=r device_path=race dest_port=$PORT path=ip:$RTRS_VM_ADDR1@ip:$RTRS_VM_ADDR1 ublk=auto" >"$T"/dev/ctl/map_device
+	B=$(ublk_of "$T")
+	[ -b "$B" ]
+	fio --name=ub-dead --filename="$B" --direct=1 --ioengine=libaio --rw=randwrite --bs=4k --iodepth=16 \
+		--size=32m --time_based --runtime=60 --output=/tmp/ub-dead.fio >/dev/null 2>&1 &
+	fpid=$!
+	vm_wait 20 holds_open "$B"
+	sleep 1
+	kill -9 "$SRV_PID"
+	wait "$SRV_PID" 2>/dev/null || true
+	umount "$T"/srv "$T"/rnbd 2>/dev/null || rtrs-serverd -cleanup -mount "$T"/srv -rnbd-mount "$T"/rnbd
+	vm_wait 30 bash -c "! grep -qx connected $T/cli/r/paths/*/state"
+	t0=$(vm_now)
+	if ! err=$({ timeout 25 bash -c "echo 'sessname=r device_path=race force' >$T/dev/ctl/unmap_device"; } 2>&1); then
+		echo "force unmap with the server gone: $err ($(vm_since "$t0") s)"
+		return 1
+	fi
+	echo "force unmap of $B with its server gone and fio on it: done in $(vm_since "$t0") s"
+	if wait "$fpid"; then
+		echo "fio had no error on a device unmapped under it"
+		return 1
+	fi
+	grep -m1 -o "err=[^:]*: [^,]*" /tmp/ub-dead.fio || true
+	vm_wait 30 test "$(ublk_count)" -eq "$n0"
+	[ -z "$(cat "$T"/dev/ctl/ublk_devices)" ] && ! grep -q race "$T"/dev/ctl/devices
+	start_server "$T"
+}
+
 ours() {
 	local T=/tmp/ub A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2 B C pb err t0 id
 	mkdir -p "$T"/exports "$T"/srv "$T"/rnbd "$T"/cli "$T"/dev
@@ -227,6 +263,7 @@ ours() {
 	start_server "$T"
 	start_client "$T"
 	unmap_while_attaching "$T"
+	force_unmap_dead_server "$T"
 	# The race's partition scan may have read a device its unmap had just closed.
 	local e0
 	e0=$(server_errors)
