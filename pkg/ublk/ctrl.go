@@ -24,28 +24,41 @@ var ctrlTimeout = 30 * time.Second
 // completed, before it gives up.
 const maxAbandoned = 4
 
+// maxCtrlInFlight bounds the control commands a Ctrl has in flight at once: each holds a
+// ring and its descriptor, and while it waits in the kernel (START_DEV behind a partition
+// scan, STOP_DEV behind the requests a daemon holds) a worker thread of io_uring.
+const maxCtrlInFlight = 8
+
+// maxCtrlIdle is how many rings without a command a Ctrl keeps for the next ones.
+const maxCtrlIdle = 2
+
 // ErrNoDriver says the kernel has no ublk (module not loaded, or not built: Debian's 6.1).
 var ErrNoDriver = errors.New("no ublk driver: " + ControlPath + " is missing (modprobe ublk_drv; Linux 6.0 or later)")
 
-// Ctrl is /dev/ublk-control with its ring: the device commands. Safe for concurrent use.
+// Ctrl is /dev/ublk-control: the device commands. Safe for concurrent use, and concurrent
+// commands run at once, each on a ring of its own: the driver serializes the commands of one
+// device itself, and a device whose START_DEV waits for its partition scan, or whose
+// STOP_DEV waits for its requests, must not hold up the others' map, unmap and recovery.
 type Ctrl struct {
-	mu       sync.Mutex
-	f        *os.File
-	ring     *uring.Ring
 	features uint64
-	buf      *ctrlBuf // the command's in/out buffer, in the heap: the kernel writes to it
-	seq      uint64   // the last command's user data
+	slots    chan struct{} // one per command in flight
+
+	mu     sync.Mutex
+	closed bool
+	idle   []*ctrlRing
 	// abandoned are the rings (with their descriptors and buffers) of commands that did not
-	// complete in time or whose submission failed: the kernel may still complete them, so
-	// they stay open and reachable, never freed, and the Ctrl goes on with a new ring.
-	abandoned []abandonedRing
+	// complete in time or whose wait failed: the kernel may still complete them, so they stay
+	// open and reachable, never freed.
+	abandoned []*ctrlRing
 	broken    error // too many of them: the Ctrl refuses every command
 }
 
-type abandonedRing struct {
+// ctrlRing is a control descriptor and a ring, for one command at a time.
+type ctrlRing struct {
 	f    *os.File
 	ring *uring.Ring
-	buf  *ctrlBuf
+	buf  ctrlBuf // the command's in/out buffer, in the heap: the kernel writes to it
+	seq  uint64  // the last command's user data
 }
 
 // ctrlBuf holds whatever a control command reads or writes.
@@ -55,8 +68,7 @@ type ctrlBuf struct {
 	features uint64
 }
 
-// OpenCtrl opens the control device and reads the driver's features.
-func OpenCtrl() (*Ctrl, error) {
+func newCtrlRing() (*ctrlRing, error) {
 	f, err := os.OpenFile(ControlPath, os.O_RDWR, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, ErrNoDriver
@@ -69,12 +81,30 @@ func OpenCtrl() (*Ctrl, error) {
 		f.Close()
 		return nil, err
 	}
-	c := &Ctrl{f: f, ring: r, buf: new(ctrlBuf)}
-	if err := c.do(cmdGetFeatures, CtrlCmd{DevID: ^uint32(0), QueueID: 0xffff, Len: 8, Addr: addr(&c.buf.features)}); err != nil {
+	return &ctrlRing{f: f, ring: r}, nil
+}
+
+func (r *ctrlRing) close() {
+	_ = r.ring.Close()
+	_ = r.f.Close()
+}
+
+// OpenCtrl opens the control device and reads the driver's features.
+func OpenCtrl() (*Ctrl, error) {
+	r, err := newCtrlRing()
+	if err != nil {
+		return nil, err
+	}
+	c := &Ctrl{slots: make(chan struct{}, maxCtrlInFlight), idle: []*ctrlRing{r}}
+	var features uint64
+	err = c.do(cmdGetFeatures, ^uint32(0), func(b *ctrlBuf) CtrlCmd {
+		return CtrlCmd{DevID: ^uint32(0), QueueID: 0xffff, Len: 8, Addr: addr(&b.features)}
+	}, func(b *ctrlBuf) { features = b.features })
+	if err != nil {
 		c.Close()
 		return nil, fmt.Errorf("ublk GET_FEATURES (Linux 6.5 or later wanted): %w", err)
 	}
-	c.features = c.buf.features
+	c.features = features
 	if c.features&featuresNeeded != featuresNeeded {
 		c.Close()
 		return nil, fmt.Errorf("ublk driver features %#x lack %#x (user recovery with reissue, ioctl-encoded commands): %w",
@@ -86,45 +116,70 @@ func OpenCtrl() (*Ctrl, error) {
 // Features is the driver's UBLK_F_* set.
 func (c *Ctrl) Features() uint64 { return c.features }
 
-// Close closes the control device (the abandoned rings stay: see Ctrl).
+// Close closes the control device; a command still running closes its ring when it ends
+// (the abandoned rings stay: see Ctrl).
 func (c *Ctrl) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.ring == nil {
+	if c.closed {
 		return os.ErrClosed
 	}
-	_ = c.ring.Close()
-	c.ring = nil
-	return c.f.Close()
+	c.closed = true
+	for _, r := range c.idle {
+		r.close()
+	}
+	c.idle = nil
+	return nil
 }
 
-// abandon leaves the current ring to a command the kernel may still complete and goes on
-// with a new one; err is what the command returns.
-func (c *Ctrl) abandon(err error) error {
-	c.abandoned = append(c.abandoned, abandonedRing{c.f, c.ring, c.buf})
-	c.ring, c.f, c.buf = nil, nil, nil
-	if len(c.abandoned) >= maxAbandoned {
-		c.broken = fmt.Errorf("ublk control: %d commands never completed, the last: %w", len(c.abandoned), err)
-		return err
+// get takes an idle ring, or opens one.
+func (c *Ctrl) get() (*ctrlRing, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, os.ErrClosed
 	}
-	c.renew(err)
-	return err
+	if c.broken != nil {
+		return nil, c.broken
+	}
+	c.reap()
+	if n := len(c.idle); n > 0 {
+		r := c.idle[n-1]
+		c.idle[n-1] = nil
+		c.idle = c.idle[:n-1]
+		return r, nil
+	}
+	r, err := newCtrlRing()
+	if err != nil {
+		return nil, fmt.Errorf("ublk control: a ring for the command: %w", err)
+	}
+	return r, nil
 }
 
-// renew opens a new descriptor and ring after err, or marks the Ctrl broken.
-func (c *Ctrl) renew(after error) {
-	f, err := os.OpenFile(ControlPath, os.O_RDWR, 0)
-	if err != nil {
-		c.broken = fmt.Errorf("ublk control: reopening after %v: %w", after, err)
-		return
+// ringFate is what becomes of a ring after its command.
+type ringFate int
+
+const (
+	ringReuse   ringFate = iota // the command completed: the ring is free
+	ringDiscard                 // the kernel took nothing, but the entry is still queued: close it
+	ringAbandon                 // the kernel may still complete the command: leave it the ring
+)
+
+// put gives a ring back after its command, as fate says.
+func (c *Ctrl) put(r *ctrlRing, fate ringFate, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case fate == ringAbandon:
+		c.abandoned = append(c.abandoned, r)
+		if len(c.abandoned) >= maxAbandoned && c.broken == nil {
+			c.broken = fmt.Errorf("ublk control: %d commands never completed, the last: %w", len(c.abandoned), err)
+		}
+	case fate == ringReuse && !c.closed && len(c.idle) < maxCtrlIdle:
+		c.idle = append(c.idle, r)
+	default:
+		r.close()
 	}
-	r, err := uring.New(4, uring.SetupSQE128)
-	if err != nil {
-		f.Close()
-		c.broken = fmt.Errorf("ublk control: a new ring after %v: %w", after, err)
-		return
-	}
-	c.f, c.ring, c.buf = f, r, new(ctrlBuf)
 }
 
 // reap closes the abandoned rings whose command has completed since.
@@ -132,8 +187,7 @@ func (c *Ctrl) reap() {
 	kept := c.abandoned[:0]
 	for _, a := range c.abandoned {
 		if a.ring.Completions(func(uring.CQE) {}) > 0 {
-			_ = a.ring.Close()
-			_ = a.f.Close()
+			a.close()
 			continue
 		}
 		kept = append(kept, a)
@@ -144,123 +198,118 @@ func (c *Ctrl) reap() {
 
 func addr[T any](p *T) uint64 { return uint64(uintptr(unsafe.Pointer(p))) }
 
-// do runs one control command and waits for it, up to ctrlTimeout.
-func (c *Ctrl) do(nr uint32, cmd CtrlCmd) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.doLocked(nr, cmd)
-}
-
-// unusable is why a Ctrl without a ring takes no command.
-func (c *Ctrl) unusable() error {
-	if c.broken != nil {
-		return c.broken
+// do runs one control command on device id and waits for it, up to ctrlTimeout once it is
+// sent: prep fills the ring's buffer and returns the command, out reads the buffer after a
+// command that succeeded. When maxCtrlInFlight commands are running, it first waits up to
+// ctrlTimeout for one of them to end, then fails with EAGAIN (never ETIMEDOUT: the
+// command was not sent).
+func (c *Ctrl) do(nr, id uint32, prep func(*ctrlBuf) CtrlCmd, out func(*ctrlBuf)) error {
+	t := time.NewTimer(ctrlTimeout)
+	select {
+	case c.slots <- struct{}{}:
+		t.Stop()
+	case <-t.C:
+		return fmt.Errorf("ublk control command %#x on device %d: %d others still running after %v: %w", nr, id, maxCtrlInFlight, ctrlTimeout, syscall.EAGAIN)
 	}
-	return os.ErrClosed
-}
-
-func (c *Ctrl) doLocked(nr uint32, cmd CtrlCmd) error {
-	if c.ring == nil {
-		return c.unusable()
+	defer func() { <-c.slots }()
+	r, err := c.get()
+	if err != nil {
+		return err
 	}
-	c.reap()
-	s := c.ring.GetSQE()
-	c.seq++
-	seq := c.seq
-	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(c.f.Fd()), uint64(ctrlOp(nr)), seq
-	*(*CtrlCmd)(unsafe.Pointer(&c.ring.Cmd(s)[0])) = cmd
-	deadline := time.Now().Add(ctrlTimeout)
-	var res *int32
-	submitted := false
-	for res == nil {
-		left := time.Until(deadline)
-		if left <= 0 {
-			// The command still holds c.buf and a ring entry: the ring is left to it.
-			return c.abandon(fmt.Errorf("ublk control command %#x on device %d did not complete in %v: %w", nr, cmd.DevID, ctrlTimeout, syscall.ETIMEDOUT))
-		}
-		n, err := c.ring.Submit(1, left)
-		if err != nil {
-			err = fmt.Errorf("ublk control command %#x on device %d: %w", nr, cmd.DevID, err)
-			if submitted {
-				return c.abandon(err) // only the wait failed: the command is the kernel's
-			}
-			// The kernel took nothing, but the entry is still in the ring, to go with the
-			// next submission: this ring (nothing of it in use) is closed for a new one.
-			_ = c.ring.Close()
-			_ = c.f.Close()
-			c.ring, c.f = nil, nil
-			c.renew(err)
-			return err
-		}
-		submitted = submitted || n > 0
-		c.ring.Completions(func(cq uring.CQE) {
-			if cq.UserData == seq {
-				r := cq.Res
-				res = &r
-			}
-		})
+	res, fate, err := r.run(nr, id, prep(&r.buf))
+	if err == nil && res >= 0 && out != nil {
+		out(&r.buf)
 	}
-	if *res < 0 {
-		return syscall.Errno(-*res)
+	c.put(r, fate, err)
+	if err != nil {
+		return err
+	}
+	if res < 0 {
+		return syscall.Errno(-res)
 	}
 	return nil
+}
+
+// run submits cmd on the ring and waits for its completion, up to ctrlTimeout.
+func (r *ctrlRing) run(nr, id uint32, cmd CtrlCmd) (int32, ringFate, error) {
+	s := r.ring.GetSQE()
+	r.seq++
+	seq := r.seq
+	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(r.f.Fd()), uint64(ctrlOp(nr)), seq
+	*(*CtrlCmd)(unsafe.Pointer(&r.ring.Cmd(s)[0])) = cmd
+	deadline := time.Now().Add(ctrlTimeout)
+	submitted := false
+	for {
+		left := time.Until(deadline)
+		if left <= 0 {
+			// The command still holds the buffer and a ring entry: the ring is left to it.
+			return 0, ringAbandon, fmt.Errorf("ublk control command %#x on device %d did not complete in %v: %w", nr, id, ctrlTimeout, syscall.ETIMEDOUT)
+		}
+		n, err := r.ring.Submit(1, left)
+		if err != nil {
+			err = fmt.Errorf("ublk control command %#x on device %d: %w", nr, id, err)
+			if submitted {
+				return 0, ringAbandon, err // only the wait failed: the command is the kernel's
+			}
+			return 0, ringDiscard, err
+		}
+		submitted = submitted || n > 0
+		var res *int32
+		r.ring.Completions(func(cq uring.CQE) {
+			if cq.UserData == seq {
+				v := cq.Res
+				res = &v
+			}
+		})
+		if res != nil {
+			return *res, ringReuse, nil
+		}
+	}
 }
 
 // AddDev adds a device (ADD_DEV); info.DevID ^0 asks the driver for any free id. The
 // driver fills in the rest of info, which is returned.
 func (c *Ctrl) AddDev(info DevInfo) (DevInfo, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.ring == nil {
-		return DevInfo{}, c.unusable()
-	}
-	b := c.buf
-	b.info = info
-	err := c.doLocked(cmdAddDev, CtrlCmd{DevID: info.DevID, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(info)), Addr: addr(&b.info)})
-	return b.info, err
+	var got DevInfo
+	err := c.do(cmdAddDev, info.DevID, func(b *ctrlBuf) CtrlCmd {
+		b.info = info
+		return CtrlCmd{DevID: info.DevID, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(info)), Addr: addr(&b.info)}
+	}, func(b *ctrlBuf) { got = b.info })
+	return got, err
 }
 
 // DevInfo reads device id's info (GET_DEV_INFO); ENODEV when there is no such device.
 func (c *Ctrl) DevInfo(id uint32) (DevInfo, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.ring == nil {
-		return DevInfo{}, c.unusable()
-	}
-	b := c.buf
-	b.info = DevInfo{}
-	err := c.doLocked(cmdGetDevInfo, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(DevInfo{})), Addr: addr(&b.info)})
-	return b.info, err
+	var got DevInfo
+	err := c.do(cmdGetDevInfo, id, func(b *ctrlBuf) CtrlCmd {
+		b.info = DevInfo{}
+		return CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(unsafe.Sizeof(DevInfo{})), Addr: addr(&b.info)}
+	}, func(b *ctrlBuf) { got = b.info })
+	return got, err
 }
 
 // SetParams sets a device's parameters before START_DEV.
 func (c *Ctrl) SetParams(id uint32, p Params) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.ring == nil {
-		return c.unusable()
-	}
 	p.Len = uint32(unsafe.Sizeof(p))
-	c.buf.params = p
-	return c.doLocked(cmdSetParams, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(p.Len), Addr: addr(&c.buf.params)})
+	return c.do(cmdSetParams, id, func(b *ctrlBuf) CtrlCmd {
+		b.params = p
+		return CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(p.Len), Addr: addr(&b.params)}
+	}, nil)
 }
 
 // Params reads a device's parameters (GET_PARAMS).
 func (c *Ctrl) Params(id uint32) (Params, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.ring == nil {
-		return Params{}, c.unusable()
-	}
-	b := c.buf
-	b.params = Params{Len: uint32(unsafe.Sizeof(Params{}))}
-	err := c.doLocked(cmdGetParams, CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(b.params.Len), Addr: addr(&b.params)})
-	return b.params, err
+	var got Params
+	err := c.do(cmdGetParams, id, func(b *ctrlBuf) CtrlCmd {
+		b.params = Params{Len: uint32(unsafe.Sizeof(Params{}))}
+		return CtrlCmd{DevID: id, QueueID: 0xffff, Len: uint16(b.params.Len), Addr: addr(&b.params)}
+	}, func(b *ctrlBuf) { got = b.params })
+	return got, err
 }
 
 // simple runs a command whose only argument is the device and, in data[0], our pid.
 func (c *Ctrl) simple(nr, id uint32) error {
-	return c.do(nr, CtrlCmd{DevID: id, QueueID: 0xffff, Data: uint64(os.Getpid())})
+	return c.do(nr, id, func(*ctrlBuf) CtrlCmd { return CtrlCmd{DevID: id, QueueID: 0xffff, Data: uint64(os.Getpid())} }, nil)
 }
 
 // StartDev starts a device whose queues have all fetched: /dev/ublkb<id> appears.

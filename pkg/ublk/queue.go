@@ -93,6 +93,10 @@ type queue struct {
 	touched           bool // a request has used bufs since they were last given back
 }
 
+// refuseFetch, set by a test, sends queue 0's first fetch for a queue the device lacks:
+// the driver refuses it, as it would any fetch it cannot take.
+var refuseFetch bool
+
 // idleWaits is how many empty waits (waitSlice each) a queue with no request in flight lets
 // pass before it gives its buffers' pages back.
 var idleWaits = 2
@@ -172,7 +176,10 @@ func (q *queue) run(ready chan<- error) {
 	q.ring = ring
 	defer ring.Close()
 	for tag := range q.depth {
-		q.cmd(ioFetchReq, uint16(tag), 0)
+		c := q.cmd(ioFetchReq, uint16(tag), 0)
+		if refuseFetch && q.id == 0 && tag == 0 {
+			c.QID = 0xffff
+		}
 	}
 	q.bell.Arm(ring, udWake)
 	if _, err := ring.Submit(0, 0); err != nil {
@@ -276,13 +283,14 @@ func (q *queue) commit() bool {
 	return len(done) > 0
 }
 
-// cmd queues an IO command for tag; there is always room (one entry per tag, one for the
-// wake-up read).
-func (q *queue) cmd(op uint32, tag uint16, res int32) {
+// cmd queues an IO command for tag, returned until the next submit; there is always room
+// (one entry per tag, one for the wake-up read).
+func (q *queue) cmd(op uint32, tag uint16, res int32) *ioCmd {
 	s := q.ring.GetSQE()
 	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(q.d.cdev.Fd()), uint64(ioOp(op)), uint64(tag)
-	*(*ioCmd)(unsafe.Pointer(&q.ring.Cmd(s)[0])) = ioCmd{QID: uint16(q.id), Tag: tag, Result: res,
-		Addr: uint64(uintptr(unsafe.Pointer(&q.bufs[int(tag)*q.maxIO])))}
+	c := (*ioCmd)(unsafe.Pointer(&q.ring.Cmd(s)[0]))
+	*c = ioCmd{QID: uint16(q.id), Tag: tag, Result: res, Addr: uint64(uintptr(unsafe.Pointer(&q.bufs[int(tag)*q.maxIO])))}
+	return c
 }
 
 // completion handles one completion of the ring: a request fetched, a fetch aborted, or

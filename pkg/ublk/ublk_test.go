@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -32,6 +33,7 @@ type memHandler struct {
 	ops  map[uint8]int
 	fua  int
 	hold chan struct{} // non-nil: requests wait for it to close
+	held atomic.Int32  // requests that have waited for hold
 }
 
 func newMem(size int) *memHandler { return &memHandler{mem: make([]byte, size), ops: map[uint8]int{}} }
@@ -39,6 +41,7 @@ func newMem(size int) *memHandler { return &memHandler{mem: make([]byte, size), 
 func (m *memHandler) Serve(r *Request) {
 	go func() {
 		if m.hold != nil {
+			m.held.Add(1)
 			<-m.hold
 		}
 		m.mu.Lock()
@@ -355,6 +358,116 @@ func TestCtrlCommandTimeout(t *testing.T) {
 		}
 		if time.Since(t0) > 10*time.Second {
 			t.Fatalf("device %d still there 10 s after its Stop: %v", d.id, err)
+		}
+	}
+}
+
+// TestCtrlConcurrentCommands: while one device's requests are held (its START_DEV waiting
+// for the partition scan's read, on kernels that scan before START_DEV returns), another
+// device is created, queried and stopped through the same Ctrl; the first then starts once
+// its requests are let go.
+func TestCtrlConcurrentCommands(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	held := newMem(testSize)
+	held.hold = make(chan struct{})
+	release := sync.OnceFunc(func() { close(held.hold) })
+	defer release()
+	type created struct {
+		d   *Device
+		err error
+	}
+	first := make(chan created, 1)
+	go func() {
+		d, err := Create(c, testOptions(), held)
+		first <- created{d, err}
+	}()
+	for t0 := time.Now(); held.held.Load() == 0; time.Sleep(10 * time.Millisecond) {
+		select {
+		case r := <-first:
+			// START_DEV returned before any request reached the handler: nothing was held.
+			if r.err == nil {
+				_ = r.d.Stop()
+			}
+			t.Fatalf("the first device started (%v) with no request held", r.err)
+		default:
+		}
+		if time.Since(t0) > 20*time.Second {
+			t.Fatal("no request of the first device reached its handler in 20 s")
+		}
+	}
+	second := make(chan created, 1)
+	go func() {
+		d, err := Create(c, testOptions(), newMem(testSize))
+		if err == nil {
+			_, err = c.DevInfo(d.id)
+		}
+		if err == nil {
+			err = d.Stop()
+		}
+		second <- created{d, err}
+	}()
+	// Less than ctrlTimeout, after which a START_DEV that waits is taken as started.
+	select {
+	case r := <-second:
+		if r.err != nil {
+			t.Errorf("a second device while the first's requests were held: %v", r.err)
+		}
+		select {
+		case <-first:
+			t.Log("the first device's START_DEV had returned (this kernel scans partitions after it)")
+		default:
+			t.Log("the first device's START_DEV was still waiting for its partition scan")
+		}
+	case <-time.After(15 * time.Second):
+		t.Errorf("creating a second device waited more than 15 s behind the first, whose requests were held")
+		release()
+		if r := <-second; r.err != nil {
+			t.Errorf("the second device, once the first's requests were let go: %v", r.err)
+		}
+	}
+	release()
+	r := <-first
+	if r.err != nil {
+		t.Fatalf("the first device, once its requests were let go: %v", r.err)
+	}
+	if err := r.d.Stop(); err != nil {
+		t.Errorf("stopping the first device: %v", err)
+	}
+}
+
+// TestRefusedFetch: a fetch the driver refuses fails the device's start at once, where
+// START_DEV would wait for that tag until it timed out, and leaves no device behind.
+func TestRefusedFetch(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	o := testOptions()
+	o.ID = 77
+	if _, err := c.DevInfo(uint32(o.ID)); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("device %d before the test: %v", o.ID, err)
+	}
+	refuseFetch = true
+	oldTimeout := ctrlTimeout
+	ctrlTimeout = 5 * time.Second // a START_DEV waiting for the tag would time out, and count as started
+	d, err := Create(c, o, newMem(testSize))
+	refuseFetch = false
+	ctrlTimeout = oldTimeout
+	if err == nil {
+		_ = d.Stop()
+		t.Fatal("a device started with a fetch refused")
+	}
+	if !strings.Contains(err.Error(), "refused a fetch") || !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("Create: %v, want the refused fetch's EINVAL", err)
+	}
+	// The number is free once the queues' rings, torn down in the background, let go of
+	// the char device.
+	for t0 := time.Now(); ; time.Sleep(50 * time.Millisecond) {
+		_, err := c.DevInfo(uint32(o.ID))
+		if errors.Is(err, syscall.ENODEV) {
+			break
+		}
+		if time.Since(t0) > 10*time.Second {
+			t.Fatalf("device %d still there 10 s after the failed start: %v", o.ID, err)
 		}
 	}
 }
