@@ -36,9 +36,13 @@ const maxCtrlIdle = 2
 var ErrNoDriver = errors.New("no ublk driver: " + ControlPath + " is missing (modprobe ublk_drv; Linux 6.0 or later)")
 
 // Ctrl is /dev/ublk-control: the device commands. Safe for concurrent use, and concurrent
-// commands run at once, each on a ring of its own: the driver serializes the commands of one
-// device itself, and a device whose START_DEV waits for its partition scan, or whose
-// STOP_DEV waits for its requests, must not hold up the others' map, unmap and recovery.
+// commands run at once, each on a ring of its own, so that a device whose START_DEV waits
+// (for its queues, or for its partition scan on kernels that scan within it) or whose
+// STOP_DEV waits for its requests does not hold up what other devices ask. The driver still
+// orders some of them: ADD_DEV and DEL_DEV take one lock for all devices, which a DEL_DEV
+// holds while it waits to stop its device. Callers must not overlap commands for one device:
+// the driver does not order all of those (START_USER_RECOVERY resets what START_DEV and
+// END_USER_RECOVERY wait on).
 type Ctrl struct {
 	features uint64
 	slots    chan struct{} // one per command in flight
@@ -46,11 +50,17 @@ type Ctrl struct {
 	mu     sync.Mutex
 	closed bool
 	idle   []*ctrlRing
-	// abandoned are the rings (with their descriptors and buffers) of commands that did not
-	// complete in time or whose wait failed: the kernel may still complete them, so they stay
-	// open and reachable, never freed.
-	abandoned []*ctrlRing
-	broken    error // too many of them: the Ctrl refuses every command
+}
+
+// abandoned holds, for every Ctrl of the process, the rings (with their descriptors and
+// buffers) of commands that did not complete in time or whose wait failed: the kernel may
+// still complete them and write their buffers, so they stay open and reachable, never freed,
+// even once their Ctrl is closed and dropped. maxAbandoned of them at once make every Ctrl
+// refuse commands until some complete.
+var abandoned struct {
+	mu    sync.Mutex
+	rings []*ctrlRing
+	last  error // why the last was left
 }
 
 // ctrlRing is a control descriptor and a ring, for one command at a time.
@@ -76,7 +86,9 @@ func newCtrlRing() (*ctrlRing, error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := uring.New(4, uring.SetupSQE128)
+	// io_uring runs each command in a worker of the submitting thread's, and caps a thread's
+	// workers by the entries of its first ring: as many entries as commands in flight.
+	r, err := uring.New(maxCtrlInFlight, uring.SetupSQE128)
 	if err != nil {
 		f.Close()
 		return nil, err
@@ -139,10 +151,9 @@ func (c *Ctrl) get() (*ctrlRing, error) {
 	if c.closed {
 		return nil, os.ErrClosed
 	}
-	if c.broken != nil {
-		return nil, c.broken
+	if err := reapAbandoned(); err != nil {
+		return nil, err
 	}
-	c.reap()
 	if n := len(c.idle); n > 0 {
 		r := c.idle[n-1]
 		c.idle[n-1] = nil
@@ -167,33 +178,41 @@ const (
 
 // put gives a ring back after its command, as fate says.
 func (c *Ctrl) put(r *ctrlRing, fate ringFate, err error) {
+	if fate == ringAbandon {
+		abandoned.mu.Lock()
+		abandoned.rings = append(abandoned.rings, r)
+		abandoned.last = err
+		abandoned.mu.Unlock()
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	switch {
-	case fate == ringAbandon:
-		c.abandoned = append(c.abandoned, r)
-		if len(c.abandoned) >= maxAbandoned && c.broken == nil {
-			c.broken = fmt.Errorf("ublk control: %d commands never completed, the last: %w", len(c.abandoned), err)
-		}
-	case fate == ringReuse && !c.closed && len(c.idle) < maxCtrlIdle:
+	if fate == ringReuse && !c.closed && len(c.idle) < maxCtrlIdle {
 		c.idle = append(c.idle, r)
-	default:
-		r.close()
+		return
 	}
+	r.close()
 }
 
-// reap closes the abandoned rings whose command has completed since.
-func (c *Ctrl) reap() {
-	kept := c.abandoned[:0]
-	for _, a := range c.abandoned {
+// reapAbandoned closes the abandoned rings whose command has completed since; an error if
+// maxAbandoned are still waiting.
+func reapAbandoned() error {
+	abandoned.mu.Lock()
+	defer abandoned.mu.Unlock()
+	kept := abandoned.rings[:0]
+	for _, a := range abandoned.rings {
 		if a.ring.Completions(func(uring.CQE) {}) > 0 {
 			a.close()
 			continue
 		}
 		kept = append(kept, a)
 	}
-	clear(c.abandoned[len(kept):])
-	c.abandoned = kept
+	clear(abandoned.rings[len(kept):])
+	abandoned.rings = kept
+	if len(kept) >= maxAbandoned {
+		return fmt.Errorf("ublk control: %d commands have not completed, the last: %w", len(kept), abandoned.last)
+	}
+	return nil
 }
 
 func addr[T any](p *T) uint64 { return uint64(uintptr(unsafe.Pointer(p))) }

@@ -8,7 +8,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -28,22 +27,16 @@ const (
 
 // memHandler serves requests from memory, each in its own goroutine, counting ops.
 type memHandler struct {
-	mu   sync.Mutex
-	mem  []byte
-	ops  map[uint8]int
-	fua  int
-	hold chan struct{} // non-nil: requests wait for it to close
-	held atomic.Int32  // requests that have waited for hold
+	mu  sync.Mutex
+	mem []byte
+	ops map[uint8]int
+	fua int
 }
 
 func newMem(size int) *memHandler { return &memHandler{mem: make([]byte, size), ops: map[uint8]int{}} }
 
 func (m *memHandler) Serve(r *Request) {
 	go func() {
-		if m.hold != nil {
-			m.held.Add(1)
-			<-m.hold
-		}
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		m.ops[r.Op]++
@@ -362,76 +355,64 @@ func TestCtrlCommandTimeout(t *testing.T) {
 	}
 }
 
-// TestCtrlConcurrentCommands: while one device's requests are held (its START_DEV waiting
-// for the partition scan's read, on kernels that scan before START_DEV returns), another
-// device is created, queried and stopped through the same Ctrl; the first then starts once
-// its requests are let go.
+// TestCtrlConcurrentCommands: while one device's START_DEV waits (its queues have not
+// fetched, which every kernel waits for), another device is created, queried and stopped
+// through the same Ctrl; the first then starts once its queues fetch.
 func TestCtrlConcurrentCommands(t *testing.T) {
 	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
-	held := newMem(testSize)
-	held.hold = make(chan struct{})
-	release := sync.OnceFunc(func() { close(held.hold) })
-	defer release()
-	type created struct {
-		d   *Device
-		err error
+	o := testOptions()
+	info, err := c.AddDev(DevInfo{NrHWQueues: uint16(o.Queues), QueueDepth: uint16(o.Depth), MaxIOBufBytes: uint32(o.MaxIO),
+		DevID: ^uint32(0), Flags: FlagUserRecovery | FlagUserRecoveryReissue | FlagCmdIoctlEncode})
+	if err != nil {
+		t.Fatal(err)
 	}
-	first := make(chan created, 1)
-	go func() {
-		d, err := Create(c, testOptions(), held)
-		first <- created{d, err}
-	}()
-	for t0 := time.Now(); held.held.Load() == 0; time.Sleep(10 * time.Millisecond) {
-		select {
-		case r := <-first:
-			// START_DEV returned before any request reached the handler: nothing was held.
-			if r.err == nil {
-				_ = r.d.Stop()
-			}
-			t.Fatalf("the first device started (%v) with no request held", r.err)
-		default:
-		}
-		if time.Since(t0) > 20*time.Second {
-			t.Fatal("no request of the first device reached its handler in 20 s")
-		}
+	first := &Device{ctrl: c, id: info.DevID, info: info}
+	p := o.Params
+	p.Basic.MaxSectors, _ = maxSectors(0, o.MaxIO, info.MaxIOBufBytes)
+	if err := c.SetParams(first.id, p); err != nil {
+		first.delete()
+		t.Fatal(err)
 	}
-	second := make(chan created, 1)
+	startDev := make(chan error, 1)
+	go func() { startDev <- c.StartDev(first.id) }()
+	second := make(chan error, 1)
 	go func() {
 		d, err := Create(c, testOptions(), newMem(testSize))
 		if err == nil {
-			_, err = c.DevInfo(d.id)
+			if _, err = c.DevInfo(d.id); err != nil {
+				_ = d.Stop()
+			} else {
+				err = d.Stop()
+			}
 		}
-		if err == nil {
-			err = d.Stop()
-		}
-		second <- created{d, err}
+		second <- err
 	}()
-	// Less than ctrlTimeout, after which a START_DEV that waits is taken as started.
+	// Less than ctrlTimeout, after which the waiting START_DEV fails.
 	select {
-	case r := <-second:
-		if r.err != nil {
-			t.Errorf("a second device while the first's requests were held: %v", r.err)
+	case err := <-second:
+		if err != nil {
+			t.Errorf("a second device while the first's START_DEV waited: %v", err)
 		}
 		select {
-		case <-first:
-			t.Log("the first device's START_DEV had returned (this kernel scans partitions after it)")
+		case err := <-startDev:
+			t.Errorf("the first device's START_DEV returned (%v) before its queues fetched", err)
+			startDev <- err
 		default:
-			t.Log("the first device's START_DEV was still waiting for its partition scan")
 		}
 	case <-time.After(15 * time.Second):
-		t.Errorf("creating a second device waited more than 15 s behind the first, whose requests were held")
-		release()
-		if r := <-second; r.err != nil {
-			t.Errorf("the second device, once the first's requests were let go: %v", r.err)
-		}
+		t.Errorf("a second device waited more than 15 s behind the first's START_DEV")
+		defer func() {
+			if err := <-second; err != nil {
+				t.Errorf("the second device, once the first started: %v", err)
+			}
+		}()
 	}
-	release()
-	r := <-first
-	if r.err != nil {
-		t.Fatalf("the first device, once its requests were let go: %v", r.err)
+	if err := first.start(newMem(testSize), func(uint32) error { return <-startDev }, true); err != nil {
+		first.delete()
+		t.Fatalf("the first device, once its queues fetched: %v", err)
 	}
-	if err := r.d.Stop(); err != nil {
+	if err := first.Stop(); err != nil {
 		t.Errorf("stopping the first device: %v", err)
 	}
 }
