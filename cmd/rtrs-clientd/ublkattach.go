@@ -60,6 +60,10 @@ type ublkAttacher struct {
 	failIO  map[*rnbd.Device]context.CancelFunc // ends the context of a device's IO (force)
 	tokens  map[*rnbd.Device]control.Attach
 	pending map[int]bool // device numbers an attach is taking
+
+	// started, set by a test, is called with each device an attach has started, before the
+	// attach looks for an unmap begun meanwhile: the window that check closes.
+	started func(*ublk.Device)
 }
 
 // newUblkAttacher is the daemon's ublk front end as its settings say; IO of its devices ends
@@ -209,6 +213,9 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 	if err != nil {
 		failIO()
 		return fmt.Errorf("%s: ublk=%v: %w", name, at, err)
+	}
+	if u.started != nil {
+		u.started(dev)
 	}
 	// An unmap that began meanwhile found no ublk device to detach: it is this one's to stop.
 	// Looked at under u.mu, which the unmap's Detach takes after BeginUnmap: either that

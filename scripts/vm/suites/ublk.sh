@@ -2,7 +2,8 @@
 # rtrs-clientd's ublk front end (map_device … ublk=), on kernels that have ublk_drv (6.12,
 # 7.2); on 6.1, which has none, that ublk= is refused with a clear error and nothing left.
 # - pkg/ublk's own tests against the driver (device IO and limits, recovery, errors, a control
-#   command that times out);
+#   command that times out, commands of two devices at once, a refused fetch), and
+#   rtrs-clientd's attacher with an unmap begun in the middle of its attach (a test hook);
 # - over rxe, rtrs-clientd → rtrs-serverd and rtrs-clientd → the kernel's rnbd-server:
 #   ext4 over /dev/ublkbN, fsck clean, files read back;
 # - blkdiscard and blkdiscard -z;
@@ -24,6 +25,7 @@ host() {
 	(
 		cd "$RTRS_VM_REPO" || exit
 		go test -c -o "$RTRS_VM_WORK/bin/ublk.test" ./pkg/ublk
+		go test -c -o "$RTRS_VM_WORK/bin/clientd.test" ./cmd/rtrs-clientd
 		go build -tags verbs -o "$RTRS_VM_WORK/bin/" ./cmd/rtrs-serverd ./cmd/rtrs-clientd
 	)
 }
@@ -53,9 +55,13 @@ guest() {
 }
 
 unit() {
-	local tests=(TestDeviceIO TestRecover TestCreateErrors TestCtrlCommandTimeout TestIdleBuffersGiveBack)
+	local tests=(TestDeviceIO TestRecover TestCreateErrors TestCtrlCommandTimeout TestCtrlConcurrentCommands
+		TestRefusedFetch TestIdleBuffersGiveBack)
 	ublk.test -test.v -test.count 1 -test.timeout 600s 2>&1 | tee /tmp/ublk-unit.out
-	vm_require_tests /tmp/ublk-unit.out "${tests[@]}"
+	vm_require_tests /tmp/ublk-unit.out "${tests[@]}" || return
+	# The attacher's unmap-during-attach window, held open by a test hook.
+	clientd.test -test.v -test.count 1 -test.timeout 300s -test.run '^TestUblk' 2>&1 | tee /tmp/clientd-unit.out
+	vm_require_tests /tmp/clientd-unit.out TestUblkUnmapDuringAttach
 }
 
 # Our server's port: the kernel's rtrs-server, loaded by other suites, holds 1234.
