@@ -344,13 +344,19 @@ func TestCtrlCommandTimeout(t *testing.T) {
 	if err := d.Stop(); err != nil {
 		t.Errorf("stopping the first: %v", err)
 	}
+	waitGone(t, c, d.id, "its Stop")
+}
+
+// waitGone waits up to 10 s for device id to be gone from the driver, after what.
+func waitGone(t *testing.T, c *Ctrl, id uint32, after string) {
+	t.Helper()
 	for t0 := time.Now(); ; time.Sleep(50 * time.Millisecond) {
-		_, err := c.DevInfo(d.id)
+		_, err := c.DevInfo(id)
 		if errors.Is(err, syscall.ENODEV) {
-			break
+			return
 		}
 		if time.Since(t0) > 10*time.Second {
-			t.Fatalf("device %d still there 10 s after its Stop: %v", d.id, err)
+			t.Fatalf("device %d still there 10 s after %s: %v", id, after, err)
 		}
 	}
 }
@@ -442,15 +448,7 @@ func TestRefusedFetch(t *testing.T) {
 	}
 	// The number is free once the queues' rings, torn down in the background, let go of
 	// the char device.
-	for t0 := time.Now(); ; time.Sleep(50 * time.Millisecond) {
-		_, err := c.DevInfo(uint32(o.ID))
-		if errors.Is(err, syscall.ENODEV) {
-			break
-		}
-		if time.Since(t0) > 10*time.Second {
-			t.Fatalf("device %d still there 10 s after the failed start: %v", o.ID, err)
-		}
-	}
+	waitGone(t, c, uint32(o.ID), "the failed start")
 }
 
 // TestIdleBuffersGiveBack: the pages a queue's requests touched in its buffers go back to
