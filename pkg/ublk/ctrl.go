@@ -33,7 +33,7 @@ const maxCtrlInFlight = 8
 const maxCtrlIdle = 2
 
 // ErrNoDriver says the kernel has no ublk (module not loaded, or not built: Debian's 6.1).
-var ErrNoDriver = errors.New("no ublk driver: " + ControlPath + " is missing (modprobe ublk_drv; Linux 6.0 or later)")
+var ErrNoDriver = errors.New("no ublk driver: " + ControlPath + " is missing (modprobe ublk_drv; Linux 6.5 or later)")
 
 // Ctrl is /dev/ublk-control: the device commands. Safe for concurrent use, and concurrent
 // commands run at once, each on a ring of its own, so that a device whose START_DEV waits
@@ -223,6 +223,13 @@ func addr[T any](p *T) uint64 { return uint64(uintptr(unsafe.Pointer(p))) }
 // ctrlTimeout for one of them to end, then fails with EAGAIN (never ETIMEDOUT: the
 // command was not sent).
 func (c *Ctrl) do(nr, id uint32, prep func(*ctrlBuf) CtrlCmd, out func(*ctrlBuf)) error {
+	return c.command(nr, id, 0, prep, out)
+}
+
+// command is do, and if interruptAfter > 0, a command still running that long after it was
+// sent is cancelled: io_uring signals the worker running it, which ends the driver's
+// interruptible waits (EINTR), and the command's completion is still waited for.
+func (c *Ctrl) command(nr, id uint32, interruptAfter time.Duration, prep func(*ctrlBuf) CtrlCmd, out func(*ctrlBuf)) error {
 	t := time.NewTimer(ctrlTimeout)
 	select {
 	case c.slots <- struct{}{}:
@@ -235,7 +242,7 @@ func (c *Ctrl) do(nr, id uint32, prep func(*ctrlBuf) CtrlCmd, out func(*ctrlBuf)
 	if err != nil {
 		return err
 	}
-	res, fate, err := r.run(nr, id, prep(&r.buf))
+	res, fate, err := r.run(nr, id, prep(&r.buf), interruptAfter)
 	if err == nil && res >= 0 && out != nil {
 		out(&r.buf)
 	}
@@ -249,22 +256,37 @@ func (c *Ctrl) do(nr, id uint32, prep func(*ctrlBuf) CtrlCmd, out func(*ctrlBuf)
 	return nil
 }
 
-// run submits cmd on the ring and waits for its completion, up to ctrlTimeout.
-func (r *ctrlRing) run(nr, id uint32, cmd CtrlCmd) (int32, ringFate, error) {
+// cancelTag marks the user data of a cancel's own completion, which run passes over.
+const cancelTag = 1 << 63
+
+// run submits cmd on the ring and waits for its completion, up to ctrlTimeout; past
+// interruptAfter (if > 0) it cancels the command once and goes on waiting.
+func (r *ctrlRing) run(nr, id uint32, cmd CtrlCmd, interruptAfter time.Duration) (int32, ringFate, error) {
 	s := r.ring.GetSQE()
 	r.seq++
 	seq := r.seq
 	s.Opcode, s.Fd, s.Off, s.UserData = uring.OpURingCmd, int32(r.f.Fd()), uint64(ctrlOp(nr)), seq
 	*(*CtrlCmd)(unsafe.Pointer(&r.ring.Cmd(s)[0])) = cmd
-	deadline := time.Now().Add(ctrlTimeout)
-	submitted := false
+	start := time.Now()
+	deadline := start.Add(ctrlTimeout)
+	submitted, cancelled := false, false
 	for {
 		left := time.Until(deadline)
 		if left <= 0 {
 			// The command still holds the buffer and a ring entry: the ring is left to it.
 			return 0, ringAbandon, fmt.Errorf("ublk control command %#x on device %d did not complete in %v: %w", nr, id, ctrlTimeout, syscall.ETIMEDOUT)
 		}
-		n, err := r.ring.Submit(1, left)
+		wait := left
+		if interruptAfter > 0 && !cancelled {
+			if submitted && time.Since(start) >= interruptAfter {
+				c := r.ring.GetSQE()
+				*c = uring.SQE{Opcode: uring.OpAsyncCancel, Fd: -1, Addr: seq, UserData: seq | cancelTag}
+				cancelled = true
+			} else {
+				wait = min(left, max(interruptAfter-time.Since(start), time.Millisecond))
+			}
+		}
+		n, err := r.ring.Submit(1, wait)
 		if err != nil {
 			err = fmt.Errorf("ublk control command %#x on device %d: %w", nr, id, err)
 			if submitted {
@@ -327,8 +349,11 @@ func (c *Ctrl) Params(id uint32) (Params, error) {
 }
 
 // simple runs a command whose only argument is the device and, in data[0], our pid.
-func (c *Ctrl) simple(nr, id uint32) error {
-	return c.do(nr, id, func(*ctrlBuf) CtrlCmd { return CtrlCmd{DevID: id, QueueID: 0xffff, Data: uint64(os.Getpid())} }, nil)
+func (c *Ctrl) simple(nr, id uint32) error { return c.do(nr, id, simpleCmd(id), nil) }
+
+// simpleCmd prepares a command with no buffer for device id.
+func simpleCmd(id uint32) func(*ctrlBuf) CtrlCmd {
+	return func(*ctrlBuf) CtrlCmd { return CtrlCmd{DevID: id, QueueID: 0xffff, Data: uint64(os.Getpid())} }
 }
 
 // StartDev starts a device whose queues have all fetched: /dev/ublkb<id> appears.
@@ -341,14 +366,33 @@ func (c *Ctrl) StopDev(id uint32) error { return c.simple(cmdStopDev, id) }
 // DelDev deletes a stopped device without waiting for its last opener (DEL_DEV_ASYNC):
 // DEL_DEV would block until every process that has /dev/ublkb<id> open closes it, and a
 // daemon stopping under a mounted file system must not. The number is free again once the
-// last opener is gone. Kernels before 6.11 know only DEL_DEV, which is used there.
+// last opener is gone. Kernels before 6.11 know only DEL_DEV: there it is cancelled if it
+// still runs after delDevGrace, which ends only its wait for the openers (the driver has
+// removed the device by then and frees the number with the last of them), so it returns
+// as soon as DEL_DEV_ASYNC would.
 func (c *Ctrl) DelDev(id uint32) error {
-	err := c.simple(cmdDelDevAsync, id)
+	var err error = syscall.EOPNOTSUPP
+	if !noDelDevAsync {
+		err = c.simple(cmdDelDevAsync, id)
+	}
 	if errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.EOPNOTSUPP) {
-		err = c.simple(cmdDelDev, id)
+		err = c.command(cmdDelDev, id, delDevGrace, simpleCmd(id), nil)
+		switch {
+		case errors.Is(err, syscall.EINTR):
+			err = nil // removed; the number waits for the last opener
+		case errors.Is(err, syscall.ECANCELED):
+			err = fmt.Errorf("ublk DEL_DEV of device %d cancelled before the driver ran it: %w", id, syscall.EAGAIN)
+		}
 	}
 	return err
 }
+
+// delDevGrace is how long a DEL_DEV (kernels before 6.11) may wait for the device's openers
+// before it is cancelled; without openers it completes in far less.
+const delDevGrace = time.Second
+
+// noDelDevAsync makes DelDev use DEL_DEV alone, as on kernels before 6.11 (a test switch).
+var noDelDevAsync = false
 
 // StartUserRecovery begins taking over a device whose server died (state quiesced).
 func (c *Ctrl) StartUserRecovery(id uint32) error { return c.simple(cmdStartUserRecovery, id) }

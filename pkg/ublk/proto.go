@@ -1,12 +1,12 @@
-// Package ublk serves block devices through the kernel's ublk driver (ublk_drv, Linux 6.0
-// and later; Debian has it from 6.12): /dev/ublkb<n> is a block device whose requests come
+// Package ublk serves block devices through the kernel's ublk driver (ublk_drv, in Linux
+// since 6.0; this package needs 6.5, for GET_FEATURES; Debian has it from 6.12): /dev/ublkb<n> is a block device whose requests come
 // to this process as io_uring commands on /dev/ublkc<n>, one ring and one thread per queue,
 // and go back the same way. Devices are added, started, stopped and recovered through
 // /dev/ublk-control (Ctrl).
 //
 // The types below are the driver's UAPI (include/uapi/linux/ublk_cmd.h), named after it.
-// Commands are ioctl-encoded (_IOR/_IOWR('u', nr, …)), which every kernel with ublk
-// accepts; the legacy plain numbers are a build option of the driver.
+// Commands are ioctl-encoded (_IOR/_IOWR('u', nr, …)), which every kernel from 6.5 accepts;
+// the legacy plain numbers are a build option of the driver.
 package ublk
 
 import (

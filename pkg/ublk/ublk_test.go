@@ -347,6 +347,42 @@ func TestCtrlCommandTimeout(t *testing.T) {
 	waitGone(t, c, d.id, "its Stop")
 }
 
+// TestStopOpenWithDelDevOnly: as on kernels before 6.11, which have DEL_DEV and not
+// DEL_DEV_ASYNC (the test switch noDelDevAsync), a device stopped while /dev/ublkbN is
+// still open is deleted without waiting for that opener: Stop succeeds and leaves no ring
+// behind, IO on the open descriptor fails, the number stays taken while it is open and is
+// free once it closes. (DEL_DEV alone waits for the opener: Stop failed after ctrlTimeout.)
+func TestStopOpenWithDelDevOnly(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	old := ctrlTimeout
+	noDelDevAsync, ctrlTimeout = true, 5*time.Second
+	defer func() { noDelDevAsync, ctrlTimeout = false, old }()
+	_, d := newTestDevice(t, c)
+	f := openDirect(t, d)
+	defer f.Close()
+	abandoned.mu.Lock()
+	left := len(abandoned.rings)
+	abandoned.mu.Unlock()
+	id := uint32(d.ID())
+	if err := d.Stop(); err != nil {
+		t.Fatalf("Stop with /dev/ublkb%d open, DEL_DEV alone: %v", id, err)
+	}
+	abandoned.mu.Lock()
+	if n := len(abandoned.rings); n != left {
+		t.Errorf("%d rings abandoned by the stop", n-left)
+	}
+	abandoned.mu.Unlock()
+	if _, err := f.ReadAt(aligned(4096), 0); err == nil {
+		t.Error("a read from the deleted device succeeded")
+	}
+	if _, err := c.DevInfo(id); err != nil {
+		t.Errorf("device %d while its opener still has it: %v, want it there", id, err)
+	}
+	f.Close()
+	waitGone(t, c, id, "its opener closed it")
+}
+
 // waitGone waits up to 10 s for device id to be gone from the driver, after what.
 func waitGone(t *testing.T, c *Ctrl, id uint32, after string) {
 	t.Helper()

@@ -38,10 +38,11 @@ const (
 
 // Opcodes this package's users issue.
 const (
-	OpNop      = 0  // IORING_OP_NOP
-	OpRead     = 22 // IORING_OP_READ
-	OpWrite    = 23 // IORING_OP_WRITE
-	OpURingCmd = 46 // IORING_OP_URING_CMD
+	OpNop         = 0  // IORING_OP_NOP
+	OpAsyncCancel = 14 // IORING_OP_ASYNC_CANCEL: Addr is the user data of the entry to cancel
+	OpRead        = 22 // IORING_OP_READ
+	OpWrite       = 23 // IORING_OP_WRITE
+	OpURingCmd    = 46 // IORING_OP_URING_CMD
 )
 
 const (

@@ -145,6 +145,41 @@ func TestWaitTimeoutAndWake(t *testing.T) {
 	}
 }
 
+// An entry still waiting is cancelled by its user data (OpAsyncCancel, as ublk's DEL_DEV
+// on kernels before 6.11): the read ends with ECANCELED, the cancel with 0, and the ring
+// goes on.
+func TestAsyncCancel(t *testing.T) {
+	r := newRing(t, 4, 0)
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(efd)
+	var buf [8]byte
+	s := r.GetSQE()
+	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = OpRead, int32(efd), uint64(uintptr(unsafe.Pointer(&buf[0]))), 8, 5
+	if n, err := r.Submit(1, 20*time.Millisecond); err != nil || n != 1 {
+		t.Fatalf("submitting the read: %d, %v", n, err)
+	}
+	if n := r.Completions(func(CQE) {}); n != 0 {
+		t.Fatalf("%d completions of a read with nothing to read", n)
+	}
+	c := r.GetSQE()
+	*c = SQE{Opcode: OpAsyncCancel, Fd: -1, Addr: 5, UserData: 6}
+	res := map[uint64]int32{}
+	for _, e := range wait(t, r, 2) {
+		res[e.UserData] = e.Res
+	}
+	if Errno(res[5]) != syscall.ECANCELED || res[6] != 0 {
+		t.Fatalf("read %d (%v), cancel %d (%v)", res[5], Errno(res[5]), res[6], Errno(res[6]))
+	}
+	c = r.GetSQE()
+	*c = SQE{Opcode: OpAsyncCancel, Fd: -1, Addr: 5, UserData: 7}
+	if e := wait(t, r, 1)[0]; Errno(e.Res) != syscall.ENOENT {
+		t.Fatalf("cancelling what is gone: %d (%v), want ENOENT", e.Res, Errno(e.Res))
+	}
+}
+
 // A ring set up for one thread (ublk's queue loops) runs deferred completions on every
 // Submit, a wait included, and refuses another thread's submits.
 func TestSingleThreadRing(t *testing.T) {
