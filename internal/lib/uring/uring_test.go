@@ -114,6 +114,20 @@ func TestReadWrite(t *testing.T) {
 	}
 }
 
+// readEventfd queues on r a read of a new eventfd (closed when the test ends) into buf, with
+// user data ud, and returns the eventfd.
+func readEventfd(t *testing.T, r *Ring, buf *[8]byte, ud uint64) int {
+	t.Helper()
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(efd) })
+	s := r.GetSQE()
+	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = OpRead, int32(efd), uint64(uintptr(unsafe.Pointer(&buf[0]))), 8, ud
+	return efd
+}
+
 // A wait ends at its timeout with nothing there, and a write to an eventfd another
 // goroutine makes ends it early: how ublk's queue loops learn of finished IO.
 func TestWaitTimeoutAndWake(t *testing.T) {
@@ -125,14 +139,8 @@ func TestWaitTimeoutAndWake(t *testing.T) {
 	if d := time.Since(t0); d < 50*time.Millisecond {
 		t.Fatalf("returned after %v", d)
 	}
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(efd)
 	var buf [8]byte
-	s := r.GetSQE()
-	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = OpRead, int32(efd), uint64(uintptr(unsafe.Pointer(&buf[0]))), 8, 7
+	efd := readEventfd(t, r, &buf, 7)
 	go func() {
 		time.Sleep(20 * time.Millisecond)
 		var one [8]byte
@@ -150,14 +158,8 @@ func TestWaitTimeoutAndWake(t *testing.T) {
 // goes on.
 func TestAsyncCancel(t *testing.T) {
 	r := newRing(t, 4, 0)
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(efd)
 	var buf [8]byte
-	s := r.GetSQE()
-	s.Opcode, s.Fd, s.Addr, s.Len, s.UserData = OpRead, int32(efd), uint64(uintptr(unsafe.Pointer(&buf[0]))), 8, 5
+	readEventfd(t, r, &buf, 5)
 	if n, err := r.Submit(1, 20*time.Millisecond); err != nil || n != 1 {
 		t.Fatalf("submitting the read: %d, %v", n, err)
 	}
