@@ -86,8 +86,9 @@ func newCtrlRing() (*ctrlRing, error) {
 	if err != nil {
 		return nil, err
 	}
-	// io_uring runs each command in a worker of the submitting thread's, and caps a thread's
-	// workers by the entries of its first ring: as many entries as commands in flight.
+	// io_uring runs each command that may sleep (all but the queries, on 7.2; all of them
+	// before) in a worker of the submitting thread's, and caps a thread's workers by the
+	// entries of its first ring: as many entries as commands in flight.
 	r, err := uring.New(maxCtrlInFlight, uring.SetupSQE128)
 	if err != nil {
 		f.Close()
@@ -368,23 +369,27 @@ func (c *Ctrl) StopDev(id uint32) error { return c.simple(cmdStopDev, id) }
 // daemon stopping under a mounted file system must not. The number is free again once the
 // last opener is gone. Kernels before 6.11 know only DEL_DEV: there it is cancelled if it
 // still runs after delDevGrace, which ends only its wait for the openers (the driver has
-// removed the device by then and frees the number with the last of them), so it returns
-// as soon as DEL_DEV_ASYNC would.
+// removed the device by then and frees the number with the last of them): the same result,
+// a second later. A cancel that finds the command still queued, not yet run (ECANCELED),
+// sends it once more.
 func (c *Ctrl) DelDev(id uint32) error {
 	var err error = syscall.EOPNOTSUPP
 	if !noDelDevAsync {
 		err = c.simple(cmdDelDevAsync, id)
 	}
-	if errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.EOPNOTSUPP) {
+	if !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.EOPNOTSUPP) {
+		return err
+	}
+	for try := 0; try < 2; try++ {
 		err = c.command(cmdDelDev, id, delDevGrace, simpleCmd(id), nil)
-		switch {
-		case errors.Is(err, syscall.EINTR):
-			err = nil // removed; the number waits for the last opener
-		case errors.Is(err, syscall.ECANCELED):
-			err = fmt.Errorf("ublk DEL_DEV of device %d cancelled before the driver ran it: %w", id, syscall.EAGAIN)
+		if errors.Is(err, syscall.EINTR) {
+			return nil // removed; the number waits for the last opener
+		}
+		if !errors.Is(err, syscall.ECANCELED) {
+			return err
 		}
 	}
-	return err
+	return fmt.Errorf("ublk DEL_DEV of device %d cancelled twice before the driver ran it: %w", id, syscall.EAGAIN)
 }
 
 // delDevGrace is how long a DEL_DEV (kernels before 6.11) may wait for the device's openers

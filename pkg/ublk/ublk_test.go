@@ -369,7 +369,7 @@ func TestStopOpenWithDelDevOnly(t *testing.T) {
 		t.Fatalf("Stop with /dev/ublkb%d open, DEL_DEV alone: %v", id, err)
 	}
 	abandoned.mu.Lock()
-	if n := len(abandoned.rings); n != left {
+	if n := len(abandoned.rings); n > left { // (fewer: another test's reaped meanwhile)
 		t.Errorf("%d rings abandoned by the stop", n-left)
 	}
 	abandoned.mu.Unlock()
