@@ -360,7 +360,13 @@ func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) err
 	}
 	// Forgotten only once stopped: a device a failed Stop leaves behind stays listed, in
 	// the write-back too, and the unmap that failed may be tried again.
-	if err := dev.Stop(); err != nil {
+	// Not forced: the driver's own check where it has one (7.x), against an open that
+	// lands after Busy's.
+	stop := dev.StopIfUnused
+	if force {
+		stop = dev.Stop
+	}
+	if err := stop(); err != nil {
 		u.lg.WithError(err).Warnf("detaching %s", dev.BlockPath())
 		return err
 	}

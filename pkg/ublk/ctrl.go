@@ -364,6 +364,16 @@ func (c *Ctrl) StartDev(id uint32) error { return c.simple(cmdStartDev, id) }
 // UBLK_IO_RES_ABORT (or, for a device with user recovery, IO waits for a new server).
 func (c *Ctrl) StopDev(id uint32) error { return c.simple(cmdStopDev, id) }
 
+// TryStopDev stops a device nothing has open, in one step with the check (TRY_STOP_DEV,
+// where the driver has FlagSafeStopDev: 7.x): EBUSY while the disk has an opener, and once
+// it goes ahead no new open is let in. EOPNOTSUPP on drivers without it.
+func (c *Ctrl) TryStopDev(id uint32) error {
+	if c.features&FlagSafeStopDev == 0 {
+		return syscall.EOPNOTSUPP
+	}
+	return c.simple(cmdTryStopDev, id)
+}
+
 // DelDev deletes a stopped device without waiting for its last opener (DEL_DEV_ASYNC):
 // DEL_DEV would block until every process that has /dev/ublkb<id> open closes it, and a
 // daemon stopping under a mounted file system must not. The number is free again once the

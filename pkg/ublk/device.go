@@ -6,6 +6,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -38,6 +39,12 @@ type Device struct {
 	devStopped bool // STOP_DEV was answered
 	stopped    bool // and the device deleted
 	stopFailed bool // a Stop failed: the number may since be another device's
+
+	queueFailed atomic.Bool // a queue loop ended on an error, with requests it had fetched
+
+	// Between prepare and begin: the loops' reports, and what tells them to fetch.
+	ready chan error
+	fetch chan bool
 }
 
 // Create adds a device, sets its parameters, starts a queue loop per queue serving
@@ -84,35 +91,45 @@ func Create(ctrl *Ctrl, o Options, h Handler) (*Device, error) {
 // that waited go to h (those the dead server had taken are issued again).
 func Recover(ctrl *Ctrl, id int, h Handler, wait time.Duration) (*Device, error) {
 	deadline := time.Now().Add(wait)
+	var d *Device
 	for {
 		info, err := ctrl.DevInfo(uint32(id))
 		if err != nil {
+			d.unprepare()
 			return nil, fmt.Errorf("ublk device %d: %w", id, err)
 		}
 		if info.State == stateLive && info.SrvPID > 0 && !processGone(int(info.SrvPID)) {
+			d.unprepare()
 			return nil, fmt.Errorf("ublk device %d is served by live process %d: %w", id, info.SrvPID, syscall.EBUSY)
 		}
 		if info.State == stateQuiesced {
+			if d == nil {
+				// What needs no driver is set up before START_USER_RECOVERY: on 6.12 a
+				// recovery that fails after it leaves the device unrecoverable (the
+				// driver then refuses the next START_USER_RECOVERY, or resets queues
+				// that never fetched).
+				d = &Device{ctrl: ctrl, id: uint32(id), info: info}
+				if err := d.prepare(h); err != nil {
+					return nil, fmt.Errorf("ublk device %d: setting up its queues: %w", id, err)
+				}
+			}
 			// EBUSY while the dead server's char device is not yet released.
 			err = ctrl.StartUserRecovery(uint32(id))
 			if err == nil {
 				break
 			}
 			if !errors.Is(err, syscall.EBUSY) {
+				d.unprepare()
 				return nil, fmt.Errorf("ublk START_USER_RECOVERY on %d: %w", id, err)
 			}
 		}
 		if time.Now().After(deadline) {
+			d.unprepare()
 			return nil, fmt.Errorf("ublk device %d is %v and cannot be recovered after %v (%v): %w", id, info.State, wait, err, syscall.EBUSY)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	info, err := ctrl.DevInfo(uint32(id))
-	if err != nil {
-		return nil, err
-	}
-	d := &Device{ctrl: ctrl, id: uint32(id), info: info}
-	if err := d.start(h, ctrl.EndUserRecovery, false); err != nil {
+	if err := d.begin(ctrl.EndUserRecovery, false); err != nil {
 		return nil, fmt.Errorf("ublk END_USER_RECOVERY on %d: %w", id, err)
 	}
 	return d, nil
@@ -133,10 +150,58 @@ func processGone(pid int) bool {
 	return errors.Is(err, os.ErrNotExist)
 }
 
-// start opens the char device, starts the queue loops, and once each has fetched its
-// requests runs final (START_DEV or END_USER_RECOVERY), which waits for exactly that;
-// scans says final also waits for the new disk's partition scan (START_DEV).
+// start sets the queues up and begins them (see prepare and begin).
 func (d *Device) start(h Handler, final func(uint32) error, scans bool) error {
+	if err := d.prepare(h); err != nil {
+		return err
+	}
+	return d.begin(final, scans)
+}
+
+// prepare sets up every queue as far as it can without the driver (buffers, eventfd, and
+// the ring, on the loop's own thread); the loops then wait for begin. On failure nothing
+// is left.
+func (d *Device) prepare(h Handler) error {
+	n := int(d.info.NrHWQueues)
+	d.ready, d.fetch = make(chan error, n), make(chan bool, n)
+	var err error
+	for i := 0; i < n; i++ {
+		var q *queue
+		if q, err = newQueue(d, i, h); err != nil {
+			break
+		}
+		d.queues = append(d.queues, q)
+		d.wg.Add(1)
+		go q.run(d.ready, d.fetch)
+	}
+	for range d.queues {
+		if rerr := <-d.ready; rerr != nil && err == nil {
+			err = rerr
+		}
+	}
+	if err != nil {
+		d.unprepare()
+	}
+	return err
+}
+
+// unprepare ends loops that prepare started and begin has not (on a nil Device, nothing).
+func (d *Device) unprepare() {
+	if d == nil {
+		return
+	}
+	for range d.queues {
+		d.fetch <- false
+	}
+	d.abort()
+}
+
+// begin opens the char device, maps each queue's descriptors, lets the loops fetch, and
+// once each has fetched its requests runs final (START_DEV or END_USER_RECOVERY), which
+// waits for exactly that; scans says final also waits for the new disk's partition scan
+// (START_DEV). No queue fetches unless every one can: a device whose queues fetched in
+// part can neither start nor, on 6.12, be recovered again.
+func (d *Device) begin(final func(uint32) error, scans bool) error {
 	path := "/dev/ublkc" + strconv.Itoa(int(d.id))
 	var err error
 	// devtmpfs makes the node as the driver registers it; udev may be slower.
@@ -146,22 +211,22 @@ func (d *Device) start(h Handler, final func(uint32) error, scans bool) error {
 			break
 		}
 	}
+	if err == nil {
+		for _, q := range d.queues {
+			if err = q.mapDescs(); err != nil {
+				break
+			}
+		}
+	}
 	if err != nil {
+		d.unprepare()
 		return err
 	}
-	ready := make(chan error, d.info.NrHWQueues)
-	for i := 0; i < int(d.info.NrHWQueues); i++ {
-		q, err := newQueue(d, i, h)
-		if err != nil {
-			d.abort()
-			return err
-		}
-		d.queues = append(d.queues, q)
-		d.wg.Add(1)
-		go q.run(ready)
+	for range d.queues {
+		d.fetch <- true
 	}
 	for range d.queues {
-		if err := <-ready; err != nil {
+		if err := <-d.ready; err != nil {
 			d.abort()
 			return err
 		}
@@ -197,6 +262,19 @@ func (d *Device) abort() {
 	if d.cdev != nil {
 		d.cdev.Close()
 		d.cdev = nil
+	}
+}
+
+// waitNoServer waits up to timeout for the driver to have dealt with the release of the
+// char device: it does so in a work item of its own, which fails or requeues the requests
+// the server had taken and then takes the device's lock, so a STOP_DEV sent before it
+// would hold that lock waiting for those requests, and neither would go on.
+func (d *Device) waitNoServer(timeout time.Duration) {
+	for t0 := time.Now(); time.Since(t0) < timeout; time.Sleep(10 * time.Millisecond) {
+		info, err := d.ctrl.DevInfo(d.id)
+		if err != nil || info.State != stateLive {
+			return
+		}
 	}
 }
 
@@ -237,7 +315,16 @@ func (d *Device) Busy() bool { return BlockBusy(d.BlockPath()) }
 // Stop stops and deletes the device: the disk goes, requests still queued fail, the queue
 // loops end. A Stop that failed (a control command that did not complete, say) may be
 // called again: it deletes what is left; once one has succeeded, Stop returns nil.
-func (d *Device) Stop() error {
+func (d *Device) Stop() error { return d.stop(false) }
+
+// StopIfUnused is Stop for a device nothing has open. Where the driver has FlagSafeStopDev
+// (7.x), the check and the stop are one command, which also turns away opens from then on,
+// so a mount that lands after the caller's own check (Busy) is not cut off: it fails with
+// EBUSY, and the device goes on as it was. Elsewhere it is Stop, and the caller's check
+// is all there is.
+func (d *Device) StopIfUnused() error { return d.stop(true) }
+
+func (d *Device) stop(ifUnused bool) error {
 	d.stopMu.Lock()
 	defer d.stopMu.Unlock()
 	if d.stopped {
@@ -254,8 +341,31 @@ func (d *Device) Stop() error {
 		}
 	}
 	var err error
+	if !d.devStopped && d.queueFailed.Load() {
+		// Requests the failed queue had fetched stay started until the char device is
+		// released (7.2), and STOP_DEV would wait for them, holding the device's lock, up
+		// to the control timeout: release it first, and let the driver finish with the
+		// release. (Not served any more, the device gains nothing from TRY_STOP_DEV.)
+		if ifUnused && d.Busy() {
+			return fmt.Errorf("ublk: device %d is open: %w", d.id, syscall.EBUSY)
+		}
+		d.abort()
+		d.waitNoServer(stopTimeout)
+		ifUnused = false
+	}
 	if !d.devStopped {
-		if err = d.ctrl.StopDev(d.id); err == nil {
+		err = syscall.EOPNOTSUPP
+		if ifUnused {
+			err = d.ctrl.TryStopDev(d.id)
+			if errors.Is(err, syscall.EBUSY) {
+				return fmt.Errorf("ublk: device %d is open: %w", d.id, err)
+			}
+		}
+		// ENODEV: no disk (never started, or stopped by an earlier try), so nothing open.
+		if errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENODEV) {
+			err = d.ctrl.StopDev(d.id)
+		}
+		if err == nil {
 			d.devStopped = true
 			if !d.loopsEnd(stopTimeout) {
 				err = fmt.Errorf("queues still running %v after STOP_DEV: %w", stopTimeout, syscall.ETIMEDOUT)

@@ -86,6 +86,7 @@ type queue struct {
 
 	// Only the loop touches these.
 	aborted, inflight int
+	refused           int32 // the first commit the driver refused (a negative errno other than abort's)
 	ring              *uring.Ring
 	leakBufs          bool // drain gave up: a handler may still write to bufs
 	deferred          bool // the ring runs the driver's work only when the loop enters it
@@ -97,21 +98,27 @@ type queue struct {
 // the driver refuses it, as it would any fetch it cannot take.
 var refuseFetch bool
 
+// refuseCommit, set by a test, sends the next commit of a write, in any queue, for a queue
+// the device lacks: the driver refuses it, which fails that queue.
+var refuseCommit atomic.Bool
+
 // idleWaits is how many empty waits (waitSlice each) a queue with no request in flight lets
 // pass before it gives its buffers' pages back.
 var idleWaits = 2
 
+// failQueueSetup, set by a test, is a queue whose setup fails (-1: none).
+var failQueueSetup = -1
+
+// errSetupInjected is the failure failQueueSetup injects.
+var errSetupInjected = errors.New("ublk: queue setup failed (test switch)")
+
 func newQueue(d *Device, id int, h Handler) (*queue, error) {
+	if id == failQueueSetup {
+		return nil, errSetupInjected
+	}
 	depth, maxIO := int(d.info.QueueDepth), int(d.info.MaxIOBufBytes)
 	q := &queue{d: d, id: id, depth: depth, maxIO: maxIO, h: h}
-	page := os.Getpagesize()
-	stride := roundUp(maxQueueDepth*ioDescSize, page)
 	var err error
-	q.descs, err = unix.Mmap(int(d.cdev.Fd()), ioDescBufOffset+int64(id*stride), roundUp(depth*ioDescSize, page),
-		unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE)
-	if err != nil {
-		return nil, fmt.Errorf("ublk queue %d: mmap of the descriptors: %w", id, err)
-	}
 	q.bufs, err = unix.Mmap(-1, 0, depth*maxIO, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		q.release()
@@ -126,6 +133,20 @@ func newQueue(d *Device, id int, h Handler) (*queue, error) {
 		q.reqs[i] = Request{Queue: id, q: q, tag: uint16(i)}
 	}
 	return q, nil
+}
+
+// mapDescs maps the queue's request descriptors from the char device, open by now.
+func (q *queue) mapDescs() error {
+	page := os.Getpagesize()
+	stride := roundUp(maxQueueDepth*ioDescSize, page)
+	var err error
+	q.descs, err = unix.Mmap(int(q.d.cdev.Fd()), ioDescBufOffset+int64(q.id*stride), roundUp(q.depth*ioDescSize, page),
+		unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		q.descs = nil
+		return fmt.Errorf("ublk queue %d: mmap of the descriptors: %w", q.id, err)
+	}
+	return nil
 }
 
 func roundUp(n, to int) int { return (n + to - 1) / to * to }
@@ -155,7 +176,7 @@ func (q *queue) complete(tag uint16, res int32) {
 
 // run is the queue's loop: fetch every tag, then serve requests and commit their results
 // until the driver aborts every fetch (the device stopped) or quit is set.
-func (q *queue) run(ready chan<- error) {
+func (q *queue) run(ready chan<- error, fetch <-chan bool) {
 	defer q.d.wg.Done()
 	// The thread is the queue's daemon task for the driver, and it ends with the loop
 	// (never unlocked): a task that exits runs what io_uring still had queued for it, so
@@ -175,6 +196,11 @@ func (q *queue) run(ready chan<- error) {
 	}
 	q.ring = ring
 	defer ring.Close()
+	// Set up: the fetches wait for Device.begin (false: no fetch, the device is given up).
+	ready <- nil
+	if !<-fetch {
+		return
+	}
 	for tag := range q.depth {
 		c := q.cmd(ioFetchReq, uint16(tag), 0)
 		if refuseFetch && q.id == 0 && tag == 0 {
@@ -219,17 +245,30 @@ func (q *queue) run(ready chan<- error) {
 				time.Sleep(time.Millisecond)
 				continue
 			}
-			if fr, ok := q.h.(FailureReporter); ok {
-				fr.QueueFailed(q.id, err)
-			}
-			q.quit.Store(true)
+			q.fail(err)
 			break
 		}
 		q.bell.Awake()
 		n := ring.Completions(q.completion)
+		if q.refused != 0 {
+			// The driver and this loop disagree on a tag's state: serving on would be on
+			// guesses. The queue's requests wait until the device is stopped.
+			q.fail(fmt.Errorf("the driver refused a commit: %w", unix.Errno(-q.refused)))
+			break
+		}
 		q.reclaim(wait > 0 && n == 0)
 	}
 	q.drain()
+}
+
+// fail ends the loop on err: the handler hears of it, and the device's Stop closes the
+// char device first (see Device.stop).
+func (q *queue) fail(err error) {
+	if fr, ok := q.h.(FailureReporter); ok {
+		fr.QueueFailed(q.id, err)
+	}
+	q.d.queueFailed.Store(true)
+	q.quit.Store(true)
 }
 
 // reclaim gives the buffers' pages back once the queue has been idle for idleWaits waits:
@@ -239,7 +278,9 @@ func (q *queue) run(ready chan<- error) {
 // and its completion is taken in the same entry; with nothing in flight and nothing
 // committed this round, no buffer holds data anyone still needs.
 func (q *queue) reclaim(emptyWait bool) {
-	if !emptyWait || q.inflight > 0 {
+	// A commit the kernel has not taken yet (a submit that took only some entries) still
+	// has its read's data to copy out of the buffer.
+	if !emptyWait || q.inflight > 0 || q.ring.Unsubmitted() > 0 {
 		q.idle = 0
 		return
 	}
@@ -278,7 +319,10 @@ func (q *queue) commit() bool {
 	q.mu.Unlock()
 	for _, c := range done {
 		q.inflight--
-		q.cmd(ioCommitAndFetchReq, c.tag, c.res)
+		cmd := q.cmd(ioCommitAndFetchReq, c.tag, c.res)
+		if q.reqs[c.tag].Op == OpWrite && refuseCommit.CompareAndSwap(true, false) {
+			cmd.QID = 0xffff
+		}
 	}
 	return len(done) > 0
 }
@@ -305,6 +349,9 @@ func (q *queue) completion(c uring.CQE) {
 		// UBLK_IO_RES_ABORT: the device is stopping; anything else: the driver refused the
 		// command, and the tag is lost to this queue all the same.
 		q.aborted++
+		if c.Res != ioResAbort && q.refused == 0 {
+			q.refused = c.Res
+		}
 		return
 	}
 	desc := (*IODesc)(unsafe.Pointer(&q.descs[int(tag)*ioDescSize]))

@@ -253,18 +253,7 @@ func TestRecover(t *testing.T) {
 		t.Fatalf("a read completed with no server: %v", err)
 	case <-time.After(500 * time.Millisecond):
 	}
-	t0 := time.Now()
-	for {
-		info, err := c.DevInfo(uint32(d.ID()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if info.State == stateQuiesced || time.Since(t0) > 30*time.Second {
-			t.Logf("%v after %v", info.State, time.Since(t0))
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitQuiesced(t, c, d)
 	t1 := time.Now()
 	d2, err := Recover(c, d.ID(), m, 60*time.Second)
 	if err != nil {
@@ -289,6 +278,75 @@ func TestRecover(t *testing.T) {
 	}
 	if _, err := Recover(c, d2.ID(), m, time.Second); !errors.Is(err, syscall.EBUSY) {
 		t.Errorf("recovering a live device: %v", err)
+	}
+}
+
+// waitQuiesced waits up to 30 s for the driver to quiesce d, whose server "died".
+func waitQuiesced(t *testing.T, c *Ctrl, d *Device) {
+	t.Helper()
+	t0 := time.Now()
+	for {
+		info, err := c.DevInfo(uint32(d.ID()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State == stateQuiesced || time.Since(t0) > 30*time.Second {
+			t.Logf("%v after %v", info.State, time.Since(t0))
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestRecoverAfterFailedSetup: a recovery whose second queue cannot be set up (the test
+// switch failQueueSetup) fails before START_USER_RECOVERY, so the device stays
+// recoverable: the next recovery takes it over, and what was written before reads back.
+// (On 6.12 a recovery that fails after START_USER_RECOVERY leaves the device beyond
+// recovery: the driver refuses the next one, or, if some queues had fetched, resets those
+// that had not.)
+func TestRecoverAfterFailedSetup(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	m := newMem(testSize)
+	d, err := Create(c, testOptions(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			_ = c.StopDev(uint32(d.ID()))
+			_ = c.DelDev(uint32(d.ID()))
+		}
+	})
+	f := openDirect(t, d)
+	p := aligned(64 << 10)
+	rand.New(rand.NewSource(4)).Read(p)
+	if _, err := f.WriteAt(p, 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	d.abort() // the server "dies"
+	waitQuiesced(t, c, d)
+	failQueueSetup = 1
+	_, err = Recover(c, d.ID(), m, 30*time.Second)
+	failQueueSetup = -1
+	if !errors.Is(err, errSetupInjected) {
+		t.Fatalf("a recovery with queue 1's setup failing: %v", err)
+	}
+	d2, err := Recover(c, d.ID(), m, 30*time.Second)
+	if err != nil {
+		t.Fatalf("the recovery after it: %v", err)
+	}
+	defer func() {
+		if err := d2.Stop(); err != nil {
+			t.Errorf("stopping the recovered device: %v", err)
+		}
+	}()
+	g := openDirect(t, d2)
+	defer g.Close()
+	q := aligned(64 << 10)
+	if _, err := g.ReadAt(q, 8<<20); err != nil || !bytes.Equal(p, q) {
+		t.Fatalf("reading back after the recovery: %v, equal %v", err, bytes.Equal(p, q))
 	}
 }
 
@@ -361,18 +419,14 @@ func TestStopOpenWithDelDevOnly(t *testing.T) {
 	_, d := newTestDevice(t, c)
 	f := openDirect(t, d)
 	defer f.Close()
-	abandoned.mu.Lock()
-	left := len(abandoned.rings)
-	abandoned.mu.Unlock()
+	left := abandonedRings()
 	id := uint32(d.ID())
 	if err := d.Stop(); err != nil {
 		t.Fatalf("Stop with /dev/ublkb%d open, DEL_DEV alone: %v", id, err)
 	}
-	abandoned.mu.Lock()
-	if n := len(abandoned.rings); n > left { // (fewer: another test's reaped meanwhile)
+	if n := abandonedRings(); n > left { // (fewer: another test's reaped meanwhile)
 		t.Errorf("%d rings abandoned by the stop", n-left)
 	}
-	abandoned.mu.Unlock()
 	if _, err := f.ReadAt(aligned(4096), 0); err == nil {
 		t.Error("a read from the deleted device succeeded")
 	}
@@ -381,6 +435,107 @@ func TestStopOpenWithDelDevOnly(t *testing.T) {
 	}
 	f.Close()
 	waitGone(t, c, id, "its opener closed it")
+}
+
+// TestStopIfUnused: where the driver checks for openers itself (FlagSafeStopDev, 7.x),
+// StopIfUnused of an open device fails with EBUSY and changes nothing: the device still
+// serves IO and stops once closed. Without that check (6.12) it stops a device nothing has
+// open, as Stop does.
+func TestStopIfUnused(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	m, d := newTestDevice(t, c)
+	if c.Features()&FlagSafeStopDev != 0 {
+		f := openDirect(t, d)
+		if err := d.StopIfUnused(); !errors.Is(err, syscall.EBUSY) {
+			f.Close()
+			t.Fatalf("StopIfUnused of an open device: %v, want EBUSY", err)
+		}
+		p := aligned(4096)
+		rand.New(rand.NewSource(3)).Read(p)
+		if _, err := f.WriteAt(p, 1<<20); err != nil || !bytes.Equal(m.mem[1<<20:1<<20+4096], p) {
+			t.Errorf("a write after the refused stop: %v", err)
+		}
+		f.Close()
+	} else {
+		t.Logf("driver features %#x: no TRY_STOP_DEV; only the caller's check guards the stop", c.Features())
+	}
+	if err := d.StopIfUnused(); err != nil {
+		t.Fatalf("StopIfUnused of a closed device: %v", err)
+	}
+	waitGone(t, c, uint32(d.ID()), "StopIfUnused")
+}
+
+// failHandler is a memHandler that reports queue failures (FailureReporter).
+type failHandler struct {
+	*memHandler
+	failed chan error
+}
+
+func (h failHandler) QueueFailed(_ int, err error) {
+	select {
+	case h.failed <- err:
+	default:
+	}
+}
+
+// abandonedRings counts the control rings left to the kernel so far.
+func abandonedRings() int {
+	abandoned.mu.Lock()
+	defer abandoned.mu.Unlock()
+	return len(abandoned.rings)
+}
+
+// TestStopAfterQueueFailed: a queue whose commit of a write the driver refuses (the test
+// switch refuseCommit) ends, and the handler hears why; the write waits. Stop then releases
+// the char device before STOP_DEV, which on 7.2 would otherwise wait for the request the
+// failed queue had taken until the control timeout: the stop succeeds without leaving a
+// ring behind, and the waiting write ends with an error.
+func TestStopAfterQueueFailed(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	old := ctrlTimeout
+	ctrlTimeout = 10 * time.Second
+	defer func() { ctrlTimeout = old; refuseCommit.Store(false) }()
+	h := failHandler{newMem(testSize), make(chan error, 4)}
+	d, err := Create(c, testOptions(), h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Stop() })
+	f := openDirect(t, d)
+	defer f.Close()
+	refuseCommit.Store(true)
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := f.WriteAt(aligned(4096), 0)
+		wrote <- err
+	}()
+	select {
+	case err := <-h.failed:
+		if !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("the queue failed with %v, want the driver's EINVAL", err)
+		}
+	case err := <-wrote:
+		t.Fatalf("the write completed (%v) with its commit refused", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no queue failed 10 s after a refused commit")
+	}
+	left := abandonedRings()
+	if err := d.Stop(); err != nil {
+		t.Fatalf("Stop after a queue failed: %v", err)
+	}
+	if n := abandonedRings(); n > left {
+		t.Errorf("%d control rings abandoned by the stop", n-left)
+	}
+	select {
+	case err := <-wrote:
+		if err == nil {
+			t.Error("the write whose commit was refused succeeded")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the write on the failed queue still waits 10 s after Stop")
+	}
 }
 
 // waitGone waits up to 10 s for device id to be gone from the driver, after what.

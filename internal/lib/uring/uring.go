@@ -214,6 +214,9 @@ func (r *Ring) Entries() uint32 { return r.sqEntries }
 // Free is how many submission entries GetSQE can still hand out before a Submit.
 func (r *Ring) Free() uint32 { return r.sqEntries - (r.tail - atomic.LoadUint32(r.sqHead)) }
 
+// Unsubmitted is how many entries got since New are not yet taken by the kernel.
+func (r *Ring) Unsubmitted() uint32 { return r.tail - r.flushed }
+
 // GetSQE hands out the next submission entry, zeroed (its whole 64 or 128 bytes), or nil
 // when the queue is full.
 func (r *Ring) GetSQE() *SQE {

@@ -75,14 +75,17 @@ func TestNopsInOrderAndFull(t *testing.T) {
 		if r.GetSQE() != nil || r.Free() != 0 {
 			t.Fatal("a ninth entry out of eight")
 		}
+		if n := r.Unsubmitted(); n != 8 {
+			t.Errorf("%d unsubmitted before the submit", n)
+		}
 		got := wait(t, r, 8)
 		for i, c := range got {
 			if c.UserData != uint64(i) || c.Res != 0 {
 				t.Errorf("completion %d: %+v", i, c)
 			}
 		}
-		if r.Free() != 8 {
-			t.Errorf("%d free after the submit", r.Free())
+		if r.Free() != 8 || r.Unsubmitted() != 0 {
+			t.Errorf("%d free, %d unsubmitted after the submit", r.Free(), r.Unsubmitted())
 		}
 	}
 }
