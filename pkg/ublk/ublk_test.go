@@ -214,6 +214,25 @@ func TestDeviceIO(t *testing.T) {
 	}
 }
 
+// newRecoverable creates a device served from memory for a test that makes its server
+// "die"; should the test fail, the device goes, failing IO that waits on it (the test
+// process could not exit with a read stuck in the kernel).
+func newRecoverable(t *testing.T, c *Ctrl) (*memHandler, *Device) {
+	t.Helper()
+	m := newMem(testSize)
+	d, err := Create(c, testOptions(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			_ = c.StopDev(uint32(d.ID()))
+			_ = c.DelDev(uint32(d.ID()))
+		}
+	})
+	return m, d
+}
+
 // TestRecover: a device whose server went away (its rings and char device closed, as at a
 // crash) keeps its data path waiting; Recover takes it over, and a read that waited meanwhile
 // completes with the right data. The recovered device then stops while the test still has
@@ -221,19 +240,7 @@ func TestDeviceIO(t *testing.T) {
 func TestRecover(t *testing.T) {
 	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
-	m := newMem(testSize)
-	d, err := Create(c, testOptions(), m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Should the recovery fail, the device goes, failing the read that waits on it (the
-	// test process could not exit with a read stuck in the kernel).
-	t.Cleanup(func() {
-		if t.Failed() {
-			_ = c.StopDev(uint32(d.ID()))
-			_ = c.DelDev(uint32(d.ID()))
-		}
-	})
+	m, d := newRecoverable(t, c)
 	f := openDirect(t, d)
 	defer f.Close()
 	p := aligned(64 << 10)
@@ -307,17 +314,7 @@ func waitQuiesced(t *testing.T, c *Ctrl, d *Device) {
 func TestRecoverAfterFailedSetup(t *testing.T) {
 	leakcheck.Check(t)
 	c := ctrlOrSkip(t)
-	m := newMem(testSize)
-	d, err := Create(c, testOptions(), m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			_ = c.StopDev(uint32(d.ID()))
-			_ = c.DelDev(uint32(d.ID()))
-		}
-	})
+	m, d := newRecoverable(t, c)
 	f := openDirect(t, d)
 	p := aligned(64 << 10)
 	rand.New(rand.NewSource(4)).Read(p)
@@ -328,7 +325,7 @@ func TestRecoverAfterFailedSetup(t *testing.T) {
 	d.abort() // the server "dies"
 	waitQuiesced(t, c, d)
 	failQueueSetup = 1
-	_, err = Recover(c, d.ID(), m, 30*time.Second)
+	_, err := Recover(c, d.ID(), m, 30*time.Second)
 	failQueueSetup = -1
 	if !errors.Is(err, errSetupInjected) {
 		t.Fatalf("a recovery with queue 1's setup failing: %v", err)
