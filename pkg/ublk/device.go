@@ -272,7 +272,7 @@ func (d *Device) abort() {
 func (d *Device) waitNoServer(timeout time.Duration) {
 	for t0 := time.Now(); time.Since(t0) < timeout; time.Sleep(10 * time.Millisecond) {
 		info, err := d.ctrl.DevInfo(d.id)
-		if err != nil || info.State != stateLive {
+		if errors.Is(err, syscall.ENODEV) || err == nil && info.State != stateLive {
 			return
 		}
 	}
@@ -359,6 +359,12 @@ func (d *Device) stop(ifUnused bool) error {
 			err = d.ctrl.TryStopDev(d.id)
 			if errors.Is(err, syscall.EBUSY) {
 				return fmt.Errorf("ublk: device %d is open: %w", d.id, err)
+			}
+			// Another failure before the driver could check (the command not sent, a
+			// refusal): nothing changed, and going on would stop the device unchecked. A
+			// timeout goes on: the driver may have checked and be stopping.
+			if err != nil && !errors.Is(err, syscall.EOPNOTSUPP) && !errors.Is(err, syscall.ENODEV) && !errors.Is(err, syscall.ETIMEDOUT) {
+				return fmt.Errorf("ublk: stopping device %d if unused: %w", d.id, err)
 			}
 		}
 		// ENODEV: no disk (never started, or stopped by an earlier try), so nothing open.
