@@ -54,6 +54,14 @@ type Device struct {
 	// before protocol 2.2 announced WRITE_ZEROES but refused flags it did not know). Zeroes
 	// that must stay allocated are then written as data, until the next open.
 	noUnmapRefused atomic.Bool
+
+	// backlog holds, in order, the asynchronous requests that found no RTRS permit free,
+	// for one goroutine (draining while it runs) to send as permits come back, so that
+	// ReadAsync and WriteAsync never wait in their caller: a ublk queue's thread goes on
+	// committing what completed (the kernel's client requeues such a request instead).
+	blmu     sync.Mutex
+	backlog  []*asyncReq
+	draining bool
 }
 
 // open sends OPEN and takes the answer: id and geometry. A remapped device must keep its size.

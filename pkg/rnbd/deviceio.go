@@ -283,7 +283,6 @@ func (d *Device) WriteAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-// ioHdr is the user header of an asynchronous request: it must live until the completion.
 // asyncReq is one request of the asynchronous path with its RNBD header, pooled with its
 // completion callback bound once, so that the path allocates nothing per IO.
 type asyncReq struct {
@@ -312,14 +311,22 @@ func init() {
 
 // complete is the transport's callback: the request goes back to the pool before done runs.
 func (r *asyncReq) complete(err error) {
+	if err != nil {
+		r.end(err)
+		return
+	}
+	done := r.done
+	r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
+	asyncPool.Put(r)
+	done(nil)
+}
+
+// end returns the request to the pool and ends it with err: failed, or sent again.
+func (r *asyncReq) end(err error) {
 	d, ctx, op, flags, off, p, id, done := r.d, r.ctx, r.op, r.flags, r.off, r.p, r.id, r.done
 	r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
 	asyncPool.Put(r)
-	if err != nil {
-		d.asyncFailed(ctx, op, flags, off, p, id, done, err)
-		return
-	}
-	done(nil)
+	d.asyncFailed(ctx, op, flags, off, p, id, done, err)
 }
 
 // ReadAsync reads len(p) bytes at off and calls done once, from a transport goroutine or
@@ -378,6 +385,8 @@ func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []
 
 // asyncOne sends one request; when the device is not mapped, or the session or the id went
 // away under the request, it continues on a goroutine with the waiting, resending submit.
+// It never waits for a permit: with none free, or with earlier requests of the device
+// waiting for one, the request joins the device's backlog.
 func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
 	d.mu.Lock()
 	st, id := d.state, d.id
@@ -394,16 +403,72 @@ func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p
 	r := asyncPool.Get().(*asyncReq)
 	r.d, r.ctx, r.op, r.flags, r.off, r.p, r.id, r.done = d, ctx, op, flags, off, p, id, done
 	MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(len(p))}.Put(r.hdr[:])
-	dir := transport.Write
-	if op == OpRead {
-		dir = transport.Read
+	d.blmu.Lock()
+	queued := len(d.backlog) > 0 // behind those: a request does not overtake the device's earlier ones
+	if queued {
+		d.backlog = append(d.backlog, r)
 	}
-	if err := d.sess.rtrs.Request(ctx, dir, r.hdr[:], p, r.cb); err != nil {
-		r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
-		asyncPool.Put(r)
-		d.asyncFailed(ctx, op, flags, off, p, id, done, err)
-		d.sess.c.runHooks()
+	d.blmu.Unlock()
+	if queued {
+		return
 	}
+	err := d.sess.rtrs.TryRequest(r.dir(), r.hdr[:], p, r.cb)
+	if errors.Is(err, transport.ErrNoPermit) {
+		d.blmu.Lock()
+		d.backlog = append(d.backlog, r)
+		start := !d.draining
+		d.draining = true
+		d.blmu.Unlock()
+		if start {
+			go d.drainBacklog()
+		}
+		return
+	}
+	if err != nil {
+		r.fail(err)
+	}
+}
+
+// drainBacklog sends the backlog's requests in order, each waiting for a permit until its
+// context ends; the request sent leaves the backlog only then, so that new ones queue
+// behind it meanwhile. It ends with the backlog empty.
+func (d *Device) drainBacklog() {
+	d.blmu.Lock()
+	for len(d.backlog) > 0 {
+		r := d.backlog[0]
+		d.blmu.Unlock()
+		err := r.ctx.Err()
+		if err == nil {
+			// r may be back in the pool, or reused, once this returns nil: not read after.
+			err = d.sess.rtrs.Request(r.ctx, r.dir(), r.hdr[:], r.p, r.cb)
+		}
+		d.blmu.Lock()
+		d.backlog[0] = nil
+		d.backlog = d.backlog[1:]
+		if err != nil {
+			d.blmu.Unlock()
+			r.fail(err)
+			d.blmu.Lock()
+		}
+	}
+	d.backlog, d.draining = nil, false
+	d.blmu.Unlock()
+}
+
+// dir is the transport direction of the request.
+func (r *asyncReq) dir() transport.Dir {
+	if r.op == OpRead {
+		return transport.Read
+	}
+	return transport.Write
+}
+
+// fail ends a request the transport did not take (its callback will not run), off the
+// transport's completion goroutine: the hooks run after it.
+func (r *asyncReq) fail(err error) {
+	c := r.d.sess.c
+	r.end(err)
+	c.runHooks()
 }
 
 // asyncFailed ends a request that failed: one the device can get back from (a session or

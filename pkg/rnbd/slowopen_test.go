@@ -146,7 +146,7 @@ func slowOpts(t *testing.T, p *holdingProxy, dev string) MapOptions {
 }
 
 // within runs fn and fails the test if it has not returned after d: what it checks must not
-// wait for the held open.
+// wait for what the test holds back (a session open, the server's answers).
 func within(t *testing.T, d time.Duration, what string, fn func()) {
 	t.Helper()
 	done := make(chan struct{})
@@ -154,7 +154,7 @@ func within(t *testing.T, d time.Duration, what string, fn func()) {
 	select {
 	case <-done:
 	case <-time.After(d):
-		t.Fatalf("%s blocked for %v behind the pending session open", what, d)
+		t.Fatalf("%s blocked for %v behind what the test holds", what, d)
 	}
 }
 
