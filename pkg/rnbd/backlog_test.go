@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -16,7 +18,8 @@ import (
 // TestAsyncNoPermitWait: with every permit of the session taken by requests the server holds,
 // ReadAsync returns at once (a ublk queue's thread must not wait in it); the requests it
 // queued wait, those whose context ends meanwhile fail with its error before the server
-// answers anything, and the rest complete with the right data once the server answers.
+// answers anything, also behind a request that goes on waiting, and the rest complete with
+// the right data once the server answers.
 func TestAsyncNoPermitWait(t *testing.T) {
 	leakcheck.Check(t)
 	e := newTestEnv(t)
@@ -50,7 +53,7 @@ func TestAsyncNoPermitWait(t *testing.T) {
 		i   int
 		err error
 	}
-	const extra = 8 // beyond the permits: half cancelled while they wait, half kept
+	const extra = 8 // beyond the permits: cancelled while they wait, behind two kept ones and before six
 	results := make(chan result, depth+2*extra)
 	bufs := make([][]byte, depth+2*extra)
 	cancelCtx, cancel := context.WithCancel(context.Background())
@@ -58,7 +61,7 @@ func TestAsyncNoPermitWait(t *testing.T) {
 	within(t, 10*time.Second, "ReadAsync with no permit free", func() {
 		for i := range bufs {
 			ctx := context.Background()
-			if i >= depth && i < depth+extra {
+			if i >= depth+2 && i < depth+2+extra {
 				ctx = cancelCtx
 			}
 			bufs[i] = make([]byte, 4096)
@@ -71,7 +74,7 @@ func TestAsyncNoPermitWait(t *testing.T) {
 	for range extra {
 		select {
 		case r := <-results:
-			if r.i < depth || r.i >= depth+extra || !errors.Is(r.err, context.Canceled) {
+			if r.i < depth+2 || r.i >= depth+2+extra || !errors.Is(r.err, context.Canceled) {
 				t.Fatalf("request %d ended with %v while the server held every permit; want the %d queued with a cancelled context to fail with it", r.i, r.err, extra)
 			}
 		case <-time.After(10 * time.Second):
@@ -106,5 +109,89 @@ func TestAsyncNoPermitWait(t *testing.T) {
 	case r := <-results:
 		t.Fatalf("request %d completed twice (%v)", r.i, r.err)
 	default:
+	}
+}
+
+// TestUnmapFailsBacklog: an unmap fails the requests waiting for a permit (ENODEV) rather
+// than leave them to go out after its CLOSE, with an id the server may give to another
+// device; the server sees no IO after the CLOSE.
+func TestUnmapFailsBacklog(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "bl", "disk", AccessRW)
+	depth := c.Session("bl").QueueDepth()
+
+	var mu sync.Mutex
+	var held []*transport.SrvRequest
+	var seen []MsgType // what reached the server once it stopped holding
+	holding := true
+	hold := func(r *transport.SrvRequest) bool {
+		typ, _ := PeekType(r.Usr)
+		mu.Lock()
+		defer mu.Unlock()
+		if holding && typ == MsgTypeIO {
+			held = append(held, r)
+			return true
+		}
+		if !holding {
+			seen = append(seen, typ)
+		}
+		return false
+	}
+	e.intercept.Store(&hold)
+	defer e.intercept.Store(nil)
+
+	const extra = 4
+	results := make(chan error, depth+extra)
+	within(t, 10*time.Second, "WriteAsync with no permit free", func() {
+		for i := range depth + extra {
+			d.WriteAsync(context.Background(), make([]byte, 4096), int64(i)*4096, false, func(err error) { results <- err })
+		}
+	})
+	testutil.WaitFor(t, 10*time.Second, "every permit held by the server", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(held) == depth
+	})
+	unmapped := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		unmapped <- d.Unmap(ctx)
+	}()
+	for range extra {
+		select {
+		case err := <-results:
+			if !errors.Is(err, syscall.ENODEV) {
+				t.Fatalf("a request waiting for a permit ended with %v on unmap; want ENODEV", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("requests waiting for a permit still wait after the unmap began")
+		}
+	}
+	mu.Lock()
+	holding = false
+	reqs := held
+	mu.Unlock()
+	for _, r := range reqs {
+		e.server().Request(r)
+	}
+	// Those the server held end either way: answered before the CLOSE, or after it (the
+	// unmap does not wait for IO in flight; its front ends have drained by then).
+	for range depth {
+		if err := <-results; err != nil && !errors.Is(err, syscall.ENODEV) {
+			t.Fatalf("a request the server held: %v", err)
+		}
+	}
+	if err := <-unmapped; err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	i := slices.Index(seen, MsgTypeClose)
+	if i < 0 || slices.Contains(seen[i:], MsgTypeIO) {
+		t.Fatalf("the server saw %v after it stopped holding: want a CLOSE, and no IO after it", seen)
 	}
 }

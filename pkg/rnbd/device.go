@@ -55,13 +55,12 @@ type Device struct {
 	// that must stay allocated are then written as data, until the next open.
 	noUnmapRefused atomic.Bool
 
-	// backlog holds, in order, the asynchronous requests that found no RTRS permit free,
-	// for one goroutine (draining while it runs) to send as permits come back, so that
-	// ReadAsync and WriteAsync never wait in their caller: a ublk queue's thread goes on
-	// committing what completed (the kernel's client requeues such a request instead).
-	blmu     sync.Mutex
-	backlog  []*asyncReq
-	draining bool
+	// bl holds the asynchronous requests waiting for a permit (backlog.go).
+	bl backlog
+	// gate orders sends against Unmap: a send holds it shared from its look at the state to
+	// its post, and Unmap takes it once, after turning the device unmapped and before
+	// CLOSE, so that no request goes out after CLOSE with the id CLOSE gave back.
+	gate sync.RWMutex
 }
 
 // open sends OPEN and takes the answer: id and geometry. A remapped device must keep its size.
@@ -276,9 +275,15 @@ func (d *Device) Unmap(ctx context.Context) error {
 	for _, f := range revoke {
 		f()
 	}
+	// A send that saw the device mapped has posted by the time the gate is ours; the
+	// backlog's permit wait is cut short, and what it holds fails (ENODEV).
+	d.bl.kick()
+	d.gate.Lock()
+	d.gate.Unlock()
 	if wasMapped {
 		d.sendClose(ctx, id)
 	}
+	d.bl.wait(ctx)
 	d.sess.remove(d)
 	d.sess.c.putSessIfIdle(d.sess)
 	return nil

@@ -296,6 +296,8 @@ type asyncReq struct {
 	id    uint32
 	done  func(error)
 	cb    func(error)
+	// unwatch stops the watch on ctx of a request in the backlog.
+	unwatch func() bool
 }
 
 var asyncPool sync.Pool
@@ -316,7 +318,7 @@ func (r *asyncReq) complete(err error) {
 		return
 	}
 	done := r.done
-	r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
+	r.d, r.ctx, r.p, r.done, r.unwatch = nil, nil, nil, nil, nil
 	asyncPool.Put(r)
 	done(nil)
 }
@@ -324,7 +326,7 @@ func (r *asyncReq) complete(err error) {
 // end returns the request to the pool and ends it with err: failed, or sent again.
 func (r *asyncReq) end(err error) {
 	d, ctx, op, flags, off, p, id, done := r.d, r.ctx, r.op, r.flags, r.off, r.p, r.id, r.done
-	r.d, r.ctx, r.p, r.done = nil, nil, nil, nil
+	r.d, r.ctx, r.p, r.done, r.unwatch = nil, nil, nil, nil, nil
 	asyncPool.Put(r)
 	d.asyncFailed(ctx, op, flags, off, p, id, done, err)
 }
@@ -386,42 +388,33 @@ func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []
 // asyncOne sends one request; when the device is not mapped, or the session or the id went
 // away under the request, it continues on a goroutine with the waiting, resending submit.
 // It never waits for a permit: with none free, or with earlier requests of the device
-// waiting for one, the request joins the device's backlog.
+// waiting for one, the request joins the device's backlog (backlog.go).
 func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p []byte, done func(error)) {
+	d.gate.RLock()
 	d.mu.Lock()
 	st, id := d.state, d.id
 	d.mu.Unlock()
-	if st == StateClosedByServer {
-		done(d.errClosedByServer())
-		d.sess.c.runHooks()
-		return
-	}
 	if st != StateMapped {
+		d.gate.RUnlock()
+		if st == StateClosedByServer {
+			done(d.errClosedByServer())
+			d.sess.c.runHooks()
+			return
+		}
 		d.asyncSlow(ctx, op, flags, off, p, done)
 		return
 	}
 	r := asyncPool.Get().(*asyncReq)
-	r.d, r.ctx, r.op, r.flags, r.off, r.p, r.id, r.done = d, ctx, op, flags, off, p, id, done
-	MsgIO{DeviceID: id, Sector: uint64(off / SectorSize), RW: uint32(op) | flags, BiSize: uint32(len(p))}.Put(r.hdr[:])
-	d.blmu.Lock()
-	queued := len(d.backlog) > 0 // behind those: a request does not overtake the device's earlier ones
-	if queued {
-		d.backlog = append(d.backlog, r)
-	}
-	d.blmu.Unlock()
-	if queued {
+	r.d, r.ctx, r.op, r.flags, r.off, r.p, r.done = d, ctx, op, flags, off, p, done
+	r.setID(id)
+	if d.bl.behind(r) {
+		d.gate.RUnlock()
 		return
 	}
 	err := d.sess.rtrs.TryRequest(r.dir(), r.hdr[:], p, r.cb)
+	d.gate.RUnlock()
 	if errors.Is(err, transport.ErrNoPermit) {
-		d.blmu.Lock()
-		d.backlog = append(d.backlog, r)
-		start := !d.draining
-		d.draining = true
-		d.blmu.Unlock()
-		if start {
-			go d.drainBacklog()
-		}
+		d.queue(r)
 		return
 	}
 	if err != nil {
@@ -429,30 +422,19 @@ func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p
 	}
 }
 
-// drainBacklog sends the backlog's requests in order, each waiting for a permit until its
-// context ends; the request sent leaves the backlog only then, so that new ones queue
-// behind it meanwhile. It ends with the backlog empty.
-func (d *Device) drainBacklog() {
-	d.blmu.Lock()
-	for len(d.backlog) > 0 {
-		r := d.backlog[0]
-		d.blmu.Unlock()
-		err := r.ctx.Err()
-		if err == nil {
-			// r may be back in the pool, or reused, once this returns nil: not read after.
-			err = d.sess.rtrs.Request(r.ctx, r.dir(), r.hdr[:], r.p, r.cb)
-		}
-		d.blmu.Lock()
-		d.backlog[0] = nil
-		d.backlog = d.backlog[1:]
-		if err != nil {
-			d.blmu.Unlock()
-			r.fail(err)
-			d.blmu.Lock()
-		}
-	}
-	d.backlog, d.draining = nil, false
-	d.blmu.Unlock()
+// setID writes the request's header for device id.
+func (r *asyncReq) setID(id uint32) {
+	r.id = id
+	MsgIO{DeviceID: id, Sector: uint64(r.off / SectorSize), RW: uint32(r.op) | r.flags, BiSize: uint32(len(r.p))}.Put(r.hdr[:])
+}
+
+// resubmit hands a request of the backlog, whose device is no longer mapped, to the
+// waiting submit.
+func (r *asyncReq) resubmit() {
+	d, ctx, op, flags, off, p, done := r.d, r.ctx, r.op, r.flags, r.off, r.p, r.done
+	r.d, r.ctx, r.p, r.done, r.unwatch = nil, nil, nil, nil, nil
+	asyncPool.Put(r)
+	d.asyncSlow(ctx, op, flags, off, p, done)
 }
 
 // dir is the transport direction of the request.
