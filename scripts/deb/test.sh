@@ -122,9 +122,13 @@ check_installed() {
 		done
 		got=$(in_root dpkg-query -W -f '${Depends}' "$d")
 		[[ $got == *libibverbs1* && $got == *librdmacm1* ]] || fail "$d depends on $got"
-		in_root ldd "/usr/sbin/$d" | grep -q 'libibverbs.so' || fail "$d is built without the verbs provider"
-		! in_root ldd "/usr/sbin/$d" | grep 'not found' || fail "$d: a library is missing"
-		in_root dpkg-query -W -f '${Conffiles}\n' "$d" | grep -q "^ /etc/rtrs/$d.conf " ||
+		# Output taken whole, then searched: under pipefail, `ldd | grep -q` fails when grep
+		# exits at the first match while ldd still writes (SIGPIPE), as it did on one run.
+		got=$(in_root ldd "/usr/sbin/$d")
+		grep -q 'libibverbs.so' <<<"$got" || fail "$d is built without the verbs provider"
+		! grep 'not found' <<<"$got" || fail "$d: a library is missing"
+		got=$(in_root dpkg-query -W -f '${Conffiles}\n' "$d")
+		grep -q "^ /etc/rtrs/$d.conf " <<<"$got" ||
 			fail "$d: /etc/rtrs/$d.conf is not a conffile"
 		got=$(in_root systemctl is-enabled "$d.service" 2>&1) || true
 		[ "$got" = enabled ] || fail "$d.service is $got, not enabled"
