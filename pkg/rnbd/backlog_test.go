@@ -31,23 +31,7 @@ func TestAsyncNoPermitWait(t *testing.T) {
 		t.Fatalf("queue depth %d: the test needs at most %d", depth, len(model)/2/4096)
 	}
 
-	var mu sync.Mutex
-	var held []*transport.SrvRequest
-	holding := true
-	hold := func(r *transport.SrvRequest) bool {
-		if typ, _ := PeekType(r.Usr); typ != MsgTypeIO {
-			return false
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		if holding {
-			held = append(held, r)
-		}
-		return holding
-	}
-	e.intercept.Store(&hold)
-	defer e.intercept.Store(nil)
-	nHeld := func() int { mu.Lock(); defer mu.Unlock(); return len(held) }
+	h := holdIO(t, e)
 
 	type result struct {
 		i   int
@@ -68,7 +52,7 @@ func TestAsyncNoPermitWait(t *testing.T) {
 			d.ReadAsync(ctx, bufs[i], int64(i)*4096, func(err error) { results <- result{i, err} })
 		}
 	})
-	testutil.WaitFor(t, 10*time.Second, "every permit held by the server", func() bool { return nHeld() == depth })
+	testutil.WaitFor(t, 10*time.Second, "every permit held by the server", func() bool { return h.count() == depth })
 
 	cancel()
 	for range extra {
@@ -81,17 +65,11 @@ func TestAsyncNoPermitWait(t *testing.T) {
 			t.Fatal("queued requests whose context ended are still waiting for a permit")
 		}
 	}
-	if n := nHeld(); n != depth {
+	if n := h.count(); n != depth {
 		t.Fatalf("the server saw %d requests, with %d permits", n, depth)
 	}
 
-	mu.Lock()
-	holding = false
-	reqs := held
-	mu.Unlock()
-	for _, r := range reqs {
-		e.server().Request(r)
-	}
+	h.release()
 	for range depth + extra {
 		select {
 		case r := <-results:
@@ -123,25 +101,7 @@ func TestUnmapFailsBacklog(t *testing.T) {
 	d := mustMap(t, e, c, "bl", "disk", AccessRW)
 	depth := c.Session("bl").QueueDepth()
 
-	var mu sync.Mutex
-	var held []*transport.SrvRequest
-	var seen []MsgType // what reached the server once it stopped holding
-	holding := true
-	hold := func(r *transport.SrvRequest) bool {
-		typ, _ := PeekType(r.Usr)
-		mu.Lock()
-		defer mu.Unlock()
-		if holding && typ == MsgTypeIO {
-			held = append(held, r)
-			return true
-		}
-		if !holding {
-			seen = append(seen, typ)
-		}
-		return false
-	}
-	e.intercept.Store(&hold)
-	defer e.intercept.Store(nil)
+	h := holdIO(t, e)
 
 	const extra = 4
 	results := make(chan error, depth+extra)
@@ -150,11 +110,7 @@ func TestUnmapFailsBacklog(t *testing.T) {
 			d.WriteAsync(context.Background(), make([]byte, 4096), int64(i)*4096, false, func(err error) { results <- err })
 		}
 	})
-	testutil.WaitFor(t, 10*time.Second, "every permit held by the server", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(held) == depth
-	})
+	testutil.WaitFor(t, 10*time.Second, "every permit held by the server", func() bool { return h.count() == depth })
 	unmapped := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -171,13 +127,7 @@ func TestUnmapFailsBacklog(t *testing.T) {
 			t.Fatal("requests waiting for a permit still wait after the unmap began")
 		}
 	}
-	mu.Lock()
-	holding = false
-	reqs := held
-	mu.Unlock()
-	for _, r := range reqs {
-		e.server().Request(r)
-	}
+	h.release()
 	// Those the server held end either way: answered before the CLOSE, or after it (the
 	// unmap does not wait for IO in flight; its front ends have drained by then).
 	for range depth {
@@ -188,10 +138,56 @@ func TestUnmapFailsBacklog(t *testing.T) {
 	if err := <-unmapped; err != nil {
 		t.Fatal(err)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	i := slices.Index(seen, MsgTypeClose)
-	if i < 0 || slices.Contains(seen[i:], MsgTypeIO) {
-		t.Fatalf("the server saw %v after it stopped holding: want a CLOSE, and no IO after it", seen)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	i := slices.Index(h.seen, MsgTypeClose)
+	if i < 0 || slices.Contains(h.seen[i:], MsgTypeIO) {
+		t.Fatalf("the server saw %v after it stopped holding: want a CLOSE, and no IO after it", h.seen)
+	}
+}
+
+// ioHolder holds the IO requests that reach the server until release, and records the
+// types of the messages that reach it after.
+type ioHolder struct {
+	e       *testEnv
+	mu      sync.Mutex
+	held    []*transport.SrvRequest
+	seen    []MsgType
+	holding bool
+}
+
+func holdIO(t *testing.T, e *testEnv) *ioHolder {
+	h := &ioHolder{e: e, holding: true}
+	f := h.intercept
+	e.intercept.Store(&f)
+	t.Cleanup(func() { e.intercept.Store(nil) })
+	return h
+}
+
+func (h *ioHolder) intercept(r *transport.SrvRequest) bool {
+	typ, _ := PeekType(r.Usr)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.holding {
+		h.seen = append(h.seen, typ)
+		return false
+	}
+	if typ != MsgTypeIO {
+		return false
+	}
+	h.held = append(h.held, r)
+	return true
+}
+
+func (h *ioHolder) count() int { h.mu.Lock(); defer h.mu.Unlock(); return len(h.held) }
+
+// release hands what was held to the server, and holds nothing more.
+func (h *ioHolder) release() {
+	h.mu.Lock()
+	h.holding = false
+	reqs := h.held
+	h.mu.Unlock()
+	for _, r := range reqs {
+		h.e.server().Request(r)
 	}
 }
