@@ -279,6 +279,7 @@ func (d *Device) Unmap(ctx context.Context) error {
 	// backlog's permit wait is cut short, and what it holds fails (ENODEV).
 	d.bl.kick()
 	d.gate.Lock()
+	//lint:ignore SA2001 taking the lock is the point: it waits for the sends under way
 	d.gate.Unlock()
 	if wasMapped {
 		d.sendClose(ctx, id)
