@@ -463,6 +463,18 @@ func (h *ublkHandler) QueueFailed(q int, err error) {
 	h.lg.WithError(err).Errorf("%s: ublk queue %d stopped; its requests wait until the device is unmapped", h.name, q)
 }
 
+// QueueBuffers gives a queue memory registered on the session's paths where they stage data
+// (verbs): its requests then go out from it and land in it without the copy through the
+// stage (ublk.BufferProvider). Elsewhere, or if that fails, the queue maps its own.
+func (h *ublkHandler) QueueBuffers(q, depth, maxIO int) ([]byte, func()) {
+	b, free, err := h.d.AllocIOBuffers(depth*maxIO, maxIO)
+	if err != nil {
+		h.lg.WithError(err).Warnf("%s: ublk queue %d: buffers not registered, its requests are staged", h.name, q)
+		return nil, nil
+	}
+	return b, free
+}
+
 // Serve starts the request: reads and writes asynchronously, the rest in a goroutine.
 func (h *ublkHandler) Serve(r *ublk.Request) {
 	if (r.Op == ublk.OpRead || r.Op == ublk.OpWrite) && len(r.Buf) != r.Len {

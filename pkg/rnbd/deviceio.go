@@ -20,6 +20,14 @@ func (d *Device) Plug() { d.sess.rtrs.Plug() }
 // Unplug sends what Plug gathered.
 func (d *Device) Unplug() { d.sess.rtrs.Unplug() }
 
+// AllocIOBuffers is transport.Session.AllocIOBuffers of the device's session: memory for
+// request data that goes out, and lands, without the staging copy where the session's paths
+// stage data (verbs); nil where they do not. Data passed to ReadAsync or WriteAsync must
+// begin one of its regions to skip the copy (an IO split at MaxIO begins none but its first).
+func (d *Device) AllocIOBuffers(n, stride int) (buf []byte, free func(), err error) {
+	return d.sess.rtrs.AllocIOBuffers(n, stride)
+}
+
 // AfterCompletions registers fn with the device's client (see Client.AfterCompletions).
 func (d *Device) AfterCompletions(fn func()) (remove func()) { return d.sess.c.AfterCompletions(fn) }
 

@@ -104,6 +104,15 @@ type Session struct {
 
 	plug plug
 
+	// umu orders the IO buffers' registrations: the buffers, and the path resources that
+	// stage data, on which each of them is registered.
+	umu    sync.Mutex
+	iobufs []*ioBufs
+	ures   map[*pathRes]struct{}
+	// staging: a path of the session has staged data; its IO buffers are registered on
+	// every such path as it connects, also when none is connected at the allocation.
+	staging bool
+
 	policy       atomic.Int32
 	rr           atomic.Uint32
 	maxReconnect atomic.Int32
@@ -352,6 +361,11 @@ type pathRes struct {
 	// device that maps only registered memory (rdma.DeviceAttr.MapRegisteredOnly); nil
 	// where the user's buffers are mapped directly.
 	stage rdma.MR
+	// direct are the session's IO buffers registered on this round's PD, by region start
+	// (AllocIOBuffers), copied on change: their requests skip the stage.
+	direct atomic.Pointer[map[uintptr]rdma.MR]
+	// parked are regions of freed IO buffers a window was still bound over (Session.umu).
+	parked []parkedMR
 }
 
 func (s *Session) newPath(pa PathAddrs, first bool) *Path {
@@ -657,6 +671,7 @@ func (p *Path) allocRes() error {
 		if res.stage, err = res.pd.AllocMR(qd*s.maxIOSize, rdma.AccessLocalWrite); err != nil {
 			return err
 		}
+		s.addStaging(p, res)
 	}
 	if res.iu, err = res.pd.AllocMR(qd*MaxHdrSize, rdma.AccessLocalWrite); err != nil {
 		return err
@@ -935,6 +950,7 @@ func (p *Path) teardown() {
 				_ = m.Dereg()
 			}
 		}
+		p.sess.dropStaging(res) // after the windows, which may be bound over its regions
 		for _, m := range []rdma.MR{res.iu, res.rcv, res.stage} {
 			if m != nil {
 				_ = m.Dereg()

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 	"github.com/rtrs-go/rtrs/pkg/stats"
@@ -32,6 +33,7 @@ type cltReq struct {
 	path      *Path
 	admin     bool // on connection 0, as RTRS_ADMIN_CON permits are
 	countedMI bool
+	staged    bool          // the data went through the path's stage (set by post)
 	gen       atomic.Uint64 // counts the permit's requests: a waiter tells its own from the next
 	start     time.Time
 	cpu       int
@@ -259,17 +261,26 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 	wrs := &r.wrs
 	k := 0
 	var dataSGE rdma.SGE
+	r.staged = false
 	if len(r.data) > 0 {
 		fr := res.fr[r.permit]
 		buf := r.data
+		var direct rdma.MR
 		if res.stage != nil {
-			buf = res.stage.Bytes()[r.permit*s.maxIOSize:][:len(r.data)]
+			if direct = res.directMR(r.data); direct == nil {
+				buf = res.stage.Bytes()[r.permit*s.maxIOSize:][:len(r.data)]
+				r.staged = true
+			}
 		}
-		if res.stage != nil && r.dir == Write {
+		switch {
+		case direct != nil && r.dir == Write:
+			// The caller's registered region: the data goes out from it under its key.
+			dataSGE = rdma.SGE{Addr: uint64(uintptr(unsafe.Pointer(&r.data[0]))), Length: uint32(len(r.data)), LKey: direct.LKey()}
+		case r.staged && r.dir == Write:
 			// Staged: the data goes out from registered memory under its own key.
 			copy(buf, r.data)
 			dataSGE = rdma.SGE{Addr: res.stage.Addr() + uint64(r.permit*s.maxIOSize), Length: uint32(len(r.data)), LKey: res.stage.LKey()}
-		} else {
+		default:
 			if fr.Valid() {
 				// Still registered from a request that failed over: take it back first.
 				if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}}); err != nil {
@@ -455,7 +466,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 		c.sendWR[0] = rdma.SendWR{Opcode: rdma.OpLocalInv, InvRKey: res.fr[r.permit].RKey()}
 		_, _ = c.qp.PostSend(c.sendWR[:])
 	}
-	if res.stage != nil && r.dir == Read && errno == 0 {
+	if r.staged && r.dir == Read && errno == 0 {
 		copy(r.data, res.stage.Bytes()[r.permit*s.maxIOSize:])
 	}
 	p.account(r)

@@ -23,6 +23,16 @@ type Handler interface {
 	Serve(r *Request)
 }
 
+// BufferProvider is a Handler that provides a queue's buffers: depth × maxIO bytes, a tag's
+// buffer at tag × maxIO. Its IO path may have registered them for RDMA, so that requests go
+// out from them and land in them without a copy. QueueBuffers returns nil to let the queue
+// map its own; free runs once the queue's loop has ended and its handlers have returned.
+// Provided buffers are never given back while idle (registered pages are pinned, and a
+// registration would not follow pages dropped and faulted in again).
+type BufferProvider interface {
+	QueueBuffers(queue, depth, maxIO int) (bufs []byte, free func())
+}
+
 // FailureReporter is a Handler told when one of the device's queue loops ends on an error
 // of its ring: that queue's requests then wait until the device is stopped.
 type FailureReporter interface {
@@ -76,9 +86,11 @@ type queue struct {
 	maxIO int
 	h     Handler
 	descs []byte // mmap of /dev/ublkc<n>: IODesc per tag
-	bufs  []byte // anonymous mmap: maxIO per tag
-	reqs  []Request
-	bell  *uring.Doorbell // handlers wake the loop with it
+	bufs  []byte // anonymous mmap, or the handler's (BufferProvider): maxIO per tag
+	// freeBufs gives the handler's buffers back; nil when the queue mapped its own.
+	freeBufs func()
+	reqs     []Request
+	bell     *uring.Doorbell // handlers wake the loop with it
 
 	mu   sync.Mutex
 	done []completion
@@ -119,7 +131,16 @@ func newQueue(d *Device, id int, h Handler) (*queue, error) {
 	depth, maxIO := int(d.info.QueueDepth), int(d.info.MaxIOBufBytes)
 	q := &queue{d: d, id: id, depth: depth, maxIO: maxIO, h: h}
 	var err error
-	q.bufs, err = unix.Mmap(-1, 0, depth*maxIO, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if bp, ok := h.(BufferProvider); ok {
+		if b, free := bp.QueueBuffers(id, depth, maxIO); len(b) == depth*maxIO {
+			q.bufs, q.freeBufs = b, free
+		} else if free != nil {
+			free() // not the size asked for: the queue's own serve
+		}
+	}
+	if q.bufs == nil {
+		q.bufs, err = unix.Mmap(-1, 0, depth*maxIO, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	}
 	if err != nil {
 		q.release()
 		return nil, fmt.Errorf("ublk queue %d: buffers: %w", id, err)
@@ -158,7 +179,11 @@ func (q *queue) release() {
 		q.descs = nil
 	}
 	if q.bufs != nil && !q.leakBufs {
-		_ = unix.Munmap(q.bufs)
+		if q.freeBufs != nil {
+			q.freeBufs()
+		} else {
+			_ = unix.Munmap(q.bufs)
+		}
 		q.bufs = nil
 	}
 	if q.bell != nil {
@@ -284,7 +309,7 @@ func (q *queue) reclaim(emptyWait bool) {
 		q.idle = 0
 		return
 	}
-	if q.idle++; q.idle < idleWaits || !q.touched || !q.deferred {
+	if q.idle++; q.idle < idleWaits || !q.touched || !q.deferred || q.freeBufs != nil {
 		return
 	}
 	// The pages read as zeroes when the driver next touches them; a failure keeps them.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -702,6 +703,108 @@ func TestMaxSectors(t *testing.T) {
 		out, ok := maxSectors(c.want, c.maxIO, c.granted)
 		if out != c.out || ok != c.ok {
 			t.Errorf("maxSectors(%d, %d, %d) = %d, %v; want %d, %v", c.want, c.maxIO, c.granted, out, ok, c.out, c.ok)
+		}
+	}
+}
+
+// providingHandler serves from memory with buffers it provides (BufferProvider), checking
+// that every request's buffer lies in them.
+type providingHandler struct {
+	*memHandler
+	mu      sync.Mutex
+	bufs    [][]byte
+	freed   int
+	outside int // requests whose buffer was not in a provided one
+	short   bool
+}
+
+func (h *providingHandler) QueueBuffers(queue, depth, maxIO int) ([]byte, func()) {
+	n := depth * maxIO
+	if h.short {
+		n -= maxIO
+	}
+	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, nil
+	}
+	h.mu.Lock()
+	h.bufs = append(h.bufs, b)
+	h.mu.Unlock()
+	return b, func() {
+		h.mu.Lock()
+		h.freed++
+		// Forgotten: the queue's own mapping may take the same addresses.
+		h.bufs = slices.DeleteFunc(h.bufs, func(x []byte) bool { return &x[0] == &b[0] })
+		h.mu.Unlock()
+		_ = unix.Munmap(b)
+	}
+}
+
+func (h *providingHandler) Serve(r *Request) {
+	if len(r.Buf) > 0 {
+		p := uintptr(unsafe.Pointer(&r.Buf[0]))
+		in := false
+		h.mu.Lock()
+		for _, b := range h.bufs {
+			s := uintptr(unsafe.Pointer(&b[0]))
+			in = in || p >= s && p+uintptr(len(r.Buf)) <= s+uintptr(len(b))
+		}
+		if !in {
+			h.outside++
+		}
+		h.mu.Unlock()
+	}
+	h.memHandler.Serve(r)
+}
+
+// TestProvidedBuffers: a handler's buffers (BufferProvider) serve its requests, are not given
+// back while idle (a registration would lose them), and are freed once per queue at Stop;
+// buffers of the wrong size are freed at once and the queue maps its own.
+func TestProvidedBuffers(t *testing.T) {
+	leakcheck.Check(t)
+	c := ctrlOrSkip(t)
+	for _, short := range []bool{false, true} {
+		h := &providingHandler{memHandler: newMem(testSize), short: short}
+		d, err := Create(c, testOptions(), h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := openDirect(t, d)
+		p := aligned(1 << 20)
+		rand.New(rand.NewSource(3)).Read(p)
+		if _, err := f.WriteAt(p, 4<<20); err != nil {
+			t.Fatal(err)
+		}
+		q := aligned(1 << 20)
+		if _, err := f.ReadAt(q, 4<<20); err != nil || !bytes.Equal(p, q) {
+			t.Fatalf("short %v: read back: %v, equal %v", short, err, bytes.Equal(p, q))
+		}
+		h.mu.Lock()
+		outside, freed := h.outside, h.freed
+		h.mu.Unlock()
+		if !short {
+			if outside != 0 || freed != 0 {
+				t.Fatalf("%d requests outside the provided buffers, %d freed while in use", outside, freed)
+			}
+			// As long as TestIdleBuffersGiveBack waits for its own buffers to go.
+			for end := time.Now().Add(time.Duration(idleWaits+5) * waitSlice); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+				n := 0
+				for _, q := range d.queues {
+					n += testutil.Resident(t, q.bufs)
+				}
+				if n == 0 {
+					t.Fatal("provided buffers given back while idle")
+				}
+			}
+		} else if outside == 0 || freed != 2 {
+			t.Fatalf("buffers of the wrong size: %d requests outside them (want all), %d freed (want 2)", outside, freed)
+		}
+		f.Close()
+		if err := d.Stop(); err != nil {
+			t.Fatal(err)
+		}
+		if h.freed != 2 {
+			t.Fatalf("short %v: provided buffers freed %d times for 2 queues", short, h.freed)
 		}
 	}
 }

@@ -21,8 +21,11 @@ type pd struct {
 
 	mu    sync.Mutex
 	freed bool
-	regs  []*mr          // registered regions, for Map to find the one under a buffer
-	byKey map[uint32]*mr // memory windows by their current key, for LOCAL_INV and SEND_WITH_INV
+	regs  []*mr // registered regions, for Map to find the one under a buffer
+	// starts indexes regs by start address: Map's common case, a buffer that begins a
+	// region of its own (a ublk tag's buffer), is then found without the scan.
+	starts map[uintptr]*mr
+	byKey  map[uint32]*mr // memory windows by their current key, for LOCAL_INV and SEND_WITH_INV
 }
 
 var _ rdma.PD = (*pd)(nil)
@@ -97,6 +100,10 @@ func (p *pd) reg(buf []byte, access rdma.Access, owned, listed bool) (*mr, error
 	m.valid.Store(true)
 	if listed {
 		p.regs = append(p.regs, m)
+		if p.starts == nil {
+			p.starts = map[uintptr]*mr{}
+		}
+		p.starts[uintptr(unsafe.Pointer(&buf[0]))] = m
 	}
 	return m, nil
 }
@@ -187,6 +194,9 @@ func (p *pd) under(buf []byte) *mr {
 	a := uintptr(unsafe.Pointer(&buf[0]))
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if m := p.starts[a]; m != nil && len(buf) <= len(m.buf) {
+		return m
+	}
 	for _, m := range p.regs {
 		b := uintptr(unsafe.Pointer(&m.buf[0]))
 		if a >= b && a-b <= uintptr(len(m.buf)) && uintptr(len(buf)) <= uintptr(len(m.buf))-(a-b) {
@@ -232,7 +242,10 @@ type mr struct {
 	valid atomic.Bool
 	mu    sync.Mutex
 	buf   []byte
-	base  *mr // a window's own region, under what it maps
+	base  *mr // the region a window is bound over: own, or a caller's
+	// own is the region the window registered for itself, kept while a caller's region
+	// serves, so that maps switching between the two do not register and deregister.
+	own *mr
 	// boundQP: the QP a valid type 2 window is bound to, which holds the QP (rxe waits for
 	// the window before it destroys the QP).
 	boundQP *qp
@@ -307,30 +320,51 @@ func (m *mr) Map(buf []byte, iova uint64) error {
 		return fmt.Errorf("%w: map of a valid MR (invalidate it first)", rdma.ErrInvalid)
 	}
 	// rxe checks an access through a window against the region the window is bound over,
-	// not against the window's own range. So each window is bound over a region of its own
-	// that starts where it maps and spans at most its maximum length: a key then reaches no
-	// further than that, whatever the device. The region is kept while later maps fit in it
-	// (RTRS maps each window at the same place every time).
+	// not against the window's own range. So each window is bound over a region that starts
+	// where it maps and spans at most its maximum length: a key then reaches no further than
+	// that, whatever the device. A caller's region of that shape is taken as it is (a ublk
+	// tag's buffer, registered once); otherwise the window registers one of its own, kept
+	// while later maps fit in it (RTRS maps each window at the same place every time).
 	a := uintptr(unsafe.Pointer(&buf[0]))
-	if m.base != nil {
-		b := uintptr(unsafe.Pointer(&m.base.buf[0]))
-		if a != b || len(buf) > len(m.base.buf) {
-			if err := m.base.Dereg(); err != nil {
+	ub := uintptr(unsafe.Pointer(&under.buf[0]))
+	if ub == a && len(under.buf) <= m.maxLen {
+		m.base, m.buf = under, buf
+		return nil
+	}
+	if m.own != nil {
+		if b := uintptr(unsafe.Pointer(&m.own.buf[0])); a != b || len(buf) > len(m.own.buf) {
+			if err := m.dropBase(false); err != nil {
 				return err
 			}
-			m.base = nil
 		}
 	}
-	if m.base == nil {
-		ub := uintptr(unsafe.Pointer(&under.buf[0]))
+	if m.own == nil {
 		n := min(m.maxLen, len(under.buf)-int(a-ub))
-		base, err := m.pd.reg(unsafe.Slice(&buf[0], n), rdma.AccessLocalWrite, false, false)
+		own, err := m.pd.reg(unsafe.Slice(&buf[0], n), rdma.AccessLocalWrite, false, false)
 		if err != nil {
 			return err
 		}
-		m.base = base
+		m.own = own
 	}
-	m.buf = buf
+	m.base, m.buf = m.own, buf
+	return nil
+}
+
+// dropBase deregisters the window's own region; a caller's region it is bound over stays
+// the caller's. all: the window goes, so it lets go of a caller's region too.
+func (m *mr) dropBase(all bool) error {
+	if m.own != nil {
+		if err := m.own.Dereg(); err != nil {
+			return err
+		}
+		if m.base == m.own {
+			m.base = nil
+		}
+		m.own = nil
+	}
+	if all {
+		m.base = nil
+	}
 	return nil
 }
 
@@ -344,32 +378,38 @@ func (m *mr) Dereg() error {
 	m.valid.Store(false)
 	m.mu.Unlock()
 	p := m.pd
-	p.mu.Lock()
 	if m.mw != nil {
+		p.mu.Lock()
 		if p.byKey[m.key.Load()] == m {
 			delete(p.byKey, m.key.Load())
 		}
-	} else {
-		for i, r := range p.regs {
-			if r == m {
-				p.regs = append(p.regs[:i], p.regs[i+1:]...)
-				break
-			}
-		}
-	}
-	p.mu.Unlock()
-	if m.mw != nil {
+		p.mu.Unlock()
 		if rc := C.ibv_dealloc_mw(m.mw); rc != 0 {
 			return fmt.Errorf("verbs: ibv_dealloc_mw: %w", errnoOf(rc))
 		}
-		if m.base != nil {
-			return m.base.Dereg()
-		}
-		return nil
+		return m.dropBase(true)
 	}
+	// A region a window is still bound over is refused (rxe: EINVAL): it stays as it was,
+	// listed and valid, for a later Dereg once the window is gone.
+	p.mu.Lock()
 	if rc := C.ibv_dereg_mr(m.mr); rc != 0 {
+		p.mu.Unlock()
+		m.mu.Lock()
+		m.dereg = false
+		m.valid.Store(true)
+		m.mu.Unlock()
 		return fmt.Errorf("verbs: ibv_dereg_mr: %w", errnoOf(rc))
 	}
+	for i, r := range p.regs {
+		if r == m {
+			p.regs = append(p.regs[:i], p.regs[i+1:]...)
+			break
+		}
+	}
+	if a := uintptr(unsafe.Pointer(&m.buf[0])); p.starts[a] == m {
+		delete(p.starts, a)
+	}
+	p.mu.Unlock()
 	if m.owned {
 		return rdma.Free(m.buf)
 	}

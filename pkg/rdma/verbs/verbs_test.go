@@ -173,6 +173,54 @@ func TestMemory(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// A window maps over a caller's region that begins where it maps and is no longer than
+	// its maximum (a ublk tag's buffer): bound over it as it is, which is neither
+	// deregistered when the window moves on nor when the window goes. A longer region, even
+	// one that begins there, is not: the key would reach past the window's maximum. Its own
+	// region is kept while the caller's serves.
+	tag, err := pd.RegMR(mem[64<<10:128<<10], rdma.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	long, err := pd.RegMR(mem[128<<10:256<<10], rdma.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr, err := pd.AllocFastRegMR(64<<10, rdma.FastRegRemoteInv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := asMR(fr)
+	if err := fr.Map(mem[64<<10:68<<10], 0); err != nil {
+		t.Fatal(err)
+	}
+	if w.base != asMR(tag) || w.own != nil || fr.Addr() != tag.Addr() {
+		t.Fatalf("a window mapped at the start of a 64 KiB region of its size is bound over %p (own %p), not the region %p", w.base, w.own, tag)
+	}
+	if err := fr.Map(mem[128<<10:132<<10], 0); err != nil {
+		t.Fatal(err)
+	}
+	own := w.own
+	if w.base == asMR(long) || own == nil || w.base != own || len(own.buf) != 64<<10 {
+		t.Fatalf("a window mapped at the start of a 128 KiB region is bound over %p, not a 64 KiB region of its own (%p)", w.base, own)
+	}
+	if err := fr.Map(mem[64<<10:72<<10], 0); err != nil || w.base != asMR(tag) || w.own != own {
+		t.Fatalf("mapped back at the tag region: %v, bound over %p, own region %p (was %p)", err, w.base, w.own, own)
+	}
+	if err := fr.Map(mem[128<<10:136<<10], 0); err != nil || w.base != own {
+		t.Fatalf("mapped again where its own region is: %v, bound over %p, not that region %p", err, w.base, own)
+	}
+	if err := fr.Dereg(); err != nil {
+		t.Fatal(err)
+	}
+	if !own.dereg || !tag.Valid() || !long.Valid() {
+		t.Fatalf("after the window went: its own region deregistered %v, the caller's valid %v and %v", own.dereg, tag.Valid(), long.Valid())
+	}
+	for _, m := range []rdma.MR{tag, long} {
+		if err := m.Dereg(); err != nil {
+			t.Fatalf("a caller's region, after the window bound over it went: %v", err)
+		}
+	}
 	f, err := os.CreateTemp(t.TempDir(), "file")
 	if err != nil {
 		t.Fatal(err)
@@ -191,6 +239,9 @@ func TestMemory(t *testing.T) {
 		t.Fatalf("second dereg: %v", err)
 	}
 }
+
+// asMR is the provider's region behind m.
+func asMR(m rdma.MR) *mr { return m.(*mr) }
 
 // TestDataPathCalls: each poll is one call into C, a busy poll too however often it spins, and
 // a destroyed CQ's calls stay in the count.

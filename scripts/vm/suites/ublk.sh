@@ -57,7 +57,7 @@ guest() {
 unit() {
 	local tests=(TestDeviceIO TestRecover TestCreateErrors TestCtrlCommandTimeout TestCtrlConcurrentCommands
 		TestRefusedFetch TestIdleBuffersGiveBack TestStopOpenWithDelDevOnly
-		TestStopIfUnused TestStopAfterQueueFailed TestRecoverAfterFailedSetup)
+		TestStopIfUnused TestStopAfterQueueFailed TestRecoverAfterFailedSetup TestProvidedBuffers)
 	ublk.test -test.v -test.count 1 -test.timeout 600s 2>&1 | tee /tmp/ublk-unit.out
 	vm_require_tests /tmp/ublk-unit.out "${tests[@]}" || return
 	# The attacher's unmap-during-attach window, held open by a test hook.

@@ -60,7 +60,7 @@ conformance() {
 # name; each must have run and passed (a renamed test would otherwise leave the selection empty
 # and the part green).
 transport_tests() {
-	local tests=(TestOpenAndRandomIO TestFailoverMidIO TestStaleRkeyRefused TestIdleHeartbeatsKeepPath) sel
+	local tests=(TestOpenAndRandomIO TestFailoverMidIO TestStaleRkeyRefused TestIdleHeartbeatsKeepPath TestIOBuffers) sel
 	sel=$(IFS='|' && printf '^(%s)$' "${tests[*]}")
 	RTRS_TEST_PROVIDER=verbs RTRS_TEST_ADDR1=$1 RTRS_TEST_ADDR2=$2 transport.test -test.v \
 		-test.timeout 600s -test.count 1 -test.run "$sel" 2>&1 | tee /tmp/transport.out
