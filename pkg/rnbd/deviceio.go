@@ -340,9 +340,11 @@ func (r *asyncReq) end(err error) {
 }
 
 // ReadAsync reads len(p) bytes at off and calls done once, from a transport goroutine or
-// its own, followed by the AfterCompletions hooks; done must not block. An IO that fits one request and finds the device mapped
-// goes out from the caller's goroutine with no hand-off; anything else (splitting, waiting
-// for a reconnect, resending) runs on a goroutine of its own.
+// its own, followed by the AfterCompletions hooks; done must not block. An IO that fits one
+// request and finds the device mapped and a permit free goes out from the caller's goroutine
+// with no hand-off; one that finds no permit joins the device's backlog (backlog.go), and
+// anything else (splitting, waiting for a reconnect, resending) runs on a goroutine of its
+// own. It never waits; the caller bounds what it keeps in flight.
 func (d *Device) ReadAsync(ctx context.Context, p []byte, off int64, done func(error)) {
 	d.async(ctx, OpRead, 0, off, p, done)
 }
