@@ -289,11 +289,12 @@ func (q *queue) run(ready chan<- error, fetch <-chan bool) {
 // fail ends the loop on err: the handler hears of it, and the device's Stop closes the
 // char device first (see Device.stop).
 func (q *queue) fail(err error) {
+	// Marked before the handler hears: a Stop it starts must find the mark.
+	q.d.queueFailed.Store(true)
+	q.quit.Store(true)
 	if fr, ok := q.h.(FailureReporter); ok {
 		fr.QueueFailed(q.id, err)
 	}
-	q.d.queueFailed.Store(true)
-	q.quit.Store(true)
 }
 
 // reclaim gives the buffers' pages back once the queue has been idle for idleWaits waits:
