@@ -164,9 +164,10 @@ perf_compare() {
 		else
 			theirs_bw && ours_bw && theirs_lat && ours_lat || true
 		fi
-		# A round where one of the four did not measure is left out of the medians.
-		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" -v oc="$oc" 'BEGIN {
-			if (ow > 0 && pw > 0 && ol > 0 && pl > 0)
+		# A round where one of the four did not measure is left out of the medians; so is one
+		# where perftest printed "inf" for its latency (seen once), which awk takes as a number.
+		awk -v i="$i" -v ow="$ow" -v pw="$pw" -v ol="$ol" -v pl="$pl" -v oc="$oc" 'function ok(v) { return v ~ /^[0-9]+(\.[0-9]*)?$/ && v > 0 } BEGIN {
+			if (ok(ow) && ok(pw) && ok(ol) && ok(pl))
 				printf "| %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f | %.2f |\n", i, ow, pw, ow / pw, ol / 2, pl, ol / 2 / pl, oc
 			else
 				printf "| %d | %s | %s | - | %s | %s | - | %s |\n", i, ow, pw, ol, pl, oc }'
