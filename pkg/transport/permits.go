@@ -8,63 +8,90 @@ import (
 
 // permits is a session's permit pool: a bitmap handed out lowest free index first, as the
 // kernel's find_first_zero_bit, so a light load keeps reusing the same few permits (and so
-// the same chunks and connections).
+// the same chunks and connections). Those who wait are served in the order they came: a
+// permit put while anyone waits goes to the first of them, never back to the pool, so a
+// caller that does not wait (TryRequest) cannot take it first, however often it tries. Each
+// device's backlog waits with one request at a time, so the devices of a session that found
+// no permit take turns, as the kernel's client reruns its requeued queues round robin.
 type permits struct {
-	mu    sync.Mutex
-	free  []uint64 // 1 = free
-	n     int
-	nfree int
-	avail chan struct{} // a permit came back; one token, re-armed by whoever takes it
-	idle  chan struct{} // every permit came back; one token, for drain
+	mu      sync.Mutex
+	free    []uint64 // 1 = free
+	n       int
+	nfree   int
+	waiters []chan int    // in arrival order; each receives the permit handed to it
+	idle    chan struct{} // every permit came back; one token, for drain
 }
 
 func newPermits(n int) *permits {
-	p := &permits{free: make([]uint64, (n+63)/64), n: n, nfree: n, avail: make(chan struct{}, 1), idle: make(chan struct{}, 1)}
+	p := &permits{free: make([]uint64, (n+63)/64), n: n, nfree: n, idle: make(chan struct{}, 1)}
 	for i := 0; i < n; i++ {
 		p.free[i/64] |= 1 << (i % 64)
 	}
 	return p
 }
 
-// tryGet takes the lowest free permit.
+// tryGet takes the lowest free permit. None is free while anyone waits: puts go to them.
 func (p *permits) tryGet() (int, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.takeLocked()
+}
+
+func (p *permits) takeLocked() (int, bool) {
 	for w, v := range p.free {
 		if v != 0 {
 			b := bits.TrailingZeros64(v)
 			p.free[w] &^= 1 << b
 			p.nfree--
-			if p.nfree > 0 {
-				p.signal() // others may be waiting
-			}
 			return w*64 + b, true
 		}
 	}
 	return 0, false
 }
 
-// get waits for a permit until ctx ends.
+// get waits for a permit until ctx ends, behind those already waiting.
 func (p *permits) get(ctx context.Context) (int, error) {
-	for {
-		if i, ok := p.tryGet(); ok {
-			return i, nil
-		}
-		select {
-		case <-p.avail:
-		case <-ctx.Done():
+	p.mu.Lock()
+	if i, ok := p.takeLocked(); ok {
+		p.mu.Unlock()
+		return i, nil
+	}
+	ch := make(chan int, 1)
+	p.waiters = append(p.waiters, ch)
+	p.mu.Unlock()
+	select {
+	case i := <-ch:
+		return i, nil
+	case <-ctx.Done():
+	}
+	p.mu.Lock()
+	for k, w := range p.waiters {
+		if w == ch {
+			p.waiters = append(p.waiters[:k], p.waiters[k+1:]...)
+			p.mu.Unlock()
 			return 0, ctx.Err()
 		}
 	}
+	p.mu.Unlock()
+	// Handed one as ctx ended: it goes on to the next in line.
+	p.put(<-ch)
+	return 0, ctx.Err()
 }
 
 func (p *permits) put(i int) {
 	p.mu.Lock()
+	if len(p.waiters) > 0 {
+		ch := p.waiters[0]
+		p.waiters[0] = nil
+		p.waiters = p.waiters[1:]
+		p.mu.Unlock()
+		ch <- i
+		return
+	}
 	p.free[i/64] |= 1 << (i % 64)
 	p.nfree++
 	all := p.nfree == p.n
 	p.mu.Unlock()
-	p.signal()
 	if all {
 		select {
 		case p.idle <- struct{}{}:
@@ -73,15 +100,8 @@ func (p *permits) put(i int) {
 	}
 }
 
-func (p *permits) signal() {
-	select {
-	case p.avail <- struct{}{}:
-	default:
-	}
-}
-
-// drain waits until every permit is back or ctx ends. It waits for the last put, not for
-// avail, whose token is there whenever a permit is free: taking and re-arming it spun.
+// drain waits until every permit is back or ctx ends. It waits for the last put, which
+// signals idle.
 func (p *permits) drain(ctx context.Context) bool {
 	for {
 		p.mu.Lock()

@@ -38,14 +38,14 @@ func threadCPU(t *testing.T) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// TestPermitsDrainWaits: drain waits for the last permit without spinning. On the tree
-// before it took avail's token, which is there whenever a permit is free, and put it back
+// TestPermitsDrainWaits: drain waits for the last permit without spinning. An earlier tree
+// took a "permit free" token, which was there whenever a permit was free, and put it back
 // at once: Session.Close burnt a CPU for as long as a request stayed in flight. The check
 // is of CPU spent, not of time taken: a spinning drain on its own thread spends about the
 // whole wait, a waiting one next to nothing.
 func TestPermitsDrainWaits(t *testing.T) {
 	p := newPermits(2)
-	held, _ := p.tryGet() // one in flight, one free: avail has its token
+	held, _ := p.tryGet() // one in flight, one free
 	const wait = 300 * time.Millisecond
 	type result struct {
 		ok  bool
@@ -81,4 +81,101 @@ func TestPermitsDrainWaits(t *testing.T) {
 		t.Fatal("drain succeeded with a permit out")
 	}
 	p.put(held)
+}
+
+// waiting is how many callers wait for a permit of p.
+func (p *permits) waiting() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.waiters)
+}
+
+// TestPermitsInTurn: those who wait for a permit get them in the order they came, and a
+// permit put while anyone waits is theirs: a caller that does not wait finds none, however
+// soon it looks. On the tree before, a put freed the permit and woke a waiter, and whoever
+// looked first took it (a device with no backlog, on its own thread, before the woken
+// drainer of another): a busy device could keep another's backlog waiting.
+func TestPermitsInTurn(t *testing.T) {
+	p := newPermits(2)
+	a, _ := p.tryGet()
+	b, _ := p.tryGet()
+	type res struct {
+		waiter, permit int
+		err            error
+	}
+	got := make(chan res, 3)
+	var cancels []context.CancelFunc
+	for w := 0; w < 3; w++ {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		cancels = append(cancels, cancel)
+		go func() {
+			i, err := p.get(ctx)
+			got <- res{w, i, err}
+		}()
+		// In order: each is waiting before the next comes.
+		deadline := time.Now().Add(5 * time.Second)
+		for p.waiting() != w+1 {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d waiters, want %d", p.waiting(), w+1)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	p.put(b)
+	if i, ok := p.tryGet(); ok {
+		t.Fatalf("tryGet took permit %d, put while three waited", i)
+	}
+	if r := <-got; r.waiter != 0 || r.permit != b || r.err != nil {
+		t.Fatalf("the first put went to waiter %d as permit %d (%v), want waiter 0 with %d", r.waiter, r.permit, r.err, b)
+	}
+	// The second waiter gives up: it leaves the line, and the next put goes to the third.
+	cancels[1]()
+	if r := <-got; r.waiter != 1 || r.err != context.Canceled {
+		t.Fatalf("waiter %d ended with %v, want waiter 1 canceled", r.waiter, r.err)
+	}
+	if n := p.waiting(); n != 1 {
+		t.Fatalf("%d waiting after the second gave up, want 1", n)
+	}
+	p.put(a)
+	if r := <-got; r.waiter != 2 || r.permit != a || r.err != nil {
+		t.Fatalf("the second put went to waiter %d as permit %d (%v), want waiter 2 with %d", r.waiter, r.permit, r.err, a)
+	}
+	p.put(a)
+	p.put(b)
+	if !p.drain(context.Background()) {
+		t.Fatal("permits lost")
+	}
+}
+
+// TestPermitsGiveUpRace: waiters whose contexts end while permits are put lose none of
+// them: each permit handed to one that has given up goes on to the next, or back.
+func TestPermitsGiveUpRace(t *testing.T) {
+	const n, workers, rounds = 4, 16, 300
+	p := newPermits(n)
+	done := make(chan struct{})
+	for w := 0; w < workers; w++ {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for r := 0; r < rounds; r++ {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Duration(r%3)*20*time.Microsecond)
+				i, err := p.get(ctx)
+				cancel()
+				if err == nil {
+					runtime.Gosched()
+					p.put(i)
+				}
+			}
+		}()
+	}
+	for w := 0; w < workers; w++ {
+		<-done
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if !p.drain(ctx) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		t.Fatalf("%d of %d permits free after every waiter ended, %d waiting", p.nfree, n, len(p.waiters))
+	}
 }
