@@ -945,16 +945,13 @@ func (p *Path) teardown() {
 		}
 	}
 	if res != nil {
-		for _, m := range res.fr {
-			if m != nil {
-				_ = m.Dereg()
-			}
-		}
+		n, err := deregAll(res.fr)
 		p.sess.dropStaging(res) // after the windows, which may be bound over its regions
-		for _, m := range []rdma.MR{res.iu, res.rcv, res.stage} {
-			if m != nil {
-				_ = m.Dereg()
-			}
+		if m, e := deregAll([]rdma.MR{res.iu, res.rcv, res.stage}); m > 0 {
+			n, err = n+m, e
+		}
+		if n > 0 {
+			p.lg().WithError(err).Warnf("%d regions not deregistered", n)
 		}
 		// A reconnect allocates its own: kept, every reconnect of a flapping link would leak
 		// one (rxe has 32k).

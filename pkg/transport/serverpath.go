@@ -275,6 +275,20 @@ func (p *SrvPath) deallocPD(pd rdma.PD) {
 	}
 }
 
+// deregAll deregisters the regions of mrs (nil ones skipped) and counts those that failed,
+// with the last error: a region left registered holds its protection domain.
+func deregAll(mrs []rdma.MR) (failed int, err error) {
+	for _, m := range mrs {
+		if m == nil {
+			continue
+		}
+		if e := m.Dereg(); e != nil {
+			failed, err = failed+1, e
+		}
+	}
+	return failed, err
+}
+
 // nChunkMR is how many regions the chunks are registered as: one per chunk with
 // always_invalidate, else one for all.
 func (p *SrvPath) nChunkMR() int {
@@ -624,10 +638,8 @@ func (p *SrvPath) Close() {
 		p.mu.Lock()
 		mrs := append(p.chunkMR, p.localMR, p.ctlMR)
 		p.mu.Unlock()
-		for _, mr := range mrs {
-			if mr != nil {
-				_ = mr.Dereg()
-			}
+		if n, err := deregAll(mrs); n > 0 {
+			p.lg().WithError(err).Warnf("%d regions not deregistered", n)
 		}
 		p.dropFileMRs()
 		p.mu.Lock()

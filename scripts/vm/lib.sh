@@ -446,6 +446,17 @@ vm_perftest_pair() {
 vm_perftest_listening() { rdma res show cm_id | grep LISTEN | grep 18515 >/dev/null; }
 vm_perftest_gone() { ! rdma res show cm_id | grep 18515 >/dev/null; }
 
+# vm_no_leaks LOG: the daemon that writes LOG let go of every region and protection domain of
+# the paths it closed (a region left registered holds its domain, and pins its memory: a
+# reconnect loop would grow without bound). Fails, with the lines.
+vm_no_leaks() {
+	if grep -E 'not deregistered|protection domain not freed|IO buffers still registered' "$1"; then
+		echo "FAIL: $(basename "$1"): RDMA resources of closed paths not freed (above)"
+		return 1
+	fi
+	echo "$(basename "$1"): every closed path's regions and protection domain freed"
+}
+
 # vm_insmod FILE [PARAM=VALUE...]: load a module unless a module of that name is loaded; the
 # modules it depends on that lie beside it (vm_kernel_module copies them) are loaded first. A
 # FILE missing with NAME.none beside it (vm_kernel_module: no such module in this kernel) is

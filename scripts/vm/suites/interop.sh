@@ -199,6 +199,7 @@ kernel_client_our_server() {
 	cmp "$T"/pat "$T"/exp
 	fio_verify "kc-$inv" /dev/rnbd0
 	kc_faults "$T" "$s"
+	vm_no_leaks "$T"/serverd.log
 	if [ -n "$first" ]; then kc_restart "$T" "$s" "$inv"; fi
 	# Counted from here on both sides (a reconnected path starts new counts on the server).
 	reset_rdma "$K"
@@ -228,6 +229,7 @@ kernel_client_our_server() {
 	fi
 	echo normal >/sys/block/rnbd0/rnbd/unmap_device
 	vm_wait 10 test ! -e /dev/rnbd0
+	vm_no_leaks "$T"/serverd.log
 	kill "$SRV_PID"
 	wait "$SRV_PID"
 	# The guest's /tmp is memory, shared with the suites after this one.
@@ -400,6 +402,7 @@ our_client_kernel_server() {
 	cmp "$T"/pat "$T"/onloop
 	fio_verify "ks-$inv-file" "$dev"
 	ks_faults "$T" "$s" "$dev"
+	vm_no_leaks "$T"/clientd.log
 	if [ -n "$first" ]; then
 		# Through our NBD export (fio's libnbd engine).
 		fio_verify "ks-$inv-nbd" "" --ioengine=nbd --uri="nbd+unix:///$s/$name?socket=$T/nbd.sock" --direct=0
@@ -428,6 +431,7 @@ our_client_kernel_server() {
 	fi
 	echo "sessname=$s device_path=$loop" >"$T"/dev/ctl/unmap_device
 	echo "$s" >"$T"/cli/ctl/close_session
+	vm_no_leaks "$T"/clientd.log
 	kill $cpid
 	wait $cpid
 	busybox rmmod rnbd_server rtrs_server

@@ -308,6 +308,7 @@ ours() {
 	echo 1 >"$C/paths/$pb/reconnect"
 	vm_wait 30 grep -qx connected "$C/paths/$pb/state"
 	wait "$fpid"
+	vm_no_leaks "$DAEMON_LOGS"
 
 	echo "-- unmap_device while fio has $B open"
 	fio_job ub-open "$B" --rw=randread --bs=4k --iodepth=8 --size=32m --time_based --runtime=10 --verify=0 &
@@ -369,6 +370,7 @@ kernel_server() {
 	fio_job ubk-verify "$B" --rw=randwrite --bs=4k --iodepth=32 --size=32m
 	echo "sessname=k device_path=$loop" >"$T"/dev/ctl/unmap_device
 	[ ! -e "$B" ]
+	vm_no_leaks "$DAEMON_LOGS"
 	kill "$CLI_PID"
 	wait "$CLI_PID"
 	losetup -d "$loop"
