@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"sync"
+
+	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
 // backlog holds, in order, a device's asynchronous requests that found no RTRS permit free,
@@ -21,6 +23,10 @@ type backlog struct {
 	draining bool               // the drainer runs; it ends with q empty
 	stop     context.CancelFunc // ends the drainer's permit wait under way, if any
 	done     chan struct{}      // closed when the drainer ends
+	// ticket is the backlog's place in the session's permit line, taken when a request
+	// first found no permit: the head request uses it. Without one (used, or given up),
+	// the drainer waits at the end of the line.
+	ticket *transport.PermitTicket
 }
 
 // behind queues r if the backlog holds anything, and says whether it did.
@@ -63,16 +69,24 @@ func (b *backlog) wait(ctx context.Context) {
 	}
 }
 
-// queue puts r, which found no permit free, in the backlog, starting the drainer if none runs.
-func (d *Device) queue(r *asyncReq) {
+// queue puts r, which found no permit free and took t, a place in the permit line, in the
+// backlog, starting the drainer if none runs. The backlog keeps one place: another, taken by
+// a request that raced this one into the backlog, is given up.
+func (d *Device) queue(r *asyncReq, t *transport.PermitTicket) {
 	b := &d.bl
 	b.mu.Lock()
+	if b.ticket == nil {
+		b.ticket, t = t, nil
+	}
 	b.pushLocked(r)
 	start := !b.draining
 	if start {
 		b.draining, b.done = true, make(chan struct{})
 	}
 	b.mu.Unlock()
+	if t != nil {
+		t.Release()
+	}
 	if start {
 		go d.drain()
 	}
@@ -103,15 +117,20 @@ func (d *Device) drain() {
 			r.unwatch()
 		}
 		if len(b.q) == 0 {
-			b.q, b.draining = nil, false
+			t := b.ticket
+			b.q, b.draining, b.ticket = nil, false, nil
 			close(b.done)
 			b.mu.Unlock()
+			if t != nil {
+				t.Release()
+			}
 			for _, r := range ended {
 				r.fail(r.ctx.Err())
 			}
 			return
 		}
-		r := b.q[0]
+		r, t := b.q[0], b.ticket
+		b.ticket = nil
 		wctx, stop := context.WithCancel(context.Background())
 		b.stop = stop
 		b.mu.Unlock()
@@ -132,13 +151,23 @@ func (d *Device) drain() {
 				r.setID(id)
 			}
 			// r may be back in the pool, or reused, once this returns nil: not read after.
-			err = d.sess.rtrs.Request(wctx, r.dir(), r.hdr[:], r.p, r.cb)
+			if t != nil {
+				err = d.sess.rtrs.RequestWith(wctx, t, r.dir(), r.hdr[:], r.p, r.cb)
+			} else {
+				err = d.sess.rtrs.Request(wctx, r.dir(), r.hdr[:], r.p, r.cb)
+			}
 		}
 		d.gate.RUnlock()
-		interrupted := err != nil && wctx.Err() != nil && r.ctx.Err() == nil && errors.Is(err, context.Canceled)
+		cut := err != nil && wctx.Err() != nil && errors.Is(err, context.Canceled)
+		interrupted := cut && r.ctx.Err() == nil
 		stop()
 		b.mu.Lock()
 		b.stop = nil
+		if t != nil && (st != StateMapped || cut) {
+			// Not used (RequestWith uses it up unless its wait was cut short): the place in
+			// line stays the backlog's, for the next request at the head.
+			b.ticket = t
+		}
 		if interrupted {
 			b.mu.Unlock()
 			continue // at the head still: look again

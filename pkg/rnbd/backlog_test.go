@@ -6,6 +6,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -181,6 +182,38 @@ func (h *ioHolder) intercept(r *transport.SrvRequest) bool {
 
 func (h *ioHolder) count() int { h.mu.Lock(); defer h.mu.Unlock(); return len(h.held) }
 
+// releaseFirst hands the first request held for device id to the server, and goes on
+// holding the rest and what comes.
+func (h *ioHolder) releaseFirst(id uint32) {
+	h.mu.Lock()
+	var r *transport.SrvRequest
+	for i, x := range h.held {
+		if ioDevice(x) == id {
+			r = x
+			h.held = slices.Delete(h.held, i, i+1)
+			break
+		}
+	}
+	h.mu.Unlock()
+	if r != nil {
+		h.e.server().Request(r)
+	}
+}
+
+// lastDevice is the device of the request held last.
+func (h *ioHolder) lastDevice() uint32 {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return ioDevice(h.held[len(h.held)-1])
+}
+
+// ioDevice is the device an IO request names.
+func ioDevice(r *transport.SrvRequest) uint32 {
+	var m MsgIO
+	_ = m.Unmarshal(r.Usr)
+	return m.DeviceID
+}
+
 // release hands what was held to the server, and holds nothing more.
 func (h *ioHolder) release() {
 	h.mu.Lock()
@@ -189,5 +222,84 @@ func (h *ioHolder) release() {
 	h.mu.Unlock()
 	for _, r := range reqs {
 		h.e.server().Request(r)
+	}
+}
+
+// TestBacklogsTakeTurns: a device whose callers keep every permit of the session busy (each
+// completion submits the next request at once, as a ublk queue does) does not keep another
+// device of the session waiting: the other's request, queued when it found no permit, is
+// handed the next permit put, and the busy device's next request waits its turn. On the tree
+// before, a put freed the permit and woke the other's drainer, and the busy device's next
+// request, submitted on the completing goroutine right after the put, took the permit first.
+// The server holds every request and answers one at a time, so that which request each
+// freed permit carried is seen there.
+func TestBacklogsTakeTurns(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "a", 1<<20)
+	e.file(t, "b", 1<<20)
+	c := e.client(t, 10*time.Second)
+	a := mustMap(t, e, c, "bl", "a", AccessRW)
+	b := mustMap(t, e, c, "bl", "b", AccessRW)
+	depth := c.Session("bl").QueueDepth()
+	h := holdIO(t, e)
+
+	// a: depth requests out at all times, each completion submitting the next.
+	var (
+		stopped atomic.Bool
+		running sync.WaitGroup
+		aErr    atomic.Pointer[error]
+	)
+	var next func(buf []byte, off int64)
+	next = func(buf []byte, off int64) {
+		a.ReadAsync(context.Background(), buf, off, func(err error) {
+			if err != nil {
+				aErr.CompareAndSwap(nil, &err)
+			}
+			if stopped.Load() || err != nil {
+				running.Done()
+				return
+			}
+			next(buf, off)
+		})
+	}
+	running.Add(depth)
+	for i := range depth {
+		next(make([]byte, 4096), int64(i%256)*4096)
+	}
+	testutil.WaitFor(t, 10*time.Second, "every permit held by the server", func() bool { return h.count() == depth })
+
+	// Each round, b queues one request, then the server answers a's, one at a time, until a
+	// request of b's arrives in the permit freed. The first round, a has nothing queued: b's
+	// request comes next, ahead of the request a's completion submits right after the put.
+	// From then on a's backlog waits in line too, ahead of b's new request: they alternate.
+	const rounds = 5
+	bDone := make(chan error, rounds)
+	release := func() uint32 {
+		h.releaseFirst(a.id)
+		testutil.WaitFor(t, 10*time.Second, "a request in the freed permit", func() bool { return h.count() == depth })
+		return h.lastDevice()
+	}
+	for i := range rounds {
+		b.ReadAsync(context.Background(), make([]byte, 4096), 0, func(err error) { bDone <- err })
+		if i > 0 {
+			if id := release(); id != a.id {
+				t.Fatalf("round %d: the first permit freed carried device %d's request, not that of a (%d), whose backlog waited first", i, id, a.id)
+			}
+		}
+		if id := release(); id != b.id {
+			t.Fatalf("round %d: the permit freed carried device %d's request, not that of b (%d), whose turn it was", i, id, b.id)
+		}
+	}
+	stopped.Store(true)
+	h.release()
+	running.Wait()
+	for range rounds {
+		if err := <-bDone; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := aErr.Load(); err != nil {
+		t.Fatal(*err)
 	}
 }

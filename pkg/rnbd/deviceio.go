@@ -421,10 +421,10 @@ func (d *Device) asyncOne(ctx context.Context, op Op, flags uint32, off int64, p
 		d.gate.RUnlock()
 		return
 	}
-	err := d.sess.rtrs.TryRequest(r.dir(), r.hdr[:], p, r.cb)
+	t, err := d.sess.rtrs.TryRequestOrJoin(r.dir(), r.hdr[:], p, r.cb)
 	d.gate.RUnlock()
-	if errors.Is(err, transport.ErrNoPermit) {
-		d.queue(r)
+	if t != nil {
+		d.queue(r, t)
 		return
 	}
 	if err != nil {

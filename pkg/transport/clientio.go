@@ -128,28 +128,14 @@ func (s *Session) pathOf(c *con) *Path {
 }
 
 func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done func(error), wait, admin bool) (*cltReq, uint64, error) {
-	if s.closed.Load() {
-		return nil, 0, ErrClosed
-	}
-	hdr := writeHdrSize
-	if dir == Read {
-		hdr = ReadHdrSize(1)
-	}
-	if len(usr)+hdr > MaxHdrSize || len(data) > s.maxIOSize || len(data)+len(usr)+hdr > s.chunkSize {
-		return nil, 0, fmt.Errorf("%w: %d data + %d header bytes", ErrMsgSize, len(data), len(usr))
+	if err := s.checkRequest(dir, usr, data); err != nil {
+		return nil, 0, err
 	}
 	var permit int
 	if wait {
 		var ok bool
 		if permit, ok = s.permits.tryGet(); !ok {
-			// Permits come back with completions, which need what a plug holds; and while
-			// anyone waits, nothing is held (the plug is the session's: another caller's
-			// requests would wait for this caller's Unplug).
-			s.plug.waiting.Add(1)
-			s.flushPlugs()
-			if s.beforePermitWait != nil {
-				s.beforePermitWait()
-			}
+			s.startWait()
 			var err error
 			permit, err = s.permits.get(ctx)
 			s.plug.waiting.Add(-1)
@@ -163,6 +149,37 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 			return nil, 0, ErrNoPermit
 		}
 	}
+	return s.start(permit, dir, usr, data, done, admin)
+}
+
+// checkRequest refuses a request on a closed session, or one too large for its chunks.
+func (s *Session) checkRequest(dir Dir, usr, data []byte) error {
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	hdr := writeHdrSize
+	if dir == Read {
+		hdr = ReadHdrSize(1)
+	}
+	if len(usr)+hdr > MaxHdrSize || len(data) > s.maxIOSize || len(data)+len(usr)+hdr > s.chunkSize {
+		return fmt.Errorf("%w: %d data + %d header bytes", ErrMsgSize, len(data), len(usr))
+	}
+	return nil
+}
+
+// startWait counts a caller about to wait for a permit. Permits come back with completions,
+// which need what a plug holds; and while anyone waits, nothing is held (the plug is the
+// session's: another caller's requests would wait for this caller's Unplug).
+func (s *Session) startWait() {
+	s.plug.waiting.Add(1)
+	s.flushPlugs()
+	if s.beforePermitWait != nil {
+		s.beforePermitWait()
+	}
+}
+
+// start sends a request with permit.
+func (s *Session) start(permit int, dir Dir, usr, data []byte, done func(error), admin bool) (*cltReq, uint64, error) {
 	r := &s.reqs[permit]
 	r.dir, r.usr, r.data, r.done, r.admin = dir, usr, data, done, admin
 	r.start, r.cpu = time.Now(), stats.CPU()
@@ -174,6 +191,63 @@ func (s *Session) request(ctx context.Context, dir Dir, usr, data []byte, done f
 		return nil, 0, err
 	}
 	return r, gen, nil
+}
+
+// PermitTicket is a place in the session's permit line, taken by a caller that found no
+// permit free and waits for one elsewhere (a device's backlog, on its drainer): a permit put
+// after it joined goes to it before any taken later. The kernel's client likewise puts a
+// queue on its requeue list the moment a request finds no permit.
+type PermitTicket struct {
+	s    *Session
+	ch   chan int
+	used bool
+}
+
+// TryRequestOrJoin is TryRequest that, finding no permit free, takes a place in the permit
+// line instead of failing: the request is not sent, and the ticket returned is to be used by
+// RequestWith or given up by Release.
+func (s *Session) TryRequestOrJoin(dir Dir, usr, data []byte, done func(error)) (*PermitTicket, error) {
+	if err := s.checkRequest(dir, usr, data); err != nil {
+		return nil, err
+	}
+	permit, ch := s.permits.join()
+	if ch != nil {
+		s.startWait()
+		return &PermitTicket{s: s, ch: ch}, nil
+	}
+	_, _, err := s.start(permit, dir, usr, data, done, false)
+	return nil, err
+}
+
+// RequestWith is Request with the permit t stands in line for, which it waits for until ctx
+// ends. If ctx ends first, t keeps its place (for RequestWith again, or Release); otherwise t
+// is used up, whatever the outcome.
+func (s *Session) RequestWith(ctx context.Context, t *PermitTicket, dir Dir, usr, data []byte, done func(error)) error {
+	if t.s != s || t.used {
+		return fmt.Errorf("%w: a permit ticket of another session, or used", syscall.EINVAL)
+	}
+	if err := s.checkRequest(dir, usr, data); err != nil {
+		t.Release()
+		return err
+	}
+	permit, err := s.permits.wait(ctx, t.ch)
+	if err != nil {
+		return err
+	}
+	t.used = true
+	s.plug.waiting.Add(-1)
+	_, _, err = s.start(permit, dir, usr, data, done, false)
+	return err
+}
+
+// Release gives up t's place in line, unless it is used up; a permit handed to it goes on.
+func (t *PermitTicket) Release() {
+	if t.used {
+		return
+	}
+	t.used = true
+	t.s.permits.leave(t.ch)
+	t.s.plug.waiting.Add(-1)
 }
 
 // issue posts r on the first path the policy offers that takes it, skipping skip.

@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"math/bits"
+	"slices"
 	"sync"
 )
 
@@ -51,31 +52,51 @@ func (p *permits) takeLocked() (int, bool) {
 
 // get waits for a permit until ctx ends, behind those already waiting.
 func (p *permits) get(ctx context.Context) (int, error) {
+	i, ch := p.join()
+	if ch == nil {
+		return i, nil
+	}
+	i, err := p.wait(ctx, ch)
+	if err != nil {
+		p.leave(ch)
+	}
+	return i, err
+}
+
+// join takes the lowest free permit, or, with none free, a place at the end of the line:
+// the channel the permit will be handed on.
+func (p *permits) join() (int, chan int) {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	if i, ok := p.takeLocked(); ok {
-		p.mu.Unlock()
 		return i, nil
 	}
 	ch := make(chan int, 1)
 	p.waiters = append(p.waiters, ch)
-	p.mu.Unlock()
+	return 0, ch
+}
+
+// wait waits for the permit handed on ch until ctx ends; the place in line is kept then.
+func (p *permits) wait(ctx context.Context, ch chan int) (int, error) {
 	select {
 	case i := <-ch:
 		return i, nil
 	case <-ctx.Done():
+		return 0, ctx.Err()
 	}
+}
+
+// leave gives up the place ch holds in line; a permit handed on it meanwhile goes on to the
+// next in line.
+func (p *permits) leave(ch chan int) {
 	p.mu.Lock()
-	for k, w := range p.waiters {
-		if w == ch {
-			p.waiters = append(p.waiters[:k], p.waiters[k+1:]...)
-			p.mu.Unlock()
-			return 0, ctx.Err()
-		}
+	if k := slices.Index(p.waiters, ch); k >= 0 {
+		p.waiters = slices.Delete(p.waiters, k, k+1)
+		p.mu.Unlock()
+		return
 	}
 	p.mu.Unlock()
-	// Handed one as ctx ended: it goes on to the next in line.
 	p.put(<-ch)
-	return 0, ctx.Err()
 }
 
 func (p *permits) put(i int) {

@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	"testing"
 	"time"
@@ -149,11 +150,33 @@ func TestPermitsInTurn(t *testing.T) {
 }
 
 // TestPermitsGiveUpRace: waiters whose contexts end while permits are put lose none of
-// them: each permit handed to one that has given up goes on to the next, or back.
+// them, and strand no one: a permit handed to one that has given up goes on to the next in
+// line, or back to the pool only when no one waits. Throughout, no permit is free while
+// anyone waits.
 func TestPermitsGiveUpRace(t *testing.T) {
 	const n, workers, rounds = 4, 16, 300
 	p := newPermits(n)
 	done := make(chan struct{})
+	stop := make(chan struct{})
+	bad := make(chan string, 1)
+	go func() {
+		defer close(bad)
+		for {
+			p.mu.Lock()
+			free, waiting := p.nfree, len(p.waiters)
+			p.mu.Unlock()
+			if free > 0 && waiting > 0 {
+				bad <- fmt.Sprintf("%d permits free while %d wait", free, waiting)
+				return
+			}
+			select {
+			case <-stop:
+				return
+			default:
+				runtime.Gosched()
+			}
+		}
+	}()
 	for w := 0; w < workers; w++ {
 		go func() {
 			defer func() { done <- struct{}{} }()
@@ -168,8 +191,17 @@ func TestPermitsGiveUpRace(t *testing.T) {
 			}
 		}()
 	}
+	timeout := time.After(30 * time.Second)
 	for w := 0; w < workers; w++ {
-		<-done
+		select {
+		case <-done:
+		case <-timeout:
+			t.Fatalf("waiters still waiting after 30 s: %d of %d workers done", w, workers)
+		}
+	}
+	close(stop)
+	if msg, ok := <-bad; ok {
+		t.Fatal(msg)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -177,5 +209,35 @@ func TestPermitsGiveUpRace(t *testing.T) {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		t.Fatalf("%d of %d permits free after every waiter ended, %d waiting", p.nfree, n, len(p.waiters))
+	}
+}
+
+// TestPermitsPlaceKept: a place taken in line (a ticket's) keeps its turn across waits cut
+// short, and given up, passes a permit handed to it on to the next in line.
+func TestPermitsPlaceKept(t *testing.T) {
+	p := newPermits(1)
+	held, _ := p.tryGet()
+	_, first := p.join()
+	_, second := p.join()
+	if first == nil || second == nil {
+		t.Fatal("a place in line with no permit free: none taken")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+	defer cancel()
+	if _, err := p.wait(ctx, first); err == nil {
+		t.Fatal("a wait with no permit put succeeded")
+	}
+	p.put(held) // still the first's turn, though its wait ended
+	if i, err := p.wait(context.Background(), first); err != nil || i != held {
+		t.Fatalf("the first place got %d, %v; want permit %d", i, err, held)
+	}
+	p.put(held)
+	p.leave(second) // handed the permit as it gave up: back to the pool, no one waiting
+	if i, ok := p.tryGet(); !ok || i != held {
+		t.Fatalf("permit %d not back after the last place in line gave it up (%d %v)", held, i, ok)
+	}
+	p.put(held)
+	if !p.drain(context.Background()) {
+		t.Fatal("permits lost")
 	}
 }
