@@ -37,11 +37,13 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
-// A mapped device counts its openers through both: a signature that drifts apart must not
-// build (a type assertion would turn the counting off without a word).
+// A mapped device counts its openers through both, and gives NBD connections memory its
+// transport takes without the stage copy: a signature that drifts apart must not build (a
+// type assertion would turn either off without a word).
 var (
-	_ fsview.Holder = (*rnbd.Device)(nil)
-	_ nbd.Holder    = (*rnbd.Device)(nil)
+	_ fsview.Holder    = (*rnbd.Device)(nil)
+	_ nbd.Holder       = (*rnbd.Device)(nil)
+	_ nbd.BufferDevice = (*rnbd.Device)(nil)
 )
 
 func main() { daemon.Main("rtrs-clientd", run) }

@@ -75,6 +75,11 @@ type Options struct {
 	// (default 64 MiB, at least MaxRequest); MaxMemory those of all connections (default
 	// 1 GiB). A request waits for its bytes before its payload is read.
 	MaxConnMemory, MaxMemory int64
+	// MaxArenaMemory bounds the memory of all connections' arenas: request data memory of a
+	// BufferDevice, MaxInflight regions of its MaxIO each, registered with the HCA and
+	// resident (default 128 MiB). A connection that would pass it serves its data from the
+	// pools, through the transport's stage.
+	MaxArenaMemory int64
 	// ReplyTimeout bounds how long a reply may wait for the client to take it (default
 	// 30 s); a client that takes none for that long is disconnected.
 	ReplyTimeout time.Duration
@@ -156,6 +161,7 @@ type Server struct {
 	wg      sync.WaitGroup
 
 	refusals log.Limiter
+	arenaMem atomic.Int64 // bytes of the connections' arenas (MaxArenaMemory)
 }
 
 // NewServer returns a server; Serve starts it on a listener.
@@ -168,6 +174,9 @@ func NewServer(opts Options) *Server {
 	}
 	if opts.MaxMemory <= 0 {
 		opts.MaxMemory = 1 << 30
+	}
+	if opts.MaxArenaMemory <= 0 {
+		opts.MaxArenaMemory = 128 << 20
 	}
 	opts.MaxConnMemory = max(opts.MaxConnMemory, MaxRequest)
 	opts.MaxMemory = max(opts.MaxMemory, opts.MaxConnMemory)
@@ -310,6 +319,7 @@ type conn struct {
 	nc       net.Conn // the socket under c (which TLS may wrap)
 	kernel   bool     // the kernel's nbd (ServeTransmission): outside the server's budget
 	chunk    net.Buffers
+	ar       *arena // the device's memory for request data (BufferDevice); nil: the pools
 
 	qmu      sync.Mutex // the reply queue
 	pending  []pendingReply
@@ -682,6 +692,12 @@ func (c *conn) transmit() (err error) {
 		queueAsync = c.gather
 		defer b.AfterCompletions(c.flushGathered)() // after the Wait below: it writes the replies
 	}
+	if d, ok := c.exp.Dev.(BufferDevice); ok {
+		if ar := c.s.newArena(d, c.exp.Name); ar != nil {
+			c.ar = ar
+			defer c.s.closeArena(ar) // after the Wait below
+		}
+	}
 	defer c.inflight.Wait() // every request answered (or dropped with the connection)
 	defer func() {
 		if err != nil {
@@ -736,9 +752,9 @@ func (c *conn) transmit() (err error) {
 			if c.r.Buffered() < int(req.Length) {
 				unplug() // what is plugged must not wait for a payload still on its way
 			}
-			payload = getBuf(int(req.Length))
+			payload = c.getBuf(int(req.Length))
 			if err := c.r.ReadFull(payload); err != nil {
-				putBuf(payload)
+				c.putBuf(payload)
 				c.give(cost)
 				return err
 			}
@@ -762,7 +778,7 @@ func (c *conn) transmit() (err error) {
 		off, fua := int64(req.Offset), req.Flags&CmdFlagFUA != 0
 		switch {
 		case async != nil && req.Type == CmdRead:
-			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: getBuf(int(req.Length)), cost: cost})
+			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: c.getBuf(int(req.Length)), cost: cost})
 			async.ReadAsync(c.s.ctx, a.r.data, off, a.cb)
 		case async != nil && req.Type == CmdWrite:
 			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, payload: payload, cost: cost})
@@ -1197,12 +1213,30 @@ func (c *conn) release(batch []pendingReply) {
 	clear(c.iovs)
 	c.iovs, c.bufs = c.iovs[:0], nil
 	for i := range batch {
-		putBuf(batch[i].data)
-		putBuf(batch[i].payload)
+		c.putBuf(batch[i].data)
+		c.putBuf(batch[i].payload)
 		cost := batch[i].cost
 		batch[i] = pendingReply{}
 		c.give(cost)
 		c.inflight.Done()
+	}
+}
+
+// getBuf is n bytes for a request's data: from the connection's arena when it has one
+// with room, else from the pools.
+func (c *conn) getBuf(n int) []byte {
+	if c.ar != nil && n > 0 {
+		if b := c.ar.get(n); b != nil {
+			return b
+		}
+	}
+	return getBuf(n)
+}
+
+// putBuf recycles b, into the arena it came from or the pools.
+func (c *conn) putBuf(b []byte) {
+	if c.ar == nil || !c.ar.put(b) {
+		putBuf(b)
 	}
 }
 
