@@ -124,7 +124,15 @@ type Session struct {
 	// and none took them), or the server answered them with an errno. Counted off the
 	// successful path only.
 	failNoPath, failServer stats.Counter
+	// Posts whose data went through their path's stage: a copy each way that memory the
+	// session registered (AllocIOBuffers) would have saved.
+	staged stats.Counter
 }
+
+// StagedRequests counts the requests posted since the session opened whose data was copied
+// through their path's stage (verbs, data outside the memory AllocIOBuffers registered; a
+// request failed over counts on each path it went out on). Over soft it stays 0.
+func (s *Session) StagedRequests() uint64 { return s.staged.Total() }
 
 // FailedRequests are the session's requests that failed since it opened: noPath that no
 // connected path took (ECONNABORTED), server that the server answered with an error.

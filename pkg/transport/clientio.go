@@ -344,6 +344,7 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 			if direct = res.directMR(r.data); direct == nil {
 				buf = res.stage.Bytes()[r.permit*s.maxIOSize:][:len(r.data)]
 				r.staged = true
+				s.staged.Inc()
 			}
 		}
 		switch {

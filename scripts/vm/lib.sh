@@ -446,6 +446,25 @@ vm_perftest_pair() {
 vm_perftest_listening() { rdma res show cm_id | grep LISTEN | grep 18515 >/dev/null; }
 vm_perftest_gone() { ! rdma res show cm_id | grep 18515 >/dev/null; }
 
+# vm_staged ADDR SESSION: the requests of SESSION whose data rtrs-clientd (-metrics ADDR)
+# copied through a path's stage (rtrs_client_staged_requests_total).
+vm_staged() {
+	curl -sf --max-time 10 "http://$1/metrics" |
+		awk -v s="session=\"$2\"" '/^rtrs_client_staged_requests_total\{/ && index($0, s) { print $NF; found = 1 } END { exit !found }'
+}
+
+# vm_not_staged NAME ADDR SESSION BEFORE: no request of SESSION was staged since BEFORE (a
+# vm_staged reading): NAME's IO went out from, and landed in, registered memory.
+vm_not_staged() {
+	local now
+	now=$(vm_staged "$2" "$3")
+	if [ "$now" != "$4" ]; then
+		echo "FAIL: $1: $((now - $4)) requests copied through the stage, want none"
+		return 1
+	fi
+	echo "$1: no request copied through the stage (rtrs_client_staged_requests_total stays $now)"
+}
+
 # vm_no_leaks LOG: the daemon that writes LOG let go of every region and protection domain of
 # the paths it closed (a region left registered holds its domain, and pins its memory: a
 # reconnect loop would grow without bound). Fails, with the lines.

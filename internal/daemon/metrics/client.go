@@ -22,7 +22,7 @@ type Client struct {
 
 	g                                                   guard
 	ds                                                  descs
-	sessions, failed                                    *prometheus.Desc
+	sessions, failed, staged                            *prometheus.Desc
 	reqs, bytes, inflight, failovers, reconnects, downs *prometheus.Desc
 	state, hbRTT, latency                               *prometheus.Desc
 	devices, devInfo, devSize                           *prometheus.Desc
@@ -35,6 +35,7 @@ func NewClient(c *rnbd.Client) *Client {
 	spd := []string{"session", "path", "direction"}
 	m.sessions = m.ds.add("rtrs_client_sessions", "RTRS sessions open.")
 	m.failed = m.ds.add("rtrs_client_requests_failed_total", "Requests that failed, by cause: no_path (no connected path took them: ECONNABORTED), server (the server answered with an errno).", "session", "cause")
+	m.staged = m.ds.add("rtrs_client_staged_requests_total", "Requests whose data was copied through their path's staging buffer (verbs: data outside memory registered for the session's front ends, as ublk's and NBD's buffers are), by post; stays 0 where no path stages.", "session")
 	m.reqs = m.ds.add("rtrs_client_path_requests_total", "Requests completed on the path, by direction (stats/rdma's read and write counts, never reset).", spd...)
 	m.bytes = m.ds.add("rtrs_client_path_bytes_total", "Bytes of the requests completed on the path (data and user header, as the kernel counts), by direction.", spd...)
 	m.inflight = m.ds.add("rtrs_client_path_inflight", "Requests in flight on the path now, whatever the multipath policy.", sp...)
@@ -90,6 +91,7 @@ func (m *Client) session(e *emitter, name string, s *transport.Session) {
 	noPath, server := s.FailedRequests()
 	e.counter(m.failed, noPath, name, "no_path")
 	e.counter(m.failed, server, name, "server")
+	e.counter(m.staged, s.StagedRequests(), name)
 	inflight := s.InflightByPath()
 	for _, p := range s.Paths() {
 		pn := p.Name()

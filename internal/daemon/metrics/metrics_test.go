@@ -229,6 +229,9 @@ func TestScrape(t *testing.T) {
 	if c1.sum(t, "rtrs_client_requests_failed_total", sess) != 0 || c1.sum(t, "rtrs_client_path_errors_total", sess) != 0 {
 		t.Errorf("errors without a failure:\n%s", text)
 	}
+	if c1.sum(t, "rtrs_client_staged_requests_total", sess) != 0 {
+		t.Errorf("requests staged over soft, which maps any memory:\n%s", text)
+	}
 	if s1.sum(t, "rtrs_server_path_requests_total", w) < 100 || s1.sum(t, "rtrs_server_path_requests_total", r) < 100 ||
 		s1.sum(t, "rtrs_rnbd_server_requests_total", map[string]string{"op": "write"}) != 100 || s1.sum(t, "rtrs_server_sessions", nil) != 1 ||
 		s1.sum(t, "rtrs_server_paths", sess) != 2 || s1.sum(t, "rtrs_rnbd_server_device_open", map[string]string{"device": "disk"}) != 1 {

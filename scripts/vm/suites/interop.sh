@@ -59,6 +59,8 @@ host() {
 
 # Our server's metrics (RNBD requests by operation and flag) for the RNBD 2.2 checks.
 METRICS_ADDR=127.0.0.1:9851
+# Our client's metrics (requests staged) for the NBD export's check.
+CLIENT_METRICS_ADDR=127.0.0.1:9852
 # Our client's reconnect delay against the kernel's server (-reconnect-delay; 30 s by default).
 CLIENT_RECONNECT_DELAY=2s
 
@@ -380,7 +382,7 @@ our_client_kernel_server() {
 	# kernel's client waits).
 	rtrs-clientd -provider verbs -config "$T"/clientd.conf -mount "$T"/cli -dev-mount "$T"/dev \
 		-nbd-socket "$T"/nbd.sock -io-timeout 120s -reconnect-delay "$CLIENT_RECONNECT_DELAY" \
-		>"$T"/clientd.log 2>&1 &
+		-metrics "$CLIENT_METRICS_ADDR" >"$T"/clientd.log 2>&1 &
 	local cpid=$!
 	DAEMON_LOGS="$T/clientd.log"
 	vm_wait 30 mountpoint -q "$T"/dev || {
@@ -404,8 +406,14 @@ our_client_kernel_server() {
 	ks_faults "$T" "$s" "$dev"
 	vm_no_leaks "$T"/clientd.log
 	if [ -n "$first" ]; then
-		# Through our NBD export (fio's libnbd engine).
+		# Through our NBD export (fio's libnbd engine): its connection's arena is registered
+		# memory, so no request is staged (the device file's IO above was: Go memory).
+		local st0
+		st0=$(vm_staged "$CLIENT_METRICS_ADDR" "$s")
+		echo "requests staged so far (the device file's IO): $st0"
+		[ "$st0" -gt 0 ]
 		fio_verify "ks-$inv-nbd" "" --ioengine=nbd --uri="nbd+unix:///$s/$name?socket=$T/nbd.sock" --direct=0
+		vm_not_staged "fio through our NBD export" "$CLIENT_METRICS_ADDR" "$s" "$st0"
 		ks_reload "$T" "$s" "$inv" "$dev"
 		if [ "$INTEROP_POLICIES" = 1 ]; then
 			policies "$T" "$loop"

@@ -69,6 +69,8 @@ unit() {
 PORT=1235
 # Our server's metrics: the RNBD requests by operation and flag that reached it.
 METRICS_ADDR=127.0.0.1:9861
+# Our client's: requests staged.
+CLIENT_METRICS_ADDR=127.0.0.1:9862
 
 # The daemons' logs go to the results (kept on the host): T's last part names them.
 logs() { echo "$RTRS_VM_WORK/results/ublk-${1##*/}"; }
@@ -89,7 +91,7 @@ start_server() {
 start_client() {
 	DAEMON_LOGS="$(logs "$1")-clientd.log"
 	rtrs-clientd -provider verbs -config "$1"/clientd.conf -mount "$1"/cli -dev-mount "$1"/dev \
-		-nbd-socket "" -io-timeout 120s -reconnect-delay 2s >>"$DAEMON_LOGS" 2>&1 &
+		-nbd-socket "" -io-timeout 120s -reconnect-delay 2s -metrics "$CLIENT_METRICS_ADDR" >>"$DAEMON_LOGS" 2>&1 &
 	CLI_PID=$!
 	vm_wait 30 mountpoint -q "$1"/dev || {
 		cat "$DAEMON_LOGS"
@@ -367,7 +369,12 @@ kernel_server() {
 	B=$(ublk_of "$T")
 	[ -b "$B" ]
 	ext4_on "$B"
+	local st0
+	st0=$(vm_staged "$CLIENT_METRICS_ADDR" k)
 	fio_job ubk-verify "$B" --rw=randwrite --bs=4k --iodepth=32 --size=32m
+	fio_job ubk-seq "$B" --rw=write --bs=1m --iodepth=8 --size=32m
+	# The queues' buffers are registered: nothing is copied through the stage.
+	vm_not_staged "fio on $B" "$CLIENT_METRICS_ADDR" k "$st0"
 	echo "sessname=k device_path=$loop" >"$T"/dev/ctl/unmap_device
 	[ ! -e "$B" ]
 	vm_no_leaks "$DAEMON_LOGS"
