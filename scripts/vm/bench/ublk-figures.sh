@@ -10,7 +10,8 @@
 #          FIG_ALT_REV=<git revision> builds it from that revision instead, FIG_ALT_ENV adds
 #          environment (NAME=value words, e.g. GOMAXPROCS=1) and FIG_ALT_FLAGS replaces its
 #          extra flags (default "-ublk-queues 1" when neither of the other two is set, none
-#          otherwise).
+#          otherwise); FIG_ALT_FRONT=nbd attaches alt's mapping to /dev/nbdM instead (nbd=auto),
+#          for an A/B of the NBD path: the table's alt ratios are then over nbd.
 # The kernel's server gives rw to one session per device, hence three loop devices; alt's
 # daemon runs beside the first from start to end rather than being restarted between rounds,
 # so every round measures all four under the same conditions.
@@ -43,7 +44,12 @@ SUITE_PACKAGES="libibverbs-dev librdmacm-dev fio util-linux"
 . "$RTRS_VM_REPO/scripts/vm/bench/figlib.sh"
 
 host() {
+	case ${FIG_ALT_FRONT:-ublk} in
+	ublk | nbd) ;;
+	*) vm_die "FIG_ALT_FRONT=$FIG_ALT_FRONT: ublk or nbd" ;;
+	esac
 	fig_host ublk-figures rtrs-clientd "-ublk-queues 1"
+	printf 'FIG_ALT_FRONT=%s\n' "${FIG_ALT_FRONT:-ublk}" >>"$RTRS_VM_WORK/ublk-figures.env"
 }
 
 # The targets in their first-round order.
@@ -52,7 +58,7 @@ FIG_TARGETS=(kc ublk nbd alt)
 guest() {
 	export PATH=$RTRS_VM_WORK/bin:$PATH
 	local R=$RTRS_VM_WORK/results T=/tmp/fig A1=$RTRS_VM_ADDR1 A2=$RTRS_VM_ADDR2
-	local FIG_SECS FIG_ROUNDS FIG_JOBS FIG_ALT_ENV FIG_ALT_FLAGS FIG_ALT_DESC
+	local FIG_SECS FIG_ROUNDS FIG_JOBS FIG_ALT_ENV FIG_ALT_FLAGS FIG_ALT_DESC FIG_ALT_FRONT
 	fig_guest_init ublk-figures
 	if [ ! -e /dev/ublk-control ]; then
 		echo "no ublk driver on $(uname -r) (/dev/ublk-control): these figures need 6.12 or later"
@@ -94,15 +100,15 @@ guest() {
 	vm_wait 30 mountpoint -q "$T"/dev || { fig_logs; return 1; }
 	vm_wait 30 mountpoint -q "$T"/dev1 || { fig_logs; return 1; }
 	echo "sessname=uk device_path=$lb path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 ublk=auto nbd=auto" >"$T"/dev/ctl/map_device
-	echo "sessname=uq1 device_path=$lc path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 ublk=auto" >"$T"/dev1/ctl/map_device
+	echo "sessname=uq1 device_path=$lc path=ip:$A1@ip:$A1 path=ip:$A2@ip:$A1 $FIG_ALT_FRONT=auto" >"$T"/dev1/ctl/map_device
 	FIG_DEV[ublk]=$(awk '$1 ~ /^uk\// { print $2 }' "$T"/dev/ctl/ublk_devices)
 	FIG_DEV[nbd]=$(awk '$1 ~ /^uk\// { print $2 }' "$T"/dev/ctl/nbd_devices)
-	FIG_DEV[alt]=$(awk '$1 ~ /^uq1\// { print $2 }' "$T"/dev1/ctl/ublk_devices)
+	FIG_DEV[alt]=$(awk '$1 ~ /^uq1\// { print $2 }' "$T"/dev1/ctl/"$FIG_ALT_FRONT"_devices)
 	local t
 	for t in "${FIG_TARGETS[@]}"; do
 		if [ -z "${FIG_DEV[$t]}" ] || [ ! -b "${FIG_DEV[$t]}" ]; then
 			echo "$t: no block device (${FIG_DEV[$t]:-none})"
-			cat "$T"/dev/ctl/ublk_devices "$T"/dev/ctl/nbd_devices "$T"/dev1/ctl/ublk_devices
+			cat "$T"/dev/ctl/ublk_devices "$T"/dev/ctl/nbd_devices "$T"/dev1/ctl/"$FIG_ALT_FRONT"_devices
 			fig_logs
 			return 1
 		fi
@@ -116,13 +122,19 @@ guest() {
 	FIG_LABEL[kc]="kernel rnbd-client (${FIG_DEV[kc]})"
 	FIG_LABEL[ublk]="rtrs-clientd ublk, ${FIG_QUEUES[ublk]} queues (${FIG_DEV[ublk]})"
 	FIG_LABEL[nbd]="rtrs-clientd NBD (${FIG_DEV[nbd]})"
-	FIG_LABEL[alt]="alt: rtrs-clientd ublk, ${FIG_QUEUES[alt]} queues, ${FIG_ALT_DESC:-as the first} (${FIG_DEV[alt]})"
+	local over=ublk
+	if [ "$FIG_ALT_FRONT" = nbd ]; then
+		over=nbd
+		FIG_LABEL[alt]="alt: rtrs-clientd NBD, ${FIG_ALT_DESC:-as the first} (${FIG_DEV[alt]})"
+	else
+		FIG_LABEL[alt]="alt: rtrs-clientd ublk, ${FIG_QUEUES[alt]} queues, ${FIG_ALT_DESC:-as the first} (${FIG_DEV[alt]})"
+	fi
 
 	fig_rounds
 
 	fig_table "ublk figures: kernel $(uname -r), 2 vCPUs (qemu TCG), rxe, two paths, the kernel's rnbd-server" \
 		"fio libaio direct=1 size=200m, $FIG_SECS s per job, medians of $FIG_ROUNDS rounds (the targets' order reversed every other round), on loop devices over tmpfs. CPU: the whole guest's busy time (/proc/stat: all but idle and iowait, CLK_TCK $FIG_HZ) from fio's exec_prerun to its exec_postrun (the job's IO, not fio's start), per IO." \
-		"IOPS_ublk/kernel_client:ublk/kc IOPS_ublk/NBD:ublk/nbd IOPS_alt/ublk:alt/ublk CPU/IO_ublk/kernel_client:ublk/kc CPU/IO_ublk/NBD:ublk/nbd CPU/IO_alt/ublk:alt/ublk" |
+		"IOPS_ublk/kernel_client:ublk/kc IOPS_ublk/NBD:ublk/nbd IOPS_alt/$over:alt/$over CPU/IO_ublk/kernel_client:ublk/kc CPU/IO_ublk/NBD:ublk/nbd CPU/IO_alt/$over:alt/$over" |
 		tee "$R"/ublk-figures.md
 	echo "(raw lines: results/ublk-figures-raw.txt)"
 	cat "$FIG_RAW"
