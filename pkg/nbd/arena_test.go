@@ -121,8 +121,8 @@ func (d *bufDev) counts() (inArena, outside, misfit, arenas, frees int) {
 
 // TestBufferDevice: a connection to a device that hands out memory for its transport serves
 // reads and writes from it, each request's data beginning a slot (a run of them for a
-// request longer than one), with the right data; the memory is freed once, after the
-// connection's last request; past MaxArenaMemory a connection serves from the pools, as
+// request longer than one), with the right data; the memory is taken at the first read or
+// write and freed once, after the connection's last request; past MaxArenaMemory a connection serves from the pools, as
 // before.
 func TestBufferDevice(t *testing.T) {
 	leakcheck.Check(t)
@@ -163,6 +163,14 @@ func TestBufferDevice(t *testing.T) {
 			}
 		}
 	}
+
+	// A connection that only looks (no read or write) takes none.
+	look := dial(t, sock, "d")
+	look.send(Request{Type: CmdFlush, Cookie: 1}, nil)
+	if _, e, _ := look.recv(0); e != 0 {
+		t.Fatalf("flush: errno %d", e)
+	}
+	look.c.Close()
 
 	first := dial(t, sock, "d")
 	check(first, "first connection")

@@ -319,7 +319,11 @@ type conn struct {
 	nc       net.Conn // the socket under c (which TLS may wrap)
 	kernel   bool     // the kernel's nbd (ServeTransmission): outside the server's budget
 	chunk    net.Buffers
-	ar       *arena // the device's memory for request data (BufferDevice); nil: the pools
+	// The device's memory for request data (BufferDevice), taken by the transmission's
+	// goroutine at the first read or write (a connection that only looks takes none); nil:
+	// the pools.
+	bufDev BufferDevice
+	ar     atomic.Pointer[arena]
 
 	qmu      sync.Mutex // the reply queue
 	pending  []pendingReply
@@ -693,10 +697,12 @@ func (c *conn) transmit() (err error) {
 		defer b.AfterCompletions(c.flushGathered)() // after the Wait below: it writes the replies
 	}
 	if d, ok := c.exp.Dev.(BufferDevice); ok {
-		if ar := c.s.newArena(d, c.exp.Name); ar != nil {
-			c.ar = ar
-			defer c.s.closeArena(ar) // after the Wait below
-		}
+		c.bufDev = d // the arena is taken at the first read or write
+		defer func() {
+			if ar := c.ar.Load(); ar != nil {
+				c.s.closeArena(ar) // after the Wait below
+			}
+		}()
 	}
 	defer c.inflight.Wait() // every request answered (or dropped with the connection)
 	defer func() {
@@ -1223,10 +1229,17 @@ func (c *conn) release(batch []pendingReply) {
 }
 
 // getBuf is n bytes for a request's data: from the connection's arena when it has one
-// with room, else from the pools.
+// with room, else from the pools. The transmission's goroutine's.
 func (c *conn) getBuf(n int) []byte {
-	if c.ar != nil && n > 0 {
-		if b := c.ar.get(n); b != nil {
+	if n == 0 {
+		return nil
+	}
+	if c.bufDev != nil { // once, taken or not
+		c.ar.Store(c.s.newArena(c.bufDev, c.exp.Name))
+		c.bufDev = nil
+	}
+	if ar := c.ar.Load(); ar != nil {
+		if b := ar.get(n); b != nil {
 			return b
 		}
 	}
@@ -1235,7 +1248,7 @@ func (c *conn) getBuf(n int) []byte {
 
 // putBuf recycles b, into the arena it came from or the pools.
 func (c *conn) putBuf(b []byte) {
-	if c.ar == nil || !c.ar.put(b) {
+	if ar := c.ar.Load(); ar == nil || !ar.put(b) {
 		putBuf(b)
 	}
 }
