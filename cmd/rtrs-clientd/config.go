@@ -36,6 +36,7 @@ type config struct {
 	HeartbeatInterval time.Duration
 	ConPerPath        int
 	MaxChunkMemory    string
+	NBDRegMemory      string
 }
 
 func newConfig() *config {
@@ -43,6 +44,7 @@ func newConfig() *config {
 		Common: daemon.NewCommon("/etc/rtrs/rtrs-clientd.conf"),
 		Mount:  "/run/rtrs/rtrs-client", DevMount: "/run/rtrs/dev", NBDSocket: "/run/rtrs/nbd.sock",
 		NBDAttach: "none", UblkAttach: "none", UblkQueues: "cpus", UblkDepth: 128, IOTimeout: rnbd.DefaultReconnectTimeout, MaxChunkMemory: "256M",
+		NBDRegMemory: "256M",
 	}
 }
 
@@ -68,6 +70,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.ReconnectDelay, "reconnect-delay", c.ReconnectDelay, "how long a disconnected path waits before each reconnect attempt, plus 0–7 ms so paths do not reconnect in step (0: 30 s, what RNBD asks of the kernel's RTRS)")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is reconnected (0: 5 s, as the kernel)")
 	fs.IntVar(&c.ConPerPath, "con-per-path", c.ConPerPath, "connections (QPs) per path: one for the service messages plus one per CPU to spread IO over (0: CPUs + 1, as the kernel)")
+	fs.StringVar(&c.NBDRegMemory, "nbd-registered-memory", c.NBDRegMemory, "the most memory registered for RDMA that NBD connections (sockets and attached /dev/nbdX) serve request data from, about 15.5 MiB each; past it a connection's data is copied through the transport's stage (off: none)")
 	fs.StringVar(&c.MaxChunkMemory, "max-chunk-memory", c.MaxChunkMemory, "the most chunk memory (queue depth × (chunk size + a 4 KiB header)) a server may make a session allocate")
 }
 
@@ -77,6 +80,7 @@ type resolved struct {
 	ublkDefault   control.Attach
 	nbdTimeout    time.Duration
 	chunkMemory   int64
+	nbdRegMemory  int64 // nbd.Options.MaxArenaMemory: -1 for off
 }
 
 func (c *config) resolve() (*resolved, error) {
@@ -118,5 +122,10 @@ func (c *config) resolve() (*resolved, error) {
 		return nil, fmt.Errorf("-max-chunk-memory %q: want a size such as 256M", c.MaxChunkMemory)
 	}
 	r.chunkMemory = int64(n)
+	m, err := size.ParseThreshold(c.NBDRegMemory)
+	if err != nil {
+		return nil, fmt.Errorf("-nbd-registered-memory %q: want a size such as 256M, or off", c.NBDRegMemory)
+	}
+	r.nbdRegMemory = int64(m)
 	return r, nil
 }

@@ -7,6 +7,7 @@
 //	rtrs-clientd [-config /etc/rtrs/rtrs-clientd.conf] [-mount /run/rtrs/rtrs-client]
 //	             [-dev-mount /run/rtrs/dev] [-nbd-socket /run/rtrs/nbd.sock] [-nbd-tcp ADDR]
 //	             [-nbd-attach none|auto] [-nbd-conns N] [-nbd-timeout D]
+//	             [-nbd-registered-memory 256M|off]
 //	             [-ublk-attach none|auto] [-ublk-queues cpus|paths|N] [-ublk-depth N]
 //	             [-io-timeout 30s] [-reconnect-delay 30s] [-log-level info] [-log-json]
 //	rtrs-clientd -cleanup      (detach stale mounts and NBD devices left by a crash, then exit)
@@ -132,7 +133,7 @@ func run(parent context.Context, args []string) error {
 	}
 	d := &clientd{cfgPath: c.ConfigFile, args: args, c: rc, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
 	defer d.wg.Wait()
-	ns := nbd.NewServer(nbd.Options{Exports: d.exports})
+	ns := nbd.NewServer(nbd.Options{Exports: d.exports, MaxArenaMemory: r.nbdRegMemory})
 	defer ns.Close()
 	// Stale devices first: a restart must find the indexes its declarations name free.
 	disconnectStale(lg)

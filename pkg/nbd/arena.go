@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"fmt"
 	"sync"
 	"unsafe"
 )
@@ -37,13 +38,14 @@ type arena struct {
 // allocation fails (logged): the pools serve then.
 func (s *Server) newArena(d BufferDevice, name string) *arena {
 	slot := d.MaxIO()
-	if slot <= 0 {
+	if slot <= 0 || s.opts.MaxArenaMemory < 0 {
 		return nil
 	}
 	slots := int(min(int64(s.opts.MaxInflight), s.opts.MaxConnMemory/int64(slot)))
 	size := int64(slots) * int64(slot)
 	if s.arenaMem.Add(size) > s.opts.MaxArenaMemory {
 		s.arenaMem.Add(-size)
+		s.refusals.Warn(s.log, "no registered memory", name, fmt.Sprintf("the connections' arenas hold %d MiB, the bound (MaxArenaMemory): this connection's data is copied through the transport's stage", s.opts.MaxArenaMemory>>20))
 		return nil
 	}
 	buf, free, err := d.AllocIOBuffers(int(size), slot)

@@ -204,3 +204,20 @@ func TestBufferDevice(t *testing.T) {
 		return frees == 2
 	})
 }
+
+// TestBufferDeviceOff: with MaxArenaMemory negative no connection takes device memory.
+func TestBufferDeviceOff(t *testing.T) {
+	leakcheck.Check(t)
+	dev := &bufDev{memDev: &memDev{b: make([]byte, 1<<20)}, slot: 64 << 10}
+	t.Cleanup(dev.wg.Wait)
+	sock, _ := startServerOpts(t, Options{MaxArenaMemory: -1}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	cl.send(Request{Type: CmdWrite, Cookie: 1, Length: 4096}, make([]byte, 4096))
+	if _, e, _ := cl.recv(0); e != 0 {
+		t.Fatalf("write: errno %d", e)
+	}
+	if in, out, _, arenas, _ := dev.counts(); arenas != 0 || in != 0 || out != 1 {
+		t.Fatalf("%d arenas taken, %d requests in one, %d outside; want 0, 0, 1", arenas, in, out)
+	}
+	cl.c.Close()
+}

@@ -77,8 +77,9 @@ type Options struct {
 	MaxConnMemory, MaxMemory int64
 	// MaxArenaMemory bounds the memory of all connections' arenas: request data memory of a
 	// BufferDevice, MaxInflight regions of its MaxIO each, registered with the HCA and
-	// resident (default 128 MiB). A connection that would pass it serves its data from the
-	// pools, through the transport's stage.
+	// resident (default 128 MiB; negative: no arenas). A connection that would pass it
+	// serves its data from the pools, through the transport's stage (logged, at most once a
+	// minute).
 	MaxArenaMemory int64
 	// ReplyTimeout bounds how long a reply may wait for the client to take it (default
 	// 30 s); a client that takes none for that long is disconnected.
@@ -175,7 +176,7 @@ func NewServer(opts Options) *Server {
 	if opts.MaxMemory <= 0 {
 		opts.MaxMemory = 1 << 30
 	}
-	if opts.MaxArenaMemory <= 0 {
+	if opts.MaxArenaMemory == 0 {
 		opts.MaxArenaMemory = 128 << 20
 	}
 	opts.MaxConnMemory = max(opts.MaxConnMemory, MaxRequest)

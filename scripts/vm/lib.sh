@@ -447,10 +447,11 @@ vm_perftest_listening() { rdma res show cm_id | grep LISTEN | grep 18515 >/dev/n
 vm_perftest_gone() { ! rdma res show cm_id | grep 18515 >/dev/null; }
 
 # vm_staged ADDR SESSION: the requests of SESSION whose data rtrs-clientd (-metrics ADDR)
-# copied through a path's stage (rtrs_client_staged_requests_total).
+# copied through a path's stage (rtrs_client_staged_requests_total), as a whole number (the
+# exposition writes a million as 1e+06).
 vm_staged() {
 	curl -sf --max-time 10 "http://$1/metrics" |
-		awk -v s="session=\"$2\"" '/^rtrs_client_staged_requests_total\{/ && index($0, s) { print $NF; found = 1 } END { exit !found }'
+		awk -v s="session=\"$2\"" '/^rtrs_client_staged_requests_total\{/ && index($0, s) { printf "%d\n", $NF; found = 1 } END { exit !found }'
 }
 
 # vm_not_staged NAME ADDR SESSION BEFORE: no request of SESSION was staged since BEFORE (a
