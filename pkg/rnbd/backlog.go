@@ -13,10 +13,11 @@ import (
 // in their caller: a ublk queue's thread goes on committing what completed. The kernel's
 // client does it its own way: a request that gets no permit goes back to the block layer,
 // which runs the queue again when a permit is put. While the backlog holds anything, new
-// requests queue behind it rather than overtake it. The drainer waits with its head request
-// only, and the session serves waiters in the order they came: the backlogs of a session's
-// devices take turns (the kernel goes round its requeued queues). Its length is bounded by what the callers
-// keep in flight (a ublk device's queues × depth, an NBD connection's MaxInflight).
+// requests queue behind it rather than overtake it. The backlog holds one place in the
+// session's permit line, taken when its first request found no permit, and the session
+// serves the line in order: the backlogs of a session's devices take turns (the kernel goes
+// round its requeued queues). Its length is bounded by what the callers keep in flight (a
+// ublk device's queues × depth, an NBD connection's MaxInflight).
 type backlog struct {
 	mu       sync.Mutex
 	q        []*asyncReq
