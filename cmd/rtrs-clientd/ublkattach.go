@@ -472,7 +472,11 @@ func (h *ublkHandler) QueueBuffers(q, depth, maxIO int) ([]byte, func()) {
 		h.lg.WithError(err).Warnf("%s: ublk queue %d: buffers not registered, its requests are staged", h.name, q)
 		return nil, nil
 	}
-	return b, free
+	if b == nil {
+		return nil, nil
+	}
+	// Memory the session keeps past the free (a region still bound) is its to give back.
+	return b, func() { free() }
 }
 
 // Serve starts the request: reads and writes asynchronously, the rest in a goroutine.

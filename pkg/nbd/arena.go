@@ -17,8 +17,10 @@ type BufferDevice interface {
 	// it, and each piece skips the stage only if it begins one of the arena's regions.
 	MaxIO() int
 	// AllocIOBuffers returns n bytes in regions of stride bytes, and how to free them once
-	// no request uses them; nil memory where any memory serves as well.
-	AllocIOBuffers(n, stride int) (buf []byte, free func(), err error)
+	// no request uses them; nil memory where any memory serves as well. free returns a
+	// channel closed once the memory is given back, which may be later than free returns
+	// (a region the transport could not deregister yet).
+	AllocIOBuffers(n, stride int) (buf []byte, free func() <-chan struct{}, err error)
 }
 
 // arena hands out runs of whole slots of a connection's device memory, first fit: a
@@ -29,7 +31,7 @@ type arena struct {
 	buf  []byte
 	slot int
 	used []bool
-	free func()
+	free func() <-chan struct{}
 }
 
 // newArena takes an arena for a connection to export name from d, within the server's
@@ -59,10 +61,21 @@ func (s *Server) newArena(d BufferDevice, name string) *arena {
 	return &arena{buf: buf, slot: slot, used: make([]bool, slots), free: free}
 }
 
-// closeArena frees a connection's arena, once every request of it is over.
+// closeArena frees a connection's arena, once every request of it is over. Memory its
+// device keeps past the free counts against MaxArenaMemory until it is given back.
 func (s *Server) closeArena(a *arena) {
-	a.free()
-	s.arenaMem.Add(-int64(len(a.buf)))
+	n := int64(len(a.buf))
+	released := a.free()
+	select {
+	case <-released:
+		s.arenaMem.Add(-n)
+	default:
+		// At most MaxArenaMemory's worth of these wait, since what they wait for is counted.
+		go func() {
+			<-released
+			s.arenaMem.Add(-n)
+		}()
+	}
 }
 
 // get returns n bytes beginning a run of slots, or nil if no run of that length is free.

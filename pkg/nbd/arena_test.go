@@ -60,26 +60,35 @@ type bufDev struct {
 	inArena int // requests whose data began a slot of an arena
 	outside int // requests whose data was elsewhere
 	misfit  int // in an arena but not at a slot's start
-	wg      sync.WaitGroup
+	// keep, when set, is what the arenas' frees return: their memory is given back when
+	// the test closes it (a transport that could not deregister it yet).
+	keep chan struct{}
+	wg   sync.WaitGroup
 }
 
 func (d *bufDev) MaxIO() int { return d.slot }
 
-func (d *bufDev) AllocIOBuffers(n, stride int) ([]byte, func(), error) {
+func (d *bufDev) AllocIOBuffers(n, stride int) ([]byte, func() <-chan struct{}, error) {
 	if stride != d.slot || n%stride != 0 {
 		return nil, nil, fmt.Errorf("asked for %d bytes in regions of %d", n, stride)
 	}
 	b := make([]byte, n)
 	d.mu.Lock()
 	d.arenas = append(d.arenas, b)
+	released := d.keep
 	d.mu.Unlock()
+	if released == nil {
+		released = make(chan struct{})
+		close(released)
+	}
 	var once sync.Once
-	return b, func() {
+	return b, func() <-chan struct{} {
 		once.Do(func() {
 			d.mu.Lock()
 			d.frees++
 			d.mu.Unlock()
 		})
+		return released
 	}, nil
 }
 
@@ -203,6 +212,47 @@ func TestBufferDevice(t *testing.T) {
 		_, _, _, _, frees := dev.counts()
 		return frees == 2
 	})
+}
+
+// TestBufferDeviceKept: an arena its device keeps past the free (a region not deregistered
+// yet) counts against MaxArenaMemory until it is given back: a connection meanwhile is
+// served from the pools; one after, from an arena again.
+func TestBufferDeviceKept(t *testing.T) {
+	leakcheck.Check(t)
+	const slot = 64 << 10
+	dev := &bufDev{memDev: &memDev{b: make([]byte, 1<<20)}, slot: slot, keep: make(chan struct{})}
+	t.Cleanup(dev.wg.Wait)
+	sock, s := startServerOpts(t, Options{MaxInflight: 4, MaxArenaMemory: 4 * slot}, Export{Name: "d", Dev: dev})
+	write := func(name string) {
+		t.Helper()
+		cl := dial(t, sock, "d")
+		cl.send(Request{Type: CmdWrite, Cookie: 1, Length: 4096}, make([]byte, 4096))
+		if _, e, _ := cl.recv(0); e != 0 {
+			t.Fatalf("%s: write: errno %d", name, e)
+		}
+		cl.c.Close()
+	}
+	write("first")
+	testutil.WaitFor(t, 10*time.Second, "the first connection's arena freed", func() bool {
+		_, _, _, _, frees := dev.counts()
+		return frees == 1
+	})
+	if in, out, _, arenas, frees := dev.counts(); arenas != 1 || in != 1 || out != 0 || frees != 1 {
+		t.Fatalf("first connection: %d arenas, %d requests in one, %d outside, %d frees; want 1, 1, 0, 1", arenas, in, out, frees)
+	}
+	write("second") // the first's arena is kept: past the bound
+	if in, out, _, arenas, _ := dev.counts(); arenas != 1 || in != 1 || out != 1 {
+		t.Fatalf("second connection, the first's arena kept: %d arenas, %d requests in one, %d outside; want 1, 1, 1", arenas, in, out)
+	}
+	dev.mu.Lock()
+	close(dev.keep)
+	dev.keep = nil
+	dev.mu.Unlock()
+	testutil.WaitFor(t, 10*time.Second, "the kept arena uncounted", func() bool { return s.arenaMem.Load() == 0 })
+	write("third")
+	if in, out, _, arenas, _ := dev.counts(); arenas != 2 || in != 2 || out != 1 {
+		t.Fatalf("third connection, the arena given back: %d arenas, %d requests in one, %d outside; want 2, 2, 1", arenas, in, out)
+	}
 }
 
 // TestBufferDeviceOff: with MaxArenaMemory negative no connection takes device memory.

@@ -24,7 +24,8 @@ func (d *Device) Unplug() { d.sess.rtrs.Unplug() }
 // request data that goes out, and lands, without the staging copy where the session's paths
 // stage data (verbs); nil where they do not. Data passed to ReadAsync or WriteAsync must
 // begin one of its regions to skip the copy (an IO split at MaxIO begins none but its first).
-func (d *Device) AllocIOBuffers(n, stride int) (buf []byte, free func(), err error) {
+// free's channel is closed once the memory is given back.
+func (d *Device) AllocIOBuffers(n, stride int) (buf []byte, free func() <-chan struct{}, err error) {
 	return d.sess.rtrs.AllocIOBuffers(n, stride)
 }
 

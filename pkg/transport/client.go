@@ -109,6 +109,10 @@ type Session struct {
 	umu    sync.Mutex
 	iobufs []*ioBufs
 	ures   map[*pathRes]struct{}
+	// kept are freed IO buffers a window still held a region of: unmapped once every
+	// region is deregistered (releaseKept).
+	kept     []*ioBufs
+	regFails log.Limiter // IO buffers a path could not register
 	// staging: a path of the session has staged data; its IO buffers are registered on
 	// every such path as it connects, also when none is connected at the allocation.
 	staging bool

@@ -16,6 +16,8 @@ import (
 type ioBufs struct {
 	buf    []byte
 	stride int
+	// released is closed once buf is unmapped.
+	released chan struct{}
 }
 
 // AllocIOBuffers returns n bytes for request data, outside the Go heap, as regions of
@@ -29,10 +31,14 @@ type ioBufs struct {
 //
 // Where no path of the session has staged data (the soft provider maps any memory), it
 // returns nil and nothing to free: the caller's own memory serves as well. A path on which
-// the regions fail to register (locked memory short, say) stages their requests, logged.
-// free deregisters and unmaps; no request may use the memory by then. Registered memory
-// stays resident.
-func (s *Session) AllocIOBuffers(n, stride int) (buf []byte, free func(), err error) {
+// the regions fail to register (locked memory short, say) stages their requests, logged
+// once a minute. Registered memory stays resident.
+//
+// free deregisters and unmaps; no request may use the memory by then. It returns a channel
+// closed once the memory is unmapped: at once, unless a window is still bound over a region
+// after unregisterWait. Such memory is kept until its last region deregisters, at the
+// latest when its path closes; until then it is still the caller's to count.
+func (s *Session) AllocIOBuffers(n, stride int) (buf []byte, free func() <-chan struct{}, err error) {
 	if n <= 0 || stride <= 0 || n%stride != 0 || stride > s.maxIOSize {
 		return nil, nil, fmt.Errorf("rtrs: IO buffers of %d bytes in regions of %d (at most %d each): %w", n, stride, s.maxIOSize, syscall.EINVAL)
 	}
@@ -41,22 +47,27 @@ func (s *Session) AllocIOBuffers(n, stride int) (buf []byte, free func(), err er
 	if !s.staging {
 		return nil, nil, nil
 	}
+	s.releaseKept()
 	if buf, err = rdma.Alloc(n); err != nil {
 		return nil, nil, err
 	}
-	b := &ioBufs{buf: buf, stride: stride}
+	b := &ioBufs{buf: buf, stride: stride, released: make(chan struct{})}
 	for res := range s.ures {
 		if err := res.register(b); err != nil {
-			s.log.WithError(err).Warn("IO buffers not registered on a path: their requests there are staged")
+			// Once per allocation, and a user may allocate per connection (NBD's arenas).
+			s.regFails.Warn(s.log, "IO buffers not registered", res.pd.Device().Name(), err.Error()+": their requests on that path are staged")
 		}
 	}
 	s.iobufs = append(s.iobufs, b)
 	var once sync.Once
-	return buf, func() { once.Do(func() { s.freeIOBuffers(b) }) }, nil
+	return buf, func() <-chan struct{} {
+		once.Do(func() { s.freeIOBuffers(b) })
+		return b.released
+	}, nil
 }
 
 // unregisterWait bounds how long free waits for regions that a window is still bound over.
-const unregisterWait = 5 * time.Second
+var unregisterWait = 5 * time.Second
 
 func (s *Session) freeIOBuffers(b *ioBufs) {
 	s.umu.Lock()
@@ -80,12 +91,39 @@ func (s *Session) freeIOBuffers(b *ioBufs) {
 		s.umu.Unlock()
 	}
 	if left > 0 {
-		s.log.Warnf("%d regions of IO buffers still registered after %v: their %d bytes are kept", left, unregisterWait, len(b.buf))
+		s.log.Warnf("%d regions of IO buffers still registered after %v: their %d bytes are kept until they deregister", left, unregisterWait, len(b.buf))
+		s.umu.Lock()
+		s.kept = append(s.kept, b)
+		s.releaseKept()
+		s.umu.Unlock()
 		return
 	}
+	b.unmap(s)
+}
+
+// unmap gives b's memory back, every region of it deregistered.
+func (b *ioBufs) unmap(s *Session) {
 	if err := rdma.Free(b.buf); err != nil {
 		s.log.WithError(err).Warn("IO buffers not unmapped")
 	}
+	close(b.released)
+}
+
+// releaseKept (s.umu held) tries again to deregister what kept IO buffers left parked, and
+// unmaps each whose regions are all gone.
+func (s *Session) releaseKept() {
+	s.kept = slices.DeleteFunc(s.kept, func(b *ioBufs) bool {
+		left := 0
+		for res := range s.ures {
+			left += res.retryParked(b)
+		}
+		if left > 0 {
+			return false
+		}
+		s.log.Infof("kept IO buffers (%d bytes) deregistered at last: unmapped", len(b.buf))
+		b.unmap(s)
+		return true
+	})
 }
 
 // addStaging registers the session's IO buffers on a new path's resources, which stage
@@ -98,6 +136,7 @@ func (s *Session) addStaging(p *Path, res *pathRes) {
 	}
 	s.ures[res] = struct{}{}
 	s.staging = true
+	s.releaseKept()
 	for _, b := range s.iobufs {
 		if err := res.register(b); err != nil {
 			p.lg().WithError(err).Warn("IO buffers not registered on this path: their requests are staged")
@@ -124,6 +163,7 @@ func (s *Session) dropStaging(res *pathRes) {
 		}
 	}
 	res.parked = nil
+	s.releaseKept()
 }
 
 // register registers b's regions on res (s.umu held), all or none.

@@ -5,11 +5,14 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/pkg/log"
+	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
 
 // TestIOBuffers: on a provider that stages data (verbs), requests whose data begins a region
@@ -105,6 +108,76 @@ func TestIOBuffers(t *testing.T) {
 		p.mu.Unlock()
 		if n != 0 {
 			t.Fatalf("%s keeps %d regions of freed IO buffers", p.Name(), n)
+		}
+	}
+}
+
+// heldPD registers fake regions whose deregistration is refused while held is set: a
+// memory window still bound over them.
+type heldPD struct {
+	rdma.PD
+	held atomic.Bool
+}
+
+func (pd *heldPD) RegMR(buf []byte, _ rdma.Access) (rdma.MR, error) { return &heldMR{pd: pd}, nil }
+
+type heldMR struct {
+	rdma.MR
+	pd *heldPD
+}
+
+func (m *heldMR) Dereg() error {
+	if m.pd.held.Load() {
+		return syscall.EBUSY
+	}
+	return nil
+}
+
+// TestIOBuffersKept: IO buffers freed while a window still holds a region are kept past
+// unregisterWait, mapped, and their channel open; they are unmapped once the region
+// deregisters: at a later allocation's retry, or when the path's resources go.
+func TestIOBuffersKept(t *testing.T) {
+	defer func(w time.Duration) { unregisterWait = w }(unregisterWait)
+	unregisterWait = 20 * time.Millisecond
+	for _, release := range []string{"a later allocation", "the path's close"} {
+		pd := &heldPD{}
+		res := &pathRes{pd: pd}
+		s := &Session{log: log.L, maxIOSize: 1 << 20}
+		s.addStaging(nil, res)
+		buf, free, err := s.AllocIOBuffers(4<<10, 4<<10)
+		if err != nil || buf == nil {
+			t.Fatalf("%d bytes: %v", len(buf), err)
+		}
+		pd.held.Store(true)
+		released := free()
+		select {
+		case <-released:
+			t.Fatalf("%s: memory a window holds was given back", release)
+		default:
+		}
+		if !rdma.Allocated(buf) || len(s.kept) != 1 {
+			t.Fatalf("%s: the held memory is mapped %v, %d kept; want true, 1", release, rdma.Allocated(buf), len(s.kept))
+		}
+		pd.held.Store(false)
+		if release == "a later allocation" {
+			b2, free2, err := s.AllocIOBuffers(4<<10, 4<<10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			<-free2()
+			if rdma.Allocated(b2) {
+				t.Fatal("the second allocation not unmapped")
+			}
+		} else {
+			s.dropStaging(res)
+		}
+		select {
+		case <-released:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: the kept memory not given back once its region deregistered", release)
+		}
+		if rdma.Allocated(buf) || len(s.kept) != 0 {
+			t.Fatalf("%s: the kept memory mapped %v, %d kept; want false, 0", release, rdma.Allocated(buf), len(s.kept))
 		}
 	}
 }
