@@ -164,15 +164,21 @@ func (d *Device) drain() {
 		stop()
 		b.mu.Lock()
 		b.stop = nil
+		var spare *transport.PermitTicket
 		if t != nil && (st != StateMapped || cut) {
 			// Not used (RequestWith uses it up unless its wait was cut short): the place in
-			// line stays the backlog's, for the next request at the head.
-			b.ticket = t
+			// line stays the backlog's, for the next request at the head. A place that a
+			// request racing into the backlog left meanwhile is later in line: given up.
+			spare, b.ticket = b.ticket, t
+		}
+		b.mu.Unlock()
+		if spare != nil {
+			spare.Release()
 		}
 		if interrupted {
-			b.mu.Unlock()
 			continue // at the head still: look again
 		}
+		b.mu.Lock()
 		b.q[0] = nil
 		b.q = b.q[1:]
 		b.mu.Unlock()

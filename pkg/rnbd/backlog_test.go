@@ -303,3 +303,75 @@ func TestBacklogsTakeTurns(t *testing.T) {
 		t.Fatal(*err)
 	}
 }
+
+// TestBacklogRacingTickets: two requests that both found the backlog empty each took a place
+// in the permit line; the second is queued while the drainer has the first out and waits
+// with it. When that wait is cut (the first request's context ends), the backlog keeps one
+// place and gives the other up: no place is left in the line that nobody will use, which
+// would be handed the next permit put and keep it for good. Afterwards every permit
+// serves: a full queue depth of requests reaches the server at once.
+func TestBacklogRacingTickets(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "bl", "disk", AccessRW)
+	depth := c.Session("bl").QueueDepth()
+	h := holdIO(t, e)
+	done := make(chan error, 4*depth)
+	for i := range depth {
+		d.ReadAsync(context.Background(), make([]byte, 4096), int64(i)*4096, func(err error) { done <- err })
+	}
+	testutil.WaitFor(t, 10*time.Second, "every permit held", func() bool { return h.count() == depth })
+	// What asyncOne does for a request that finds the backlog empty and no permit free.
+	join := func(ctx context.Context, off int64) (*asyncReq, *transport.PermitTicket) {
+		r := asyncPool.Get().(*asyncReq)
+		r.d, r.ctx, r.op, r.flags, r.p, r.off = d, ctx, OpRead, 0, make([]byte, 4096), off
+		r.done = func(err error) { done <- err }
+		d.mu.Lock()
+		r.setID(d.id)
+		d.mu.Unlock()
+		tk, err := d.sess.rtrs.TryRequestOrJoin(r.dir(), r.hdr[:], r.p, r.cb)
+		if tk == nil {
+			t.Fatalf("request at %d: no place in the permit line (%v)", off, err)
+		}
+		return r, tk
+	}
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	r1, t1 := join(ctx1, 0)
+	r2, t2 := join(context.Background(), 4096)
+	d.queue(r1, t1)
+	testutil.WaitFor(t, 5*time.Second, "the drainer waiting with the first place", func() bool {
+		d.bl.mu.Lock()
+		defer d.bl.mu.Unlock()
+		return d.bl.stop != nil && d.bl.ticket == nil
+	})
+	d.queue(r2, t2) // kept: the drainer has the other out
+	cancel1()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the request whose context ended: %v, want context.Canceled", err)
+	}
+	h.release()
+	for range depth + 1 {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("requests stuck")
+		}
+	}
+	h = holdIO(t, e)
+	for i := range depth {
+		d.ReadAsync(context.Background(), make([]byte, 4096), int64(i)*4096, func(err error) { done <- err })
+	}
+	testutil.WaitFor(t, 10*time.Second, "a queue depth of requests at the server at once", func() bool { return h.count() == depth })
+	h.release()
+	for range depth {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
