@@ -378,6 +378,9 @@ type pathRes struct {
 	direct atomic.Pointer[map[uintptr]rdma.MR]
 	// parked are regions of freed IO buffers a window was still bound over (Session.umu).
 	parked []parkedMR
+	// syncLocal: LOCAL_INV takes effect in the post (rdma.DeviceAttr.SyncLocalOps); else a
+	// READ is finished from its invalidation's completion.
+	syncLocal bool
 }
 
 func (s *Session) newPath(pa PathAddrs, first bool) *Path {
@@ -679,7 +682,9 @@ func (p *Path) allocRes() error {
 			return err
 		}
 	}
-	if res.pd.Device().Query().MapRegisteredOnly {
+	attr := res.pd.Device().Query()
+	res.syncLocal = attr.SyncLocalOps
+	if attr.MapRegisteredOnly {
 		if res.stage, err = res.pd.AllocMR(qd*s.maxIOSize, rdma.AccessLocalWrite); err != nil {
 			return err
 		}
@@ -951,6 +956,7 @@ func (p *Path) teardown() {
 	// find p.res nil.
 	p.posting.Wait()
 	p.failover(cons)
+	p.finishInvalidating(cons, res)
 	for _, c := range cons {
 		if c != nil {
 			c.destroy()

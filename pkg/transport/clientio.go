@@ -23,6 +23,11 @@ type cltReq struct {
 	// owner is the connection the request is in flight on; whoever swaps it to nil (the
 	// completion or the failover) finishes the request, exactly once.
 	owner atomic.Pointer[con]
+	// inv is the connection whose LOCAL_INV of the request's key finishes it (a device
+	// that executes it after the post: until then the key still reaches the data), and
+	// invErrno the server's answer meanwhile; whoever swaps inv to nil finishes it.
+	inv      atomic.Pointer[con]
+	invErrno int
 	// posting is set while post is in PostSend with the request's chain; a response that
 	// comes meanwhile (a hostile server's before the request has left, or an honest one's
 	// to a request that left before PostSend returned: with the soft provider over loopback,
@@ -457,6 +462,10 @@ func (s *Session) answered(r *cltReq, err error) {
 // onCompletions is connection c's completion handler.
 func (p *Path) onCompletions(c *con, wc []rdma.WC) {
 	p.Stats.HandlerCall(c.drain(wc, func(w rdma.WC) {
+		if w.ID&wrKindMask == wrLocalInv {
+			p.invDone(c, w)
+			return
+		}
 		if w.Status != rdma.WCSuccess {
 			if w.Status != rdma.WCFlushErr {
 				p.errRecovery(fmt.Errorf("connection %d: %v completion: %v: %w", c.cid, w.Opcode, w.Status, syscall.EIO))
@@ -539,8 +548,31 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	// an IO_RSP_W_INV alone is the server's word, not the invalidation itself.
 	if len(r.data) > 0 && res.fr[r.permit].Valid() {
 		c.sendWR[0] = rdma.SendWR{Opcode: rdma.OpLocalInv, InvRKey: res.fr[r.permit].RKey()}
-		_, _ = c.qp.PostSend(c.sendWR[:])
+		if !res.syncLocal {
+			// The key reaches the data until the device has executed the invalidation:
+			// the request, its buffer and its permit wait for the completion, as the
+			// kernel's client's do (need_inv_comp), so that a late WRITE of the server's
+			// cannot land in the next user of the memory.
+			r.invErrno = errno
+			r.inv.Store(c)
+			c.sendWR[0].ID, c.sendWR[0].Flags = wrLocalInv|uint64(msgID), rdma.SendSignaled
+			_, err := c.qp.PostSend(c.sendWR[:])
+			if err == nil || !r.inv.CompareAndSwap(c, nil) {
+				return
+			}
+			// The connection is going: its QP's error state keeps the key from reaching
+			// anything.
+			p.errRecovery(fmt.Errorf("connection %d: LOCAL_INV of message %d: %w", c.cid, msgID, err))
+		} else {
+			_, _ = c.qp.PostSend(c.sendWR[:])
+		}
 	}
+	p.complete(r, res, errno)
+}
+
+// complete finishes a request the server answered with errno, its key dead.
+func (p *Path) complete(r *cltReq, res *pathRes, errno int) {
+	s := p.sess
 	if r.staged && r.dir == Read && errno == 0 {
 		copy(r.data, res.stage.Bytes()[r.permit*s.maxIOSize:])
 	}
@@ -549,6 +581,37 @@ func (p *Path) recv(c *con, w rdma.WC) {
 		s.failServer.Inc()
 	}
 	s.answered(r, errnoErr(errno))
+}
+
+// invDone handles the completion of a LOCAL_INV posted by recv on c: the request it kept
+// is finished, also when the completion is a flush (the QP in error reaches no memory).
+func (p *Path) invDone(c *con, w rdma.WC) {
+	if w.Status != rdma.WCSuccess && w.Status != rdma.WCFlushErr {
+		p.errRecovery(fmt.Errorf("connection %d: LOCAL_INV completion: %v: %w", c.cid, w.Status, syscall.EIO))
+	}
+	idx := int(w.ID &^ wrKindMask)
+	if idx >= p.sess.queueDepth {
+		return
+	}
+	p.mu.Lock()
+	res := p.res
+	p.mu.Unlock()
+	r := &p.sess.reqs[idx]
+	// A path being torn down has given up its resources: its teardown finishes the request
+	// once the handlers have stopped (finishInvalidating), with the stage still there.
+	if res == nil || !r.inv.CompareAndSwap(c, nil) {
+		return
+	}
+	p.completeRes(r, res)
+}
+
+// completeRes finishes r after its invalidation; res nil (the path torn down) only for
+// requests that need no copy out of the stage, else they fail.
+func (p *Path) completeRes(r *cltReq, res *pathRes) {
+	if res == nil && r.staged && r.dir == Read && r.invErrno == 0 {
+		r.invErrno = int(syscall.EIO)
+	}
+	p.complete(r, res, r.invErrno)
 }
 
 // account counts a finished request on the path that carried it.
@@ -570,6 +633,23 @@ func (s *Session) finish(r *cltReq, err error) {
 	s.permits.put(r.permit)
 	if done != nil {
 		done(err)
+	}
+}
+
+// finishInvalidating finishes the requests whose LOCAL_INV on cons had not completed when
+// they went to the error state, where their keys reach nothing more (the kernel's client
+// finishes them from the flushed completion); res is the path's last resources.
+func (p *Path) finishInvalidating(cons []*con, res *pathRes) {
+	done := false
+	for i := range p.sess.reqs {
+		r := &p.sess.reqs[i]
+		if c := r.inv.Load(); c != nil && contains(cons, c) && r.inv.CompareAndSwap(c, nil) {
+			p.completeRes(r, res)
+			done = true
+		}
+	}
+	if done {
+		p.sess.afterCompletions()
 	}
 }
 

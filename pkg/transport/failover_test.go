@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -518,5 +519,63 @@ func TestDoDeadline(t *testing.T) {
 	}
 	if after != down {
 		t.Fatalf("%d more paths recovered for a request the server answered", after-down)
+	}
+}
+
+// TestLateInvalidation: on a device that executes LOCAL_INV after the post (an HCA; here the
+// soft provider reporting itself as one), a READ whose key the server did not invalidate is
+// finished from its LOCAL_INV's completion, not before; those whose completion a path's
+// failure flushes are finished from the flush, or by the path's teardown when its handlers
+// had stopped first (a reconnect). IO with one path killed mid-run completes with the right
+// data, no request is left waiting for an invalidation, and every permit serves after.
+func TestLateInvalidation(t *testing.T) {
+	leakcheck.Check(t)
+	for _, c := range []struct {
+		inv  bool
+		kill string
+	}{{false, "qp error"}, {false, "reconnect"}, {true, "reconnect"}} {
+		name := fmt.Sprintf("always_invalidate=%v, %s", c.inv, c.kill)
+		e := newProvEnv(t, soft.New(soft.Options{LateLocalOps: true}), func(o *ServerOptions) { o.AlwaysInvalidate, o.QueueDepth = c.inv, 64 })
+		e.disk.async, e.disk.delay = true, time.Millisecond
+		s := e.open(t, "late", paths(t, path1(), path2()), nil)
+		p2 := s.Paths()[1]
+		model := make([]byte, len(e.disk.disk))
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			randomIO(t, s, model, 3000, 48, 9)
+		}()
+		testutil.WaitFor(t, 10*time.Second, "IO in flight on path 2", func() bool {
+			return p2.Stats.ReadCnt.Value() > 200 && p2.Inflight() >= 4
+		})
+		if c.kill == "reconnect" {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			if err := p2.Reconnect(ctx); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			cancel()
+		} else {
+			p2.mu.Lock()
+			cons := append([]*con(nil), p2.cons...)
+			p2.mu.Unlock()
+			for _, c := range cons {
+				c.qp.ToError()
+			}
+		}
+		<-done
+		for i := range s.reqs {
+			if s.reqs[i].inv.Load() != nil {
+				t.Fatalf("%s: request %d still waits for its key's invalidation", name, i)
+			}
+		}
+		testutil.WaitFor(t, 10*time.Second, "path 2 back", func() bool { return p2.State() == StateConnected })
+		randomIO(t, s, model, 1000, s.QueueDepth(), 10)
+		e.disk.mu.Lock()
+		same := string(model) == string(e.disk.disk)
+		e.disk.mu.Unlock()
+		if !same {
+			t.Fatalf("%s: disk differs from the model", name)
+		}
+		_ = s.Close()
 	}
 }

@@ -22,7 +22,13 @@ import (
 // newLimitedEnv is newEnv with the server's options changed by mod.
 func newLimitedEnv(t testing.TB, mod func(*ServerOptions)) *env {
 	t.Helper()
-	e := &env{prov: testProvider(t), disk: newMemDisk(8 << 20)}
+	return newProvEnv(t, testProvider(t), mod)
+}
+
+// newProvEnv is newLimitedEnv over the given provider.
+func newProvEnv(t testing.TB, prov rdma.Provider, mod func(*ServerOptions)) *env {
+	t.Helper()
+	e := &env{prov: prov, disk: newMemDisk(8 << 20)}
 	o := DefaultServerOptions()
 	o.Provider, o.Handler, o.Timings = e.prov, e.disk, Timings(testutil.FastTimings())
 	o.Addr = netip.AddrPortFrom(netip.MustParseAddr(testAddr(1)), 0)

@@ -68,6 +68,10 @@ type Options struct {
 	// that is empty, by the destination address. The peer's certificate subject is then the
 	// connection's identity (rdma.Authenticated).
 	TLS *tls.Config
+	// LateLocalOps makes the devices report SyncLocalOps false, as an HCA does, so that a
+	// consumer takes the path it takes on hardware: waiting for the completions of its
+	// LOCAL_INVs and REG_MRs. The operations still take effect when posted (tests).
+	LateLocalOps bool
 }
 
 // Defaults of the listener's admission bounds (Options).
@@ -217,7 +221,7 @@ func (d *device) Query() rdma.DeviceAttr {
 	return rdma.DeviceAttr{
 		MaxQPWR: maxQPWR, MaxSGE: maxSGE, MaxCQE: maxCQE, MaxMRSize: maxMRSize,
 		MaxFastRegPageListLen: maxFRPageList, MaxMsgSize: maxMsgSize, PhysPortCnt: 1,
-		SyncLocalOps: true,
+		SyncLocalOps: !d.prov.opts.LateLocalOps,
 	}
 }
 
