@@ -37,6 +37,7 @@ type config struct {
 	ConPerPath        int
 	MaxChunkMemory    string
 	NBDRegMemory      string
+	UblkRegMemory     string
 }
 
 func newConfig() *config {
@@ -44,7 +45,7 @@ func newConfig() *config {
 		Common: daemon.NewCommon("/etc/rtrs/rtrs-clientd.conf"),
 		Mount:  "/run/rtrs/rtrs-client", DevMount: "/run/rtrs/dev", NBDSocket: "/run/rtrs/nbd.sock",
 		NBDAttach: "none", UblkAttach: "none", UblkQueues: "cpus", UblkDepth: 128, IOTimeout: rnbd.DefaultReconnectTimeout, MaxChunkMemory: "256M",
-		NBDRegMemory: "256M",
+		NBDRegMemory: "256M", UblkRegMemory: "1G",
 	}
 }
 
@@ -66,6 +67,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.UblkAttach, "ublk-attach", c.UblkAttach, "attach mappings without a ublk= token to /dev/ublkbN: none or auto")
 	fs.StringVar(&c.UblkQueues, "ublk-queues", c.UblkQueues, "queues of a /dev/ublkbN: cpus (one per CPU), paths (one per path of its session) or a number")
 	fs.IntVar(&c.UblkDepth, "ublk-depth", c.UblkDepth, "requests in flight per ublk queue (1 to 4096)")
+	fs.StringVar(&c.UblkRegMemory, "ublk-registered-memory", c.UblkRegMemory, "the most memory registered for RDMA that ublk queues keep their requests' buffers in (queue depth × max IO each, pinned while the device exists); past it a queue's data is copied through the transport's stage (off: none)")
 	fs.DurationVar(&c.IOTimeout, "io-timeout", c.IOTimeout, "how long IO waits for a session that lost every path before it fails with EIO (0: 30 s)")
 	fs.DurationVar(&c.ReconnectDelay, "reconnect-delay", c.ReconnectDelay, "how long a disconnected path waits before each reconnect attempt, plus 0–7 ms so paths do not reconnect in step (0: 30 s, what RNBD asks of the kernel's RTRS)")
 	fs.DurationVar(&c.HeartbeatInterval, "heartbeat-interval", c.HeartbeatInterval, "how often each path sends a heartbeat; a path that misses more than 5 in a row is reconnected (0: 5 s, as the kernel)")
@@ -81,6 +83,7 @@ type resolved struct {
 	nbdTimeout    time.Duration
 	chunkMemory   int64
 	nbdRegMemory  int64 // nbd.Options.MaxArenaMemory: -1 for off
+	ublkRegMemory int64 // the ublk queues' registered buffers, all devices: -1 for off
 }
 
 func (c *config) resolve() (*resolved, error) {
@@ -127,5 +130,9 @@ func (c *config) resolve() (*resolved, error) {
 		return nil, fmt.Errorf("-nbd-registered-memory %q: want a size such as 256M, or off", c.NBDRegMemory)
 	}
 	r.nbdRegMemory = int64(m)
+	if m, err = size.ParseThreshold(c.UblkRegMemory); err != nil {
+		return nil, fmt.Errorf("-ublk-registered-memory %q: want a size such as 1G, or off", c.UblkRegMemory)
+	}
+	r.ublkRegMemory = int64(m)
 	return r, nil
 }

@@ -9,6 +9,7 @@
 //	             [-nbd-attach none|auto] [-nbd-conns N] [-nbd-timeout D]
 //	             [-nbd-registered-memory 256M|off]
 //	             [-ublk-attach none|auto] [-ublk-queues cpus|paths|N] [-ublk-depth N]
+//	             [-ublk-registered-memory 1G|off]
 //	             [-io-timeout 30s] [-reconnect-delay 30s] [-log-level info] [-log-json]
 //	rtrs-clientd -cleanup      (detach stale mounts and NBD devices left by a crash, then exit)
 //

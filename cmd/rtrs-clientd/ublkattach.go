@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -51,6 +52,10 @@ type ublkAttacher struct {
 	paths  func(*rnbd.Device) int // the device's session's paths, for queues "paths"
 	ctx    context.Context        // the daemon's: IO of the devices ends with it
 	lg     *log.Entry
+	// regLimit bounds the queues' registered buffers (regMem) over all devices; -1: none.
+	regLimit  int64
+	regMem    atomic.Int64
+	regRefuse log.Limiter
 
 	mu      sync.Mutex
 	ctrl    *ublk.Ctrl // opened at the first attach
@@ -69,7 +74,7 @@ type ublkAttacher struct {
 // newUblkAttacher is the daemon's ublk front end as its settings say; IO of its devices ends
 // with ctx.
 func newUblkAttacher(ctx context.Context, c *config, r *resolved, rc *rnbd.Client, lg *log.Entry) *ublkAttacher {
-	return &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg,
+	return &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg, regLimit: r.ublkRegMemory,
 		paths: func(dev *rnbd.Device) int {
 			if s := rc.Session(dev.Session()); s != nil {
 				return len(s.Paths())
@@ -195,7 +200,7 @@ func (u *ublkAttacher) Attach(ctx context.Context, d *rnbd.Device, at control.At
 	name := d.Session() + "/" + control.DeviceFileName(d.Path())
 	// The device's IO has a context of its own, which a force unmap ends (failIO).
 	ioCtx, failIO := context.WithCancel(u.ctx)
-	h := &ublkHandler{d: d, ctx: ioCtx, name: name, lg: u.lg}
+	h := &ublkHandler{u: u, d: d, ctx: ioCtx, name: name, lg: u.lg}
 	var dev *ublk.Device
 	recovered := false
 	if at >= 0 {
@@ -452,6 +457,7 @@ func (u *ublkAttacher) detachAll() {
 
 // ublkHandler serves a ublk device's requests from its RNBD device.
 type ublkHandler struct {
+	u    *ublkAttacher
 	d    *rnbd.Device
 	ctx  context.Context
 	name string
@@ -465,18 +471,50 @@ func (h *ublkHandler) QueueFailed(q int, err error) {
 
 // QueueBuffers gives a queue memory registered on the session's paths where they stage data
 // (verbs): its requests then go out from it and land in it without the copy through the
-// stage (ublk.BufferProvider). Elsewhere, or if that fails, the queue maps its own.
+// stage (ublk.BufferProvider). Elsewhere, past -ublk-registered-memory, or if that fails,
+// the queue maps its own.
 func (h *ublkHandler) QueueBuffers(q, depth, maxIO int) ([]byte, func()) {
+	n := int64(depth) * int64(maxIO)
+	if !h.u.reserve(n) {
+		h.u.regRefuse.Warn(h.lg, "ublk registered memory", h.name, fmt.Sprintf("ublk queue %d: the queues' registered buffers hold %d MiB, the bound (-ublk-registered-memory %d MiB): its data is copied through the transport's stage", q, h.u.regMem.Load()>>20, h.u.regLimit>>20))
+		return nil, nil
+	}
 	b, free, err := h.d.AllocIOBuffers(depth*maxIO, maxIO)
-	if err != nil {
-		h.lg.WithError(err).Warnf("%s: ublk queue %d: buffers not registered, its requests are staged", h.name, q)
+	if err != nil || b == nil {
+		h.u.regMem.Add(-n)
+		if err != nil {
+			h.lg.WithError(err).Warnf("%s: ublk queue %d: buffers not registered, its requests are staged", h.name, q)
+		}
 		return nil, nil
 	}
-	if b == nil {
-		return nil, nil
+	return b, func() { h.u.unreserve(n, free()) }
+}
+
+// reserve counts n bytes of queue buffers against regLimit, unless that would pass it.
+func (u *ublkAttacher) reserve(n int64) bool {
+	if u.regLimit < 0 {
+		return false
 	}
-	// Memory the session keeps past the free (a region still bound) is its to give back.
-	return b, func() { free() }
+	if u.regMem.Add(n) > u.regLimit {
+		u.regMem.Add(-n)
+		return false
+	}
+	return true
+}
+
+// unreserve uncounts n bytes once released is closed: the session may keep registered memory
+// past its free (a region a window still holds), counted until it is given back.
+func (u *ublkAttacher) unreserve(n int64, released <-chan struct{}) {
+	select {
+	case <-released:
+		u.regMem.Add(-n)
+	default:
+		// At most regLimit's worth of these wait, since what they wait for is counted.
+		go func() {
+			<-released
+			u.regMem.Add(-n)
+		}()
+	}
 }
 
 // Serve starts the request: reads and writes asynchronously, the rest in a goroutine.
