@@ -2,6 +2,7 @@ package uring
 
 import (
 	"encoding/binary"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -17,6 +18,9 @@ import (
 // the last look for work (Awake if it found some after all), wait, Awake, and Arm again
 // when the read's completion (its user data) comes back.
 type Doorbell struct {
+	// mu keeps Close from closing the eventfd under a Wake: a write to a number closed and
+	// taken again by another file would land in that file.
+	mu       sync.RWMutex
 	efd      int
 	buf      [8]byte // the read's target: only the kernel writes it
 	sleeping atomic.Bool
@@ -31,8 +35,10 @@ func NewDoorbell() (*Doorbell, error) {
 	return &Doorbell{efd: efd}, nil
 }
 
-// Close closes the eventfd.
+// Close closes the eventfd; a Wake after it does nothing.
 func (d *Doorbell) Close() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	if d.efd >= 0 {
 		unix.Close(d.efd)
 		d.efd = -1
@@ -66,5 +72,9 @@ func (d *Doorbell) Ring() {
 func (d *Doorbell) Wake() {
 	var one [8]byte
 	binary.LittleEndian.PutUint64(one[:], 1)
-	_, _ = unix.Write(d.efd, one[:])
+	d.mu.RLock()
+	if d.efd >= 0 {
+		_, _ = unix.Write(d.efd, one[:])
+	}
+	d.mu.RUnlock()
 }

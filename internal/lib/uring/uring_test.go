@@ -271,3 +271,26 @@ func TestDoorbell(t *testing.T) {
 		t.Fatalf("wake read: %+v", c)
 	}
 }
+
+// TestDoorbellWakeAfterClose: a Wake or Ring after Close writes nothing, also not to a file
+// that took the closed eventfd's number.
+func TestDoorbellWakeAfterClose(t *testing.T) {
+	d, err := NewDoorbell()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+	// The lowest free number: the eventfd's, most likely.
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(efd)
+	d.Sleep()
+	d.Ring()
+	d.Wake()
+	var buf [8]byte
+	if n, err := unix.Read(efd, buf[:]); err != unix.EAGAIN {
+		t.Fatalf("the file that took the number was written: %d bytes, %v", n, err)
+	}
+}
