@@ -297,6 +297,31 @@ func TestPermissions(t *testing.T) {
 	}
 }
 
+// TestRemoveRefused: rm and rmdir in a tree fail with EPERM, as in sysfs, and change
+// nothing: what a file or directory shows goes only through the control files.
+func TestRemoveRefused(t *testing.T) {
+	leakcheck.Check(t)
+	tt := &testTree{}
+	dir := mount(t, tt)
+	for _, name := range []string{"value", "sub/remove"} {
+		if err := syscall.Unlink(dir + "/" + name); err != syscall.EPERM {
+			t.Errorf("unlink %s: %v, want EPERM", name, err)
+		}
+	}
+	if err := syscall.Rmdir(dir + "/sub"); err != syscall.EPERM {
+		t.Errorf("rmdir sub: %v, want EPERM", err)
+	}
+	if out, err := sh(t, "rm -rf "+dir+"/sub"); err == nil || !strings.Contains(out, "Operation not permitted") {
+		t.Fatalf("rm -rf sub: %q %v", out, err)
+	}
+	if out, err := sh(t, "ls "+dir+" "+dir+"/sub"); err != nil || !strings.Contains(out, "remove") || !strings.Contains(out, "value") {
+		t.Fatalf("after the refused rm -rf the tree holds %q (%v)", out, err)
+	}
+	if b, err := os.ReadFile(dir + "/value"); err != nil || string(b) != "0\n" {
+		t.Fatalf("value after the refused removals: %q %v", b, err)
+	}
+}
+
 // syncBuffer is a bytes.Buffer safe for the logger's goroutines.
 type syncBuffer struct {
 	mu sync.Mutex

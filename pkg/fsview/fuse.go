@@ -238,7 +238,17 @@ var (
 	_ fs.NodeLookuper  = (*dirNode)(nil)
 	_ fs.NodeReaddirer = (*dirNode)(nil)
 	_ fs.NodeGetattrer = (*dirNode)(nil)
+	_ fs.NodeUnlinker  = (*dirNode)(nil)
+	_ fs.NodeRmdirer   = (*dirNode)(nil)
 )
+
+// Unlink refuses, as sysfs does: a tree's files go with what they show, through its
+// control files (go-fuse would report success and do nothing, and an operator's rm of a
+// device file would seem to have unmapped it).
+func (n *dirNode) Unlink(ctx context.Context, name string) syscall.Errno { return syscall.EPERM }
+
+// Rmdir refuses, as Unlink does.
+func (n *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno { return syscall.EPERM }
 
 func (n *dirNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	out.Mode = syscall.S_IFDIR | 0o755
