@@ -123,9 +123,21 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 			return nil, fmt.Errorf("%s=%v: no such front end here: %w", fe.name, fe.at, syscall.EINVAL)
 		}
 	}
+	if err := c.fileNameFree(r.SessName, r.DevicePath, nil); err != nil {
+		return nil, err
+	}
 	d, err := c.RNBD.Map(ctx, r.MapOptions)
 	if err != nil {
 		return d, err
+	}
+	// A map of the other name that ran beside this one: the later to look gives way.
+	if err := c.fileNameFree(r.SessName, r.DevicePath, d); err != nil {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		if uerr := d.Unmap(uctx); uerr != nil {
+			err = fmt.Errorf("%w (unmapping %s again: %v)", err, r.DevicePath, uerr)
+		}
+		return nil, err
 	}
 	for i, fe := range fes {
 		if fe.a == nil {
@@ -146,6 +158,20 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 		}
 	}
 	return d, nil
+}
+
+// fileNameFree refuses (EEXIST) a mapping of path in session sess whose name in the device
+// view another device of the session (not self) has under another path: sub/x and sub!x
+// are both shown as sub!x, and one of them could not be reached, as the kernel's client
+// refuses the second device whose sysfs link would take the same name.
+func (c *Client) fileNameFree(sess, path string, self *rnbd.Device) error {
+	name := DeviceFileName(path)
+	for _, d := range c.RNBD.Devices() {
+		if d != self && d.Session() == sess && d.Path() != path && d.State() != rnbd.StateUnmapped && DeviceFileName(d.Path()) == name {
+			return fmt.Errorf("%q would be shown as %s/%s, the name of mapped %q: %w", path, sess, name, d.Path(), syscall.EEXIST)
+		}
+	}
+	return nil
 }
 
 // Unmap detaches and unmaps the device u names (unmap_device): by its path or by its file

@@ -285,3 +285,35 @@ func TestDeviceView(t *testing.T) {
 		t.Errorf("session kept after its last device: %q", got)
 	}
 }
+
+// TestDeviceViewNameTaken: sub/x and sub!x would both be shown as sub!x; the second mapping
+// is refused (EEXIST) and the first stays reachable under that name, as the kernel's client
+// refuses a device whose sysfs link name is taken.
+func TestDeviceViewNameTaken(t *testing.T) {
+	leakcheck.Check(t)
+	tr := mountTrees(t)
+	dev := tr.dev
+	p1 := "ip:127.0.0.1@ip:127.0.0.1"
+	if err := os.MkdirAll(filepath.Join(tr.exports, "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for name, size := range map[string]int64{"sub/x": 8 << 20, "sub!x": 16 << 20} {
+		if err := os.WriteFile(filepath.Join(tr.exports, name), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(filepath.Join(tr.exports, name), size); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustSh(t, fmt.Sprintf("echo 'sessname=b device_path=sub/x dest_port=%d path=%s' > %s/ctl/map_device", tr.port, p1, dev))
+	shErr(t, "echo 'sessname=b device_path=sub!x' > "+dev+"/ctl/map_device", "File exists")
+	if got := mustSh(t, "ls "+dev+"/b; stat -c %s "+dev+"/b/sub!x; cut -d' ' -f1 "+dev+"/ctl/devices"); got != "sub!x\n8388608\nb/sub!x\n" {
+		t.Fatalf("after the refused mapping: %q", got)
+	}
+	mustSh(t, "echo 'sessname=b device_path=sub!x' > "+dev+"/ctl/unmap_device")                                              // by its file name
+	mustSh(t, fmt.Sprintf("echo 'sessname=b device_path=sub!x dest_port=%d path=%s' > %s/ctl/map_device", tr.port, p1, dev)) // free again
+	if got := mustSh(t, "stat -c %s "+dev+"/b/sub!x"); got != "16777216\n" {
+		t.Fatalf("sub!x mapped after sub/x's unmap: size %q", got)
+	}
+	mustSh(t, "echo 'sessname=b device_path=sub!x' > "+dev+"/ctl/unmap_device")
+}
