@@ -209,3 +209,24 @@ func TestMapAfterLastUnmap(t *testing.T) {
 		t.Fatal("map_device with path= did not map the device again")
 	}
 }
+
+// TestLastPathRemovedSurvivesRestart: a session whose last path was removed (the kernel
+// allows it) keeps, in the written-back config, the path it was declared with: a restart
+// brings the session and its device back there, rather than dropping a declaration without
+// path= and retrying the device's map forever.
+func TestLastPathRemovedSurvivesRestart(t *testing.T) {
+	c := startCluster(t)
+	mustBash(t, "echo 'sessname=e2e path="+c.p1+"' > "+c.cliMnt+"/ctl/open_session")
+	dev := c.mapDisk(t)
+	mustBash(t, "echo 1 > "+c.pathFile(c.p1, "remove_path"))
+	testutil.WaitFor(t, 10*time.Second, "the path gone", func() bool { return !exists(c.pathFile(c.p1, "state")) })
+	if conf := cat(c.cliConf); !strings.Contains(conf, "open_session sessname=e2e ") || !strings.Contains(conf, "path="+c.p1) {
+		t.Fatalf("the session's declaration after its last path went:\n%s", conf)
+	}
+	c.clid.stop()
+	c.clid.start()
+	testutil.WaitFor(t, 30*time.Second, "the session and its device back", func() bool {
+		return cat(c.pathFile(c.p1, "state")) == "connected\n" && exists(dev)
+	})
+	mustBash(t, "dd if="+dev+" of=/dev/null bs=4k count=16 status=none")
+}

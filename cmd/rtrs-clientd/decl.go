@@ -131,10 +131,10 @@ func (d *clientd) reload() {
 	d.startApply(cfg.Decls)
 }
 
-// declarations are the sessions and devices of now (control.Client.Declarations), plus the
-// declarations still waiting for their server.
-func (d *clientd) declarations() []string {
-	out := d.ctl.Declarations()
+// declarations are the sessions and devices of now (control.Client.Declarations, prev the
+// declarations written before), plus the declarations still waiting for their server.
+func (d *clientd) declarations(prev []string) []string {
+	out := d.ctl.Declarations(prev)
 	d.mu.Lock()
 	var pend []string
 	for l := range d.pendingDecls {
@@ -174,20 +174,24 @@ func (d *clientd) writeBack() {
 	if st, err := os.Stat(d.cfgPath); err == nil && !st.Mode().IsRegular() {
 		return
 	}
-	decls := d.declarations()
-	var keep []string
+	var keep, prev []string
 	if f, err := os.Open(d.cfgPath); err == nil {
 		sc := bufio.NewScanner(f)
 		for sc.Scan() {
 			line := sc.Text()
 			t := strings.TrimSpace(line)
-			if t == writtenBack || strings.HasPrefix(t, control.VerbOpenSession+" ") || strings.HasPrefix(t, control.VerbMapDevice+" ") {
+			if strings.HasPrefix(t, control.VerbOpenSession+" ") || strings.HasPrefix(t, control.VerbMapDevice+" ") {
+				prev = append(prev, t)
+				continue
+			}
+			if t == writtenBack {
 				continue
 			}
 			keep = append(keep, line)
 		}
 		f.Close()
 	}
+	decls := d.declarations(prev)
 	for len(keep) > 0 && strings.TrimSpace(keep[len(keep)-1]) == "" {
 		keep = keep[:len(keep)-1]
 	}

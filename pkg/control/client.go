@@ -320,6 +320,20 @@ func (c *Client) Apply(ctx context.Context, line string) (done bool, err error) 
 	return true, fmt.Errorf("unknown declaration %q", verb)
 }
 
+// declaredPaths are the paths and port of session name's open_session among decls.
+func declaredPaths(decls []string, name string) ([]transport.PathAddrs, uint16) {
+	for _, l := range decls {
+		verb, rest, _ := strings.Cut(strings.TrimSpace(l), " ")
+		if verb != VerbOpenSession {
+			continue
+		}
+		if o, err := ParseOpenSession(rest); err == nil && o.SessName == name {
+			return o.Paths, o.Port
+		}
+	}
+	return nil, 0
+}
+
 // addMissing adds to s the paths of want it does not have; done when it has them all.
 func (c *Client) addMissing(ctx context.Context, s *transport.Session, want []transport.PathAddrs) (bool, error) {
 	var errs []error
@@ -338,8 +352,11 @@ func (c *Client) addMissing(ctx context.Context, s *transport.Session, want []tr
 
 // Declarations renders the sessions and devices of now as config declarations, which Apply
 // takes back: a session with its live paths, port, policy and reconnect attempts, then each
-// mapped device with its access mode, nbd= and ublk= (see Attacher.Token).
-func (c *Client) Declarations() []string {
+// mapped device with its access mode, nbd= and ublk= (see Attacher.Token). A session left
+// with no path (its last one removed, which the kernel allows too) keeps the paths of its
+// declaration in prev, the declarations written before: a line without path= could not be
+// applied, and its devices would not come back at a restart.
+func (c *Client) Declarations(prev []string) []string {
 	var out []string
 	for _, name := range c.RNBD.SessionNames() {
 		s := c.RNBD.Session(name)
@@ -350,6 +367,12 @@ func (c *Client) Declarations() []string {
 		for _, p := range s.Paths() {
 			if p.State() != transport.StateDead {
 				o.Paths = append(o.Paths, transport.PathAddrs{Src: p.SrcAddr(), Dst: p.DstAddr()})
+			}
+		}
+		if len(o.Paths) == 0 {
+			o.Paths, o.Port = declaredPaths(prev, name)
+			if len(o.Paths) == 0 {
+				continue // nothing to bring it back with
 			}
 		}
 		pol, mra := s.Policy(), s.MaxReconnectAttempts()
