@@ -435,3 +435,18 @@ func TestMountOverLiveTreeRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestClipped: a refused write's reason is logged whole up to maxLoggedError bytes, cut
+// beyond with its length said, never splitting a character.
+func TestClipped(t *testing.T) {
+	if got := clipped("short", 8); got != "short" {
+		t.Errorf("short: %q", got)
+	}
+	long := strings.Repeat("x", 1<<20)
+	if got := clipped(long, maxLoggedError); len(got) > maxLoggedError+64 || !strings.HasSuffix(got, "(1048576 bytes in all)") {
+		t.Errorf("a megabyte: %d bytes, ends %q", len(got), got[len(got)-30:])
+	}
+	if got := clipped("ab€", 3); got != "ab… (5 bytes in all)" {
+		t.Errorf("cut inside a character: %q", got)
+	}
+}

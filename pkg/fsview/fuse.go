@@ -449,11 +449,23 @@ func (n *attrNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off 
 	if err := a.Store(val); err != nil {
 		en := errno.Of(err)
 		// The writer sees only the errno; the log says which file, what was written, and why.
-		log.G(ctx).WithFields(log.Fields{"component": "fsview", "file": n.Path(nil), "input": fmt.Sprintf("%.200q", val), "errno": en.Error()}).
-			WithError(err).Warn("control write refused")
+		log.G(ctx).WithFields(log.Fields{"component": "fsview", "file": n.Path(nil), "input": fmt.Sprintf("%.200q", val), "errno": en.Error(),
+			"error": clipped(err.Error(), maxLoggedError)}).Warn("control write refused")
 		return 0, en
 	}
 	return uint32(len(data)), 0
+}
+
+// maxLoggedError bounds the reason a refused control write logs: a reason may quote the
+// input, and a write of a megabyte must not make a log line of several.
+const maxLoggedError = 512
+
+// clipped is s cut to at most max bytes, saying how long it was.
+func clipped(s string, max int) string {
+	if len(s) <= max {
+		return s
+	}
+	return fmt.Sprintf("%s… (%d bytes in all)", strings.ToValidUTF8(s[:max], ""), len(s))
 }
 
 // blockNode adapts a Block: reads and writes go to the device; anything not in whole blocks
