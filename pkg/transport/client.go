@@ -760,7 +760,9 @@ func (p *Path) infoExchange(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return fmt.Errorf("rtrs: no INFO_RSP: %w", syscall.ETIMEDOUT)
 		}
-		return fmt.Errorf("rtrs: info exchange failed: %w", syscall.ECONNRESET)
+		// INFO_RSP carries no errno: a server that refuses the session by name (one used by
+		// another client), by its bounds or its ACL disconnects, and only its log says why.
+		return fmt.Errorf("rtrs: info exchange failed (the server ended the connection: a session name another client uses, or one of its bounds, refuses so; its log says which): %w", syscall.ECONNRESET)
 	}
 	return nil
 }
