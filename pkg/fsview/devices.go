@@ -9,6 +9,9 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
 )
 
+// A mapped device zeroes ranges without data: fallocate on its file is write-zeroes.
+var _ Zeroer = (*rnbd.Device)(nil)
+
 // Usage texts of the device view's control files.
 const (
 	mapUsage   = "Usage: echo \"sessname=<name> device_path=<path> [path=<[src@]dst>...] [dest_port=<port>] [access_mode=<ro|rw|migration>] [nr_poll_queues=<n>] [nbd=<auto|none|index>] [ublk=<auto|none|index>]\" > map_device\n"

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/pkg/log"
 )
@@ -267,6 +269,79 @@ func TestBlockFile(t *testing.T) {
 	}
 	if _, err := f.WriteAt(make([]byte, 512), 1<<20); !errors.Is(err, syscall.ENOSPC) {
 		t.Fatalf("write past the end: %v", err)
+	}
+	// Across the end: what fits is written, and the count says so, as on a block device.
+	tail := bytes.Repeat([]byte{0xee}, 4096)
+	if n, err := syscall.Pwrite(int(f.Fd()), tail, 1<<20-2048); n != 2048 || err != nil {
+		t.Fatalf("write across the end: %d, %v; want 2048", n, err)
+	}
+	mb.mu.Lock()
+	ok = bytes.Equal(mb.b[1<<20-2048:], tail[:2048])
+	mb.mu.Unlock()
+	if !ok {
+		t.Fatal("the part of a write across the end that fits not written")
+	}
+}
+
+// zeroBlock is a memBlock that zeroes ranges itself (fsview.Zeroer), recording how.
+type zeroBlock struct {
+	memBlock
+	calls []string
+}
+
+func (z *zeroBlock) WriteZeroes(_ context.Context, off, n int64, noUnmap bool) error {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	clear(z.b[off : off+n])
+	z.calls = append(z.calls, fmt.Sprintf("%d+%d noUnmap=%v", off, n, noUnmap))
+	return nil
+}
+
+// TestBlockFallocate: fallocate on a device file is write-zeroes as on a block device:
+// zero range keeps the blocks allocated, punch hole (with keep size) lets them go, a range
+// across the end is cut with keep size and EINVAL without, unaligned ranges are EINVAL and
+// other modes EOPNOTSUPP, each leaving the data as it was.
+func TestBlockFallocate(t *testing.T) {
+	leakcheck.Check(t)
+	zb := &zeroBlock{memBlock: memBlock{b: bytes.Repeat([]byte{1}, 1<<20)}}
+	dir := mount(t, DirFunc(func() []Entry { return []Entry{{Name: "dev", Block: zb}} }))
+	f, err := os.OpenFile(filepath.Join(dir, "dev"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fd := int(f.Fd())
+	for _, c := range []struct {
+		mode      uint32
+		off, n    int64
+		want      error
+		wantCalls string
+	}{
+		{unix.FALLOC_FL_ZERO_RANGE, 4096, 8192, nil, "4096+8192 noUnmap=true"},
+		{unix.FALLOC_FL_ZERO_RANGE | unix.FALLOC_FL_KEEP_SIZE, 0, 512, nil, "0+512 noUnmap=true"},
+		{unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_KEEP_SIZE, 65536, 4096, nil, "65536+4096 noUnmap=false"},
+		{unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_KEEP_SIZE, 1<<20 - 1024, 4096, nil, "1047552+1024 noUnmap=false"},
+		{unix.FALLOC_FL_ZERO_RANGE, 1<<20 - 1024, 4096, syscall.EINVAL, ""},
+		{unix.FALLOC_FL_ZERO_RANGE | unix.FALLOC_FL_KEEP_SIZE, 1 << 20, 512, syscall.EINVAL, ""},
+		{unix.FALLOC_FL_ZERO_RANGE, 100, 512, syscall.EINVAL, ""},
+		{0, 0, 4096, syscall.EOPNOTSUPP, ""},
+		{unix.FALLOC_FL_KEEP_SIZE, 0, 4096, syscall.EOPNOTSUPP, ""},
+	} {
+		zb.mu.Lock()
+		zb.calls = nil
+		zb.mu.Unlock()
+		err := unix.Fallocate(fd, c.mode, c.off, c.n)
+		zb.mu.Lock()
+		calls := strings.Join(zb.calls, ", ")
+		zb.mu.Unlock()
+		if !errors.Is(err, c.want) && !(c.want == nil && err == nil) || calls != c.wantCalls {
+			t.Errorf("fallocate mode %#x %d+%d: %v, zeroed %q; want %v, %q", c.mode, c.off, c.n, err, calls, c.want, c.wantCalls)
+		}
+	}
+	zb.mu.Lock()
+	defer zb.mu.Unlock()
+	if !bytes.Equal(zb.b[4096:12288], make([]byte, 8192)) || zb.b[12288] != 1 || zb.b[4095] != 1 || zb.b[512] != 1 || zb.b[511] != 0 {
+		t.Fatal("the zeroed range not zero, or more than it zeroed")
 	}
 }
 

@@ -489,6 +489,7 @@ var (
 	_ fs.NodeFsyncer   = (*blockNode)(nil)
 	_ fs.NodeGetattrer = (*blockNode)(nil)
 	_ fs.NodeSetattrer = (*blockNode)(nil)
+	_ fs.NodeAllocater = (*blockNode)(nil)
 )
 
 func (n *blockNode) fill(a *fuse.Attr) {
@@ -598,11 +599,15 @@ func (n *blockNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off 
 	return fuse.ReadResultData(buf[off-start : off-start+int64(len(dest))]), 0
 }
 
+// Write writes data at off; a write across the end writes what fits (a short count), one at
+// or past it gets ENOSPC, as a block device's.
 func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	d := n.blk(f)
-	if off+int64(len(data)) > d.Size() {
+	size := d.Size()
+	if off >= size && len(data) > 0 {
 		return 0, syscall.ENOSPC
 	}
+	data = data[:min(int64(len(data)), size-off)]
 	bs := int64(d.BlockSize())
 	if off%bs == 0 && int64(len(data))%bs == 0 {
 		n.mu.RLock()
@@ -628,6 +633,50 @@ func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off
 		return 0, errno.Of(err)
 	}
 	return uint32(len(data)), 0
+}
+
+// Zeroer is a Block that zeroes ranges without sending their data (rnbd.Device), for
+// fallocate's zero range and punch hole, which a block device turns into write-zeroes.
+type Zeroer interface {
+	WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) error
+}
+
+// Allocate is fallocate as on a block device: FALLOC_FL_ZERO_RANGE (with or without
+// KEEP_SIZE) zeroes the range and keeps it allocated, PUNCH_HOLE|KEEP_SIZE zeroes it and
+// lets the server deallocate it; other modes are EOPNOTSUPP. A range from or past the end
+// is EINVAL, one across it too unless KEEP_SIZE (then cut at the end); it must be in whole
+// logical blocks.
+func (n *blockNode) Allocate(ctx context.Context, f fs.FileHandle, off uint64, size uint64, mode uint32) syscall.Errno {
+	d := n.blk(f)
+	z, ok := d.(Zeroer)
+	if !ok {
+		return syscall.EOPNOTSUPP
+	}
+	var noUnmap bool
+	switch mode {
+	case unix.FALLOC_FL_ZERO_RANGE, unix.FALLOC_FL_ZERO_RANGE | unix.FALLOC_FL_KEEP_SIZE:
+		noUnmap = true
+	case unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_KEEP_SIZE:
+	default:
+		return syscall.EOPNOTSUPP
+	}
+	isize := uint64(d.Size())
+	if off >= isize || size == 0 {
+		return syscall.EINVAL
+	}
+	if size > isize-off {
+		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
+			return syscall.EINVAL
+		}
+		size = isize - off
+	}
+	if bs := uint64(d.BlockSize()); (off|size)&(bs-1) != 0 {
+		return syscall.EINVAL
+	}
+	// Beside whole-block writes, not inside a partial one's read, merge and write back.
+	n.mu.RLock()
+	defer n.mu.RUnlock()
+	return errno.Of(z.WriteZeroes(ioCtx(), int64(off), int64(size), noUnmap))
 }
 
 func (n *blockNode) Fsync(ctx context.Context, f fs.FileHandle, flags uint32) syscall.Errno {

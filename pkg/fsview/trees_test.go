@@ -275,6 +275,13 @@ func TestDeviceView(t *testing.T) {
 	if err != nil || !bytes.Equal(onServer[1<<20:2<<20], data) {
 		t.Fatalf("backing file differs (%v)", err)
 	}
+	// fallocate zeroes through the server, as on a block device.
+	mustSh(t, "fallocate -z -o 1179648 -l 65536 "+f+" && fallocate -p -o 1310720 -l 4096 "+f)
+	onServer, err = os.ReadFile(filepath.Join(tr.exports, "disk"))
+	if err != nil || !bytes.Equal(onServer[1179648:1179648+65536], make([]byte, 65536)) || !bytes.Equal(onServer[1310720:1310720+4096], make([]byte, 4096)) ||
+		!bytes.Equal(onServer[1179648+65536:1310720], data[1179648+65536-1<<20:1310720-1<<20]) {
+		t.Fatalf("after fallocate's zero range and punch hole the backing file holds other data (%v)", err)
+	}
 	shErr(t, fmt.Sprintf("echo 'sessname=b device_path=disk dest_port=%d path=%s' > %s/ctl/map_device", tr.port, p1, dev), "File exists")
 	shErr(t, "echo 'sessname=b device_path=other' > "+dev+"/ctl/unmap_device", "No such file or directory")
 	mustSh(t, "echo 'sessname=b device_path=/disk' > "+dev+"/ctl/unmap_device")
