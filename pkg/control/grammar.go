@@ -3,6 +3,7 @@ package control
 import (
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"runtime"
 	"strconv"
@@ -150,7 +151,7 @@ func parseMap(v string, withAttach bool) (MapRequest, error) {
 			r.AccessMode, err = rnbd.ParseAccessMode(val)
 		case "nr_poll_queues":
 			// The kernel's range: -1 (one per CPU) to nr_cpu_ids.
-			if n, aerr := strconv.Atoi(val); aerr != nil || n < -1 || n > cpuIDs() {
+			if n, aerr := parseMatchInt(val); aerr != nil || n < -1 || n > cpuIDs() {
 				err = fmt.Errorf("nr_poll_queues %q: -1 to %d: %w", val, cpuIDs(), syscall.EINVAL)
 			}
 		default:
@@ -359,6 +360,29 @@ func parseKInt(v string) (int, error) {
 	return int(n), nil
 }
 
+// parseMatchInt reads a number as the kernel's option parser reads %d (match_int, base 0):
+// an optional '-', then 0x and hex digits, a leading 0 and octal digits, or decimal digits,
+// the whole value and within an int32; anything else is EINVAL. dest_port=0x4d2 is 1234 and
+// dest_port=01234 is 668 there too.
+func parseMatchInt(v string) (int, error) {
+	s, neg := strings.CutPrefix(v, "-")
+	base := 10
+	switch {
+	case len(s) > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X') && strings.ContainsRune("0123456789abcdefABCDEF", rune(s[2])):
+		base, s = 16, s[2:]
+	case strings.HasPrefix(s, "0"):
+		base = 8
+	}
+	n, err := strconv.ParseUint(s, base, 32)
+	if err != nil || !neg && n > math.MaxInt32 || neg && n > -math.MinInt32 {
+		return 0, fmt.Errorf("%q: %w", v, syscall.EINVAL)
+	}
+	if neg {
+		return -int(n), nil
+	}
+	return int(n), nil
+}
+
 // pathParser collects path= tokens with the dest_port= in force (transport.DefaultPort
 // before the first); paths of one session share their port.
 type pathParser struct {
@@ -378,8 +402,8 @@ func (pp *pathParser) result() ([]transport.PathAddrs, uint16) {
 }
 
 func (pp *pathParser) destPort(val string) error {
-	n, err := strconv.ParseUint(val, 10, 16)
-	if err != nil || n == 0 {
+	n, err := parseMatchInt(val)
+	if err != nil || n < 1 || n > 65535 {
 		return fmt.Errorf("dest_port %q: 1 to 65535: %w", val, syscall.EINVAL)
 	}
 	pp.pending = uint16(n)

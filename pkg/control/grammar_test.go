@@ -2,6 +2,7 @@ package control
 
 import (
 	"errors"
+	"math"
 	"reflect"
 	"strconv"
 	"strings"
@@ -184,3 +185,22 @@ func openErr(v string) error    { _, err := ParseOpenSession(v); return err }
 func mapErr(v string) error     { _, err := ParseMapRequest(v); return err }
 func unmapErr(v string) error   { _, err := ParseUnmapRequest(v); return err }
 func addPathErr(v string) error { _, err := ParseAddPath(v); return err }
+
+// TestParseMatchInt: numbers as the kernel's option parser reads %d (simple_strtol base 0,
+// the whole token): hex after 0x, octal after a leading 0, an optional '-' but no '+'.
+func TestParseMatchInt(t *testing.T) {
+	for v, want := range map[string]int{"1234": 1234, "0x4d2": 1234, "0X4D2": 1234, "01234": 668, "0": 0, "-1": -1, "-0x10": -16, "2147483647": math.MaxInt32, "-2147483648": math.MinInt32} {
+		if n, err := parseMatchInt(v); err != nil || n != want {
+			t.Errorf("%q: %d, %v; want %d", v, n, err, want)
+		}
+	}
+	for _, v := range []string{"", "-", "+1234", "019234", "08", "0x", "0xg", "12abc", "1_000", "0o17", "0b1", " 1", "2147483648", "-2147483649", "--1"} {
+		if n, err := parseMatchInt(v); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("%q: %d, %v; want EINVAL", v, n, err)
+		}
+	}
+	r, err := ParseMapRequest("sessname=s1 device_path=x dest_port=0x4d3 path=ip:10.0.0.1 nr_poll_queues=00")
+	if err != nil || r.Port != 1235 {
+		t.Fatalf("dest_port=0x4d3: %+v, %v; want port 1235", r, err)
+	}
+}
