@@ -122,6 +122,9 @@ type Server struct {
 	shutdown atomic.Bool
 	// openRefused counts the OPENs answered with an error, by errno (under mu).
 	openRefused map[syscall.Errno]uint64
+	// unknownRefusals limits the refusals logged for sessions the server keeps no state for
+	// (no SESS_INFO or OPEN yet, or gone): a peer must not write the log at line rate.
+	unknownRefusals log.Limiter
 }
 
 // OpenRefused is how many OPENs were answered with an error since the server started, by
@@ -320,19 +323,22 @@ func (s *Server) failed(r *transport.SrvRequest, err error) {
 	s.Stats.Errors.Inc(r.ID())
 	lg := s.log.WithField("session", r.Session().Name())
 	switch en := errno.Of(err); en {
-	case syscall.EINVAL, syscall.EPERM, syscall.ENODEV, syscall.EBADMSG:
-		peer := r.Path().SrcAddr().IP.String()
-		s.mu.Lock()
-		ss := s.sessions[r.Session()] // not made again for a session that went
-		s.mu.Unlock()
-		if ss != nil {
-			ss.refusals.Warn(lg, "request refused: "+en.Error(), peer, err.Error())
-		} else {
-			lg.WithField("peer", peer).Warnf("request refused: %v", err)
-		}
+	case syscall.EINVAL, syscall.EPERM, syscall.ENODEV, syscall.EBADMSG, syscall.EOPNOTSUPP:
+		s.refusals(r).Warn(lg, "request refused: "+en.Error(), r.Path().SrcAddr().IP.String(), err.Error())
 	default:
 		lg.Debugf("%v", err)
 	}
+}
+
+// refusals is the limiter of r's session's refusals: its own, or for a session the server
+// keeps no state for, the one they share.
+func (s *Server) refusals(r *transport.SrvRequest) *log.Limiter {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss := s.sessions[r.Session()]; ss != nil { // not made again for a session that went
+		return &ss.refusals
+	}
+	return &s.unknownRefusals
 }
 
 // LinkEvent implements transport.Handler: a session whose last path went closes its devices
@@ -410,7 +416,9 @@ func (s *Server) release(d *sessDev, c closing) {
 func (s *Server) process(r *transport.SrvRequest) (rc int, answered bool) {
 	typ, ok := PeekType(r.Usr)
 	if !ok {
-		return -int(syscall.EBADMSG), false
+		err := fmt.Errorf("rnbd: user header of %d bytes: %w", len(r.Usr), syscall.EBADMSG)
+		s.failed(r, err)
+		return errno.Neg(err), false
 	}
 	var err error
 	switch typ {
@@ -424,18 +432,13 @@ func (s *Server) process(r *transport.SrvRequest) (rc int, answered bool) {
 			// session and cause, since the peer chooses how often to ask).
 			en := errno.Of(err)
 			s.mu.Lock()
-			ss := s.sessions[r.Session()] // not made again for a session that went
 			if s.openRefused == nil {
 				s.openRefused = map[syscall.Errno]uint64{}
 			}
 			s.openRefused[en]++
 			s.mu.Unlock()
 			lg := s.log.WithField("session", r.Session().Name())
-			if ss != nil {
-				ss.refusals.Warn(lg, "open refused: "+en.Error(), r.Path().SrcAddr().IP.String(), err.Error())
-			} else {
-				lg.WithField("peer", r.Path().SrcAddr().IP.String()).Warnf("refused: %v", err)
-			}
+			s.refusals(r).Warn(lg, "open refused: "+en.Error(), r.Path().SrcAddr().IP.String(), err.Error())
 		}
 	case MsgTypeClose:
 		err = s.processClose(r)
