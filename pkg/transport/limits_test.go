@@ -15,6 +15,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
 	"github.com/rtrs-go/rtrs/internal/lib/testutil"
 	"github.com/rtrs-go/rtrs/pkg/rdma"
 )
@@ -292,5 +293,28 @@ func TestChunkMemLockOrder(t *testing.T) {
 	}
 	if n := srv.ChunkMemory(); n != 0 {
 		t.Fatalf("%d bytes of chunk memory still charged", n)
+	}
+}
+
+// TestSendAfterInfoRefused: a SEND or SEND_WITH_IMM on an established connection, which the
+// protocol does not have after the info exchange, is refused (counted, logged) and closes
+// the path; each used up a receive that is never posted again, so ignoring them would let a
+// client stall its connection unseen.
+func TestSendAfterInfoRefused(t *testing.T) {
+	leakcheck.Check(t)
+	for _, op := range []rdma.Opcode{rdma.OpSend, rdma.OpSendWithImm} {
+		e := newEnv(t, false, 8)
+		s := e.open(t, "sends", paths(t, path1()), func(o *ClientOptions) { o.MaxReconnectAttempts = 0 })
+		p := s.Paths()[0]
+		p.mu.Lock()
+		c := p.cons[1]
+		p.mu.Unlock()
+		if _, err := c.qp.PostSend([]rdma.SendWR{{Opcode: op, Imm: 0x12345678, Flags: rdma.SendSignaled}}); err != nil {
+			t.Fatal(err)
+		}
+		testutil.WaitFor(t, 10*time.Second, fmt.Sprintf("%v refused, the path closed", op), func() bool {
+			return e.srv.Refused()["malformed request"] == 1 && len(e.srv.Sessions()) == 0
+		})
+		_ = s.Close()
 	}
 }

@@ -25,6 +25,12 @@ func (p *SrvPath) onCompletions(c *con, wc []rdma.WC) {
 			p.dispatch(c, int(w.ID&^wrKindMask))
 		case w.Opcode == rdma.WCRecvRDMAWithImm:
 			p.recvImm(c, w.Imm)
+		case w.Opcode == rdma.WCRecv:
+			// A SEND after INFO_REQ: the protocol has none (requests and heartbeats are
+			// RDMA writes with immediate), and it used up a receive, which is not posted
+			// again; enough of them would stall the connection unseen.
+			p.refuse("malformed request", fmt.Sprintf("connection %d: a SEND of %d bytes after the info exchange", c.cid, w.ByteLen))
+			go p.Close()
 		}
 	}))
 }
