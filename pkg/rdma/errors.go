@@ -16,6 +16,10 @@ var (
 	ErrAddrError   = fmt.Errorf("rdma: address resolution failed: %w", syscall.EHOSTUNREACH)
 	ErrUnreachable = fmt.Errorf("rdma: peer unreachable: %w", syscall.EHOSTUNREACH)
 	ErrNoDevice    = fmt.Errorf("rdma: no such device: %w", syscall.ENODEV)
+	// ErrPeerFault is why a connection a peer broke went down: an access outside its
+	// rights (a key or range it does not hold) or a protocol violation. A provider that
+	// can tell wraps it in its CMEvent.Err.
+	ErrPeerFault = fmt.Errorf("rdma: fault of the peer: %w", syscall.EPROTO)
 )
 
 // RejectError is returned by Connect when the peer rejected the request. Consumer-defined

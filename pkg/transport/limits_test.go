@@ -318,3 +318,44 @@ func TestSendAfterInfoRefused(t *testing.T) {
 		_ = s.Close()
 	}
 }
+
+// TestPeerFaultRefused: an RDMA access the client has no right to (a WRITE_WITH_IMM past the
+// last chunk or past its chunk, a READ of a chunk) is stopped by the provider and closes the
+// path, and the server counts and logs it as a refusal with the peer, not only as a
+// disconnect.
+func TestPeerFaultRefused(t *testing.T) {
+	leakcheck.Check(t)
+	for _, tc := range []struct {
+		name string
+		inv  bool
+		op   rdma.Opcode
+		off  uint64
+	}{
+		{"WRITE_WITH_IMM past the last chunk", false, rdma.OpRDMAWriteWithImm, 8 * DefaultChunkSize},
+		{"WRITE_WITH_IMM past its chunk (always_invalidate)", true, rdma.OpRDMAWriteWithImm, DefaultChunkSize - 16},
+		{"READ of a chunk", false, rdma.OpRDMARead, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, tc.inv, 8)
+			s := e.open(t, "fault", paths(t, path1()), func(o *ClientOptions) { o.MaxReconnectAttempts = 0 })
+			p := s.Paths()[0]
+			p.mu.Lock()
+			c, rb, pd := p.cons[1], &p.rbufs[0], p.res.pd
+			p.mu.Unlock()
+			mr, err := pd.RegMR(make([]byte, 4096), rdma.AccessLocalWrite)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = mr.Dereg() }()
+			wr := rdma.SendWR{Opcode: tc.op, Imm: IOReqImm(0, 100, MemBits(8)), Flags: rdma.SendSignaled,
+				SGList: []rdma.SGE{rdma.SGEOf(mr, 0, 64)}, RemoteAddr: rb.addr + tc.off, RKey: rb.rkey.Load()}
+			if _, err := c.qp.PostSend([]rdma.SendWR{wr}); err != nil {
+				t.Fatal(err)
+			}
+			testutil.WaitFor(t, 10*time.Second, "the fault refused and the path closed", func() bool {
+				return e.srv.Refused()["peer fault"] == 1 && len(e.srv.Sessions()) == 0
+			})
+			_ = s.Close()
+		})
+	}
+}

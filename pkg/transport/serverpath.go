@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"sync"
@@ -359,8 +360,14 @@ func (p *SrvPath) regChunks() error {
 // watch waits for the connection to go and closes the path.
 func (p *SrvPath) watch(c *con) {
 	select {
-	case <-c.id.Events():
-		p.lg().Infof("connection %d disconnected", c.cid)
+	case ev := <-c.id.Events():
+		if errors.Is(ev.Err, rdma.ErrPeerFault) {
+			// An access outside the client's keys or ranges (past a chunk, a READ of one),
+			// or a protocol violation, that the provider stopped.
+			p.refuse("peer fault", fmt.Sprintf("connection %d: %v", c.cid, ev.Err))
+		} else {
+			p.lg().WithError(ev.Err).Infof("connection %d disconnected", c.cid)
+		}
 		p.Close()
 	case <-p.closed:
 	}

@@ -577,7 +577,7 @@ func (q *qp) writeFailed(err error) {
 }
 
 // errPeer marks protocol violations by the peer.
-var errPeer = errors.New("soft-rdma: protocol violation by peer")
+var errPeer = fmt.Errorf("soft-rdma: protocol violation by peer: %w", rdma.ErrPeerFault)
 
 // readLoop is the responder and the requester's completion engine: it executes the peer's
 // requests against local memory and completes ours from the peer's answers.
@@ -709,7 +709,7 @@ func (q *qp) execute(h *frameHdr) error {
 			b, st = q.dev.resolve(q.pd, q, h.rkey, h.addr, h.len, rdma.AccessRemoteWrite)
 		}
 		if st != rdma.WCSuccess {
-			return q.fatal(h.seq, st, fmt.Errorf("remote write to rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
+			return q.fatal(h.seq, st, fmt.Errorf("%w: remote write to rkey %#x addr %#x len %d: %v", rdma.ErrPeerFault, h.rkey, h.addr, h.len, st))
 		}
 		if len(b) > 0 {
 			q.placingWrite.Lock()
@@ -735,7 +735,7 @@ func (q *qp) execute(h *frameHdr) error {
 			b, st = q.dev.resolve(q.pd, q, h.rkey, h.addr, h.len, rdma.AccessRemoteRead)
 		}
 		if st != rdma.WCSuccess {
-			return q.fatal(h.seq, st, fmt.Errorf("remote read of rkey %#x addr %#x len %d: %v", h.rkey, h.addr, h.len, st))
+			return q.fatal(h.seq, st, fmt.Errorf("%w: remote read of rkey %#x addr %#x len %d: %v", rdma.ErrPeerFault, h.rkey, h.addr, h.len, st))
 		}
 		if q.w.rsp.Load() >= maxRdAtomic {
 			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("%w: READ seq %d with %d responses not yet read by the peer (responder resources %d)", errPeer, h.seq, q.w.rsp.Load(), maxRdAtomic))
@@ -756,7 +756,7 @@ func (q *qp) execute(h *frameHdr) error {
 		wc.Flags, wc.Imm = rdma.WCWithImm, h.imm
 	case fSendInv:
 		if !q.dev.invalidate(q.pd, q, h.imm) {
-			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("send with invalidate of rkey %#x, which names no region open to remote invalidation", h.imm))
+			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("%w: send with invalidate of rkey %#x, which names no region open to remote invalidation", rdma.ErrPeerFault, h.imm))
 		}
 		wc.Flags, wc.InvRKey = rdma.WCWithInv, h.imm
 	}
@@ -840,7 +840,7 @@ func (q *qp) finishRecv(wc rdma.WC, h *frameHdr) error {
 		q.placing = false
 		q.mu.Unlock()
 		// The requester sees its SEND fail as an invalid request at the responder.
-		return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("receive for %v seq %d: %v", h.op, h.seq, st))
+		return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("%w: receive for %v seq %d: %v", rdma.ErrPeerFault, h.op, h.seq, st))
 	}
 	n := 0
 	if h != nil {
