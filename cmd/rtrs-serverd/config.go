@@ -93,7 +93,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&c.MaxConnectingPerAddr, "max-connecting-per-addr", c.MaxConnectingPerAddr, "connections of paths not yet established, per client address (an IPv6 client: per /64)")
 	fs.IntVar(&c.MaxNewSessionsPerAddr, "max-new-sessions-per-addr", c.MaxNewSessionsPerAddr, "sessions one client address has opened that have not sent INFO_REQ yet")
 	fs.IntVar(&c.MaxConns, "max-conns", c.MaxConns, "connections of all paths, established or not")
-	fs.DurationVar(&c.EstablishTimeout, "establish-timeout", c.EstablishTimeout, "how long a path may take from its first connection to INFO_REQ")
+	fs.DurationVar(&c.EstablishTimeout, "establish-timeout", c.EstablishTimeout, "how long a path may take from its latest connection to INFO_REQ (and four times that from its first)")
 	fs.IntVar(&c.MaxPending, "max-pending", c.MaxPending, "soft provider: connections not yet past the connection request, in all")
 	fs.IntVar(&c.MaxPendingPerAddr, "max-pending-per-addr", c.MaxPendingPerAddr, "soft provider: the same, per client address")
 	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", c.HandshakeTimeout, "soft provider: how long a new connection may take to send its connection request")

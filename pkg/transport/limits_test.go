@@ -359,3 +359,30 @@ func TestPeerFaultRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestEstablishCapped: each connection of a path restarts its establish clock (as the
+// kernel's does), but within a cap from its first: a client trickling in one more connection
+// just before each timeout, never sending INFO_REQ, loses the path (refused, counted) after
+// establishCap timeouts rather than holding it for one timeout per connection.
+func TestEstablishCapped(t *testing.T) {
+	leakcheck.Check(t)
+	const z = 500 * time.Millisecond
+	e := newLimitedEnv(t, func(o *ServerOptions) { o.Timings.ZombieTimeout = z })
+	m := silentPath(64)
+	start := time.Now()
+	var refusedAt time.Duration
+	for cid := uint16(0); time.Since(start) < (establishCap+2)*z; cid++ {
+		m.Cid, m.FirstConn = cid, cid == 0
+		if got := connectFrom(t, e, netip.MustParseAddr(testAddr(1)), m); got != 0 {
+			refusedAt = time.Since(start)
+			break // refused: the path is gone
+		}
+		time.Sleep(z * 8 / 10)
+	}
+	if refusedAt == 0 || refusedAt > (establishCap+1)*z {
+		t.Fatalf("a connection of the trickling path refused after %v; want within %v", refusedAt, (establishCap+1)*z)
+	}
+	if e.srv.Refused()["path not established in time"] == 0 {
+		t.Fatalf("the path's end not refused: %v", e.srv.Refused())
+	}
+}

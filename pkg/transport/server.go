@@ -433,9 +433,10 @@ func (s *Server) reserveConLocked(p *SrvPath, m *MsgConnReq, peer netip.AddrPort
 		return syscall.ECONNRESET
 	}
 	p.cons[m.Cid] = &con{cid: int(m.Cid)} // reserved
-	// Each connection that starts restarts the path's zombie clock (kernel 7.2).
+	// Each connection that starts restarts the path's zombie clock (kernel 7.2), within the
+	// cap from its first.
 	p.connStart = time.Now()
-	p.zombie.Reset(s.opts.Timings.ZombieTimeout)
+	p.zombie.Reset(p.zombieWaitLocked(s.opts.Timings.ZombieTimeout))
 	s.pendLocked(p, 1)
 	p.nCons++
 	s.conns++

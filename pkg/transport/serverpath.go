@@ -376,7 +376,19 @@ func (p *SrvPath) watch(c *con) {
 // zombieLocked tells whether the path is still connecting more than z after its latest
 // connection request (rtrs_srv_check_close_path); p.mu held.
 func (p *SrvPath) zombieLocked(z time.Duration) bool {
-	return p.state == srvConnecting && time.Since(p.connStart) > z
+	return p.state == srvConnecting && (time.Since(p.connStart) > z || time.Since(p.created) >= establishCap*z)
+}
+
+// establishCap bounds, in zombie timeouts from its first connection, how long a path may
+// take to connect all its connections: the kernel restarts the clock at each connection, so
+// that a client trickling one in before each timeout could hold the path (and its session's
+// slots) for cid_num timeouts, hours at the default.
+const establishCap = 4
+
+// zombieWaitLocked is how long the zombie timer waits now: until a timeout after the latest
+// connection, or the cap from the first, whichever is sooner; p.mu held.
+func (p *SrvPath) zombieWaitLocked(z time.Duration) time.Duration {
+	return min(z, time.Until(p.created.Add(establishCap*z)))
 }
 
 // infoReq handles INFO_REQ on connection 0 (process_info_req).
