@@ -6,6 +6,7 @@ import (
 	"context"
 	"io"
 	"log"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -78,39 +79,79 @@ func StdLogger(e *Entry, level string) *log.Logger {
 	return log.New(e.WriterLevel(lvl), "", 0)
 }
 
-// Limiter reports refusals once per cause: the first with its peer, then at most one line per
-// interval saying how many more there were and the last peer. Causes are a fixed set of words
-// chosen by the caller, never peer input, so its memory is bounded.
+// Limiter reports refusals once per cause and peer host: the first with its peer, then at
+// most one line per interval saying how many more there were and the last peer, so that a
+// peer refused again and again hides neither itself nor other peers refused for the same
+// cause. Causes are a fixed set of words chosen by the caller, never peer input; hosts are
+// kept for at most limiterHosts at once (IPv6 ones by /64), past which the others share
+// one line per cause: its memory is bounded.
 type Limiter struct {
-	// Every is the least time between two lines of one cause (default one minute).
+	// Every is the least time between two lines of one cause and host (default one minute).
 	Every time.Duration
 
 	mu     sync.Mutex
-	causes map[string]*limited
+	causes map[limitKey]*limited
 }
+
+type limitKey struct{ cause, host string }
 
 type limited struct {
 	last   time.Time
 	missed int
 }
 
-// Warn logs that peer was refused for cause (with detail), unless cause was reported less
-// than Every ago: then it only counts it.
+// limiterHosts bounds the cause and host pairs a Limiter keeps.
+const limiterHosts = 256
+
+// hostOf is the part of a peer that names its host: the address without its port, an IPv6
+// one's /64; anything that is not an address as it is (a socket's name, an export's).
+func hostOf(peer string) string {
+	a, err := netip.ParseAddr(peer)
+	if err != nil {
+		ap, err := netip.ParseAddrPort(peer)
+		if err != nil {
+			return peer
+		}
+		a = ap.Addr()
+	}
+	if a = a.Unmap(); a.Is6() {
+		if p, err := a.Prefix(64); err == nil {
+			return p.String()
+		}
+	}
+	return a.String()
+}
+
+// Warn logs that peer was refused for cause (with detail), unless cause was reported for
+// peer's host less than Every ago: then it only counts it.
 func (l *Limiter) Warn(e *Entry, cause, peer, detail string) {
 	every := l.Every
 	if every <= 0 {
 		every = time.Minute
 	}
+	now := time.Now()
 	l.mu.Lock()
 	if l.causes == nil {
-		l.causes = map[string]*limited{}
+		l.causes = map[limitKey]*limited{}
 	}
-	c := l.causes[cause]
+	k := limitKey{cause, hostOf(peer)}
+	c := l.causes[k]
+	if c == nil && len(l.causes) >= limiterHosts {
+		// Forget what has nothing left to report; failing room, the others share a line.
+		for old, v := range l.causes {
+			if v.missed == 0 && now.Sub(v.last) >= every {
+				delete(l.causes, old)
+			}
+		}
+		if len(l.causes) >= limiterHosts {
+			k.host = "*"
+			c = l.causes[k]
+		}
+	}
 	if c == nil {
 		c = &limited{}
-		l.causes[cause] = c
+		l.causes[k] = c
 	}
-	now := time.Now()
 	if !c.last.IsZero() && now.Sub(c.last) < every {
 		c.missed++
 		l.mu.Unlock()
