@@ -95,12 +95,17 @@ func (e AllowEntry) contains(a netip.Addr) bool {
 }
 
 // ParseAllow reads an allowlist: entries separated by ',', each one or more networks or
-// addresses joined by '+' ("10.0.1.5+10.0.2.5,10.0.3.0/24").
+// addresses joined by '+' ("10.0.1.5+10.0.2.5,10.0.3.0/24"). An empty (or blank) list is
+// none, which admits everyone; an empty entry in a list is EINVAL, so that a list that is
+// all separators (",,") cannot admit everyone by mistake.
 func ParseAllow(v string) ([]AllowEntry, error) {
 	var out []AllowEntry
+	if strings.TrimSpace(v) == "" {
+		return nil, nil
+	}
 	for _, f := range strings.Split(v, ",") {
 		if f = strings.TrimSpace(f); f == "" {
-			continue
+			return nil, fmt.Errorf("allowlist %q: an empty entry: %w", v, syscall.EINVAL)
 		}
 		var e AllowEntry
 		for _, n := range strings.Split(f, "+") {

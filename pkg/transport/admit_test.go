@@ -188,9 +188,14 @@ func TestAllowlistRails(t *testing.T) {
 	if got := connectFrom(t, sep, netip.MustParseAddr(testAddr(2)), steal); got != -int16(syscall.EPERM) {
 		t.Fatalf("a path from another entry: errno %d, want EPERM", got)
 	}
-	for _, bad := range []string{"10.0.0.1+", "x", "10.0.0.0/33"} {
+	for _, bad := range []string{"10.0.0.1+", "x", "10.0.0.0/33", ",,", " , ", "10.0.0.1,,10.0.0.2", "10.0.0.1,"} {
 		if _, err := ParseAllow(bad); err == nil {
 			t.Errorf("allowlist %q accepted", bad)
+		}
+	}
+	for _, none := range []string{"", "  "} {
+		if l, err := ParseAllow(none); err != nil || l != nil {
+			t.Errorf("allowlist %q: %v, %v; want none, no error", none, l, err)
 		}
 	}
 }
