@@ -159,6 +159,9 @@ func run(parent context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if c.NBDTCP != "" && nbdTLS == nil {
+		lg.Warnf("NBD on %s in clear: every local user, not only root, can read and write every mapped device through it (the socket %s is root's)", c.NBDTCP, c.NBDSocket)
+	}
 	defer stopNBD()
 	cur.Store(d)
 	lg.Infof("trees at %s and %s, NBD at %s", c.Mount, c.DevMount, c.NBDSocket)

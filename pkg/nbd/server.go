@@ -67,8 +67,10 @@ type Options struct {
 	MaxInflight int
 	// HandshakeTimeout bounds the option phase (default 30 s).
 	HandshakeTimeout time.Duration
-	// MaxConns bounds the connections served at once (default 256), MaxConnsPerAddr those
-	// from one TCP peer address (default 32); past them a new connection is closed at once.
+	// MaxConns bounds the connections served at once per listener (default 256), so that
+	// the clients of one (a TCP port any local user may reach) cannot keep those of another
+	// (the unix socket, root's) out; MaxConnsPerAddr bounds those from one TCP peer address
+	// (default 32). Past them a new connection is closed at once.
 	MaxConns        int
 	MaxConnsPerAddr int
 	// MaxConnMemory bounds the bytes of request and reply data a connection holds at once
@@ -159,6 +161,7 @@ type Server struct {
 	lns     map[net.Listener]struct{}
 	conns   map[net.Conn]struct{}
 	perAddr map[netip.Addr]int
+	perLn   map[net.Listener]int // connections of each listener (MaxConns)
 	wg      sync.WaitGroup
 
 	refusals log.Limiter
@@ -194,7 +197,7 @@ func NewServer(opts Options) *Server {
 		opts.MaxConnsPerAddr = 32
 	}
 	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"), mem: newBudget(opts.MaxMemory),
-		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}, perAddr: map[netip.Addr]int{}}
+		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}, perAddr: map[netip.Addr]int{}, perLn: map[net.Listener]int{}}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	return s
 }
@@ -251,13 +254,14 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 			c.Close()
 			return nil
 		}
-		if len(s.conns) >= s.opts.MaxConns || peer.IsValid() && s.perAddr[peer] >= s.opts.MaxConnsPerAddr {
+		if s.perLn[ln] >= s.opts.MaxConns || peer.IsValid() && s.perAddr[peer] >= s.opts.MaxConnsPerAddr {
 			s.mu.Unlock()
-			s.refusals.Warn(s.log, "connections", c.RemoteAddr().String(), fmt.Sprintf("NBD connections at the bound (%d in all, %d per address)", s.opts.MaxConns, s.opts.MaxConnsPerAddr))
+			s.refusals.Warn(s.log, "connections", c.RemoteAddr().String(), fmt.Sprintf("NBD connections at the bound (%d on %s, %d per address)", s.opts.MaxConns, ln.Addr(), s.opts.MaxConnsPerAddr))
 			c.Close()
 			continue
 		}
 		s.conns[c] = struct{}{}
+		s.perLn[ln]++
 		if peer.IsValid() {
 			s.perAddr[peer]++
 		}
@@ -268,6 +272,9 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 			s.serveConn(c, tlsCfg)
 			s.mu.Lock()
 			delete(s.conns, c)
+			if s.perLn[ln]--; s.perLn[ln] <= 0 {
+				delete(s.perLn, ln)
+			}
 			if peer.IsValid() {
 				if s.perAddr[peer]--; s.perAddr[peer] <= 0 {
 					delete(s.perAddr, peer)

@@ -167,3 +167,37 @@ func TestNBDConnectionBound(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	helloOn(t, "tcp", ln.Addr().String()) // a slot is free again
 }
+
+// TestNBDConnectionBoundPerListener: the clients of one listener (a TCP port, which any
+// local user may reach) filling MaxConns do not keep those of another (the unix socket) out.
+func TestNBDConnectionBoundPerListener(t *testing.T) {
+	leakcheck.Check(t)
+	tcp, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := t.TempDir() + "/nbd.sock"
+	unix, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := &memDev{b: make([]byte, 64<<10)}
+	s := NewServer(Options{Exports: func() []Export { return []Export{{Name: "d", Dev: dev}} }, MaxConns: 4, HandshakeTimeout: 5 * time.Second})
+	done := make(chan error, 2)
+	go func() { done <- s.Serve(tcp) }()
+	go func() { done <- s.Serve(unix) }()
+	t.Cleanup(func() { s.Close(); <-done; <-done })
+	for range 4 {
+		helloOn(t, "tcp", tcp.Addr().String())
+	}
+	c, err := net.Dial("tcp", tcp.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := c.Read(make([]byte, 18)); err == nil {
+		t.Fatalf("a 5th TCP connection got %d bytes of greeting", n)
+	}
+	helloOn(t, "unix", sock) // the socket's clients are not held up by TCP's
+}
