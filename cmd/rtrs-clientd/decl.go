@@ -127,6 +127,9 @@ func (d *clientd) reload() {
 	if err := daemon.SetupLog(c.LogLevel, c.LogJSON); err != nil {
 		d.lg.WithError(err).Warn("reload")
 	}
+	for _, ch := range daemon.Unapplied(&d.running, c, "log-level", "log-json") {
+		d.lg.Warnf("reload: %s not applied: it takes effect at a restart", ch)
+	}
 	d.lg.Infof("reload: %d declarations", len(cfg.Decls))
 	d.startApply(cfg.Decls)
 }

@@ -53,6 +53,7 @@ func main() { daemon.Main("rtrs-clientd", run) }
 type clientd struct {
 	cfgPath string
 	args    []string // the command line, for reloads
+	running config   // the settings it was started with, for a reload to compare with
 	c       *rnbd.Client
 	ctl     *control.Client
 	nbd     *nbdAttacher
@@ -132,7 +133,7 @@ func run(parent context.Context, args []string) error {
 		}
 		defer ml.Close()
 	}
-	d := &clientd{cfgPath: c.ConfigFile, args: args, c: rc, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
+	d := &clientd{cfgPath: c.ConfigFile, args: args, running: *c, c: rc, lg: lg, ctx: ctx, pendingDecls: map[string]bool{}}
 	defer d.wg.Wait()
 	ns := nbd.NewServer(nbd.Options{Exports: d.exports, MaxArenaMemory: r.nbdRegMemory})
 	defer ns.Close()

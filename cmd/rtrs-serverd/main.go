@@ -89,7 +89,8 @@ func run(parent context.Context, args []string) error {
 		}
 		defer unmount()
 	}
-	hup := func() { reloadSettings(lg, args, rs) }
+	running := *c // what the server was started with, for a reload to compare with
+	hup := func() { reloadSettings(lg, args, &running, rs) }
 	reload.Store(&hup)
 	lg.Infof("listening on %v, exports under %s, trees at %s and %s", srv.Addr(), c.SearchPath, c.Mount, c.RNBDMount)
 	daemon.Serve(ctx, func() string { return status(srv) })
@@ -108,8 +109,8 @@ func noDecls(cfg *daemon.Config) error {
 
 // reloadSettings is SIGHUP: the settings are loaded again as at start (the file's, the
 // command line's winning), and the export search path, the ACL and the log level follow
-// them; the rest needs a restart.
-func reloadSettings(lg *log.Entry, args []string, rs *rnbd.Server) {
+// them; the rest needs a restart, which the log says for each that changed.
+func reloadSettings(lg *log.Entry, args []string, running *config, rs *rnbd.Server) {
 	c, cfg, err := daemon.Load("rtrs-serverd", usage, args, newConfig)
 	if err == nil {
 		err = noDecls(cfg)
@@ -117,6 +118,9 @@ func reloadSettings(lg *log.Entry, args []string, rs *rnbd.Server) {
 	if err != nil {
 		lg.WithError(err).Warn("reload")
 		return
+	}
+	for _, ch := range daemon.Unapplied(running, c, "dev-search-path", "acl", "log-level", "log-json") {
+		lg.Warnf("reload: %s not applied: it takes effect at a restart", ch)
 	}
 	if err := rs.SetSearchPath(c.SearchPath); err != nil {
 		lg.WithError(err).Warn("reload")

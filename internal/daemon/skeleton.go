@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -191,4 +192,27 @@ func CheckInterval(name string, d, min time.Duration, zero bool) error {
 		return fmt.Errorf("-%s %v: at least %v", name, d, min)
 	}
 	return nil
+}
+
+// Unapplied lists, as "-name old → new", the settings that differ between the ones a daemon
+// runs with and the ones a reload read, but for those the reload applies (flag names): the
+// rest take effect at a restart only, and an operator who changed them is told so rather
+// than left to believe them in force.
+func Unapplied(running, read Settings, applied ...string) []string {
+	values := func(s Settings) map[string]string {
+		fs := flag.NewFlagSet("", flag.ContinueOnError)
+		s.Flags(fs)
+		m := map[string]string{}
+		fs.VisitAll(func(f *flag.Flag) { m[f.Name] = f.Value.String() })
+		return m
+	}
+	was, now := values(running), values(read)
+	var out []string
+	for name, v := range now {
+		if was[name] != v && !slices.Contains(applied, name) {
+			out = append(out, fmt.Sprintf("-%s %q → %q", name, was[name], v))
+		}
+	}
+	slices.Sort(out)
+	return out
 }

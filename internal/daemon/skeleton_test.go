@@ -143,3 +143,17 @@ func TestTLSFiles(t *testing.T) {
 		t.Errorf("no files: %v %v", cfg, err)
 	}
 }
+
+// TestUnapplied: a reload that read other values reports, by flag name, those it does not
+// apply, and not those it applies or those unchanged.
+func TestUnapplied(t *testing.T) {
+	running, read := newToy(), newToy()
+	read.Listen, read.Depth, read.LogLevel = "[::]:1235", 512, "debug"
+	got := Unapplied(running, read, "log-level")
+	if len(got) != 1 || got[0] != `-listen "[::]:1234" → "[::]:1235"` {
+		t.Fatalf("unapplied: %q", got)
+	}
+	if got := Unapplied(running, newToy()); len(got) != 0 {
+		t.Fatalf("the same settings: %q", got)
+	}
+}
