@@ -67,13 +67,15 @@ type cltSess struct {
 	rtrs *transport.Session
 	ver  uint8
 
-	mu       sync.Mutex
-	devs     []*Device
-	pinned   bool // opened on its own (OpenSession): stays without devices
-	remap    bool // a remap goroutine is running
-	again    bool // and must run once more
-	closing  bool
-	remapped sync.WaitGroup
+	mu     sync.Mutex
+	devs   []*Device
+	pinned bool // opened on its own (OpenSession): stays without devices
+	remap  bool // a remap goroutine is running
+	again  bool // and must run once more
+	// remapKick wakes a remap waiting to try again: a link event asks for it at once.
+	remapKick chan struct{}
+	closing   bool
+	remapped  sync.WaitGroup
 }
 
 // MapOptions say what to map (the map_device tokens).
@@ -280,7 +282,7 @@ func (c *Client) sessionWith(ctx context.Context, o MapOptions, mod func(*transp
 // open opens a session's RTRS session and exchanges SESS_INFO on it; c.mu is not held.
 // A pinned session is pinned from the start: no failed Map can close it once published.
 func (c *Client) open(ctx context.Context, o MapOptions, mod func(*transport.ClientOptions), pinned bool) (*cltSess, error) {
-	s := &cltSess{c: c, name: o.SessName, pinned: pinned}
+	s := &cltSess{c: c, name: o.SessName, pinned: pinned, remapKick: make(chan struct{}, 1)}
 	so := c.opts.Session
 	if mod != nil {
 		mod(&so)
@@ -349,6 +351,10 @@ func (s *cltSess) kickRemap() {
 	}
 	if s.remap {
 		s.again = true
+		select {
+		case s.remapKick <- struct{}{}:
+		default:
+		}
 		return
 	}
 	s.remap = true
@@ -356,9 +362,15 @@ func (s *cltSess) kickRemap() {
 	go s.remapLoop()
 }
 
+// remapBackoff bounds the wait between tries of a remap that failed with a path up (an
+// export the server refuses to open again): a link event tries again at once.
+const remapBackoff = 30 * time.Second
+
 func (s *cltSess) remapLoop() {
 	defer s.remapped.Done()
 	backoff := 10 * time.Millisecond
+	var warned time.Time // the last warning; those within a minute of it are only counted
+	suppressed := 0
 	for {
 		s.mu.Lock()
 		s.again = false
@@ -386,7 +398,12 @@ func (s *cltSess) remapLoop() {
 				ocancel()
 			}
 			if err != nil {
-				s.c.log.WithField("session", s.name).Warnf("remap: %v", err)
+				if time.Since(warned) >= time.Minute {
+					s.c.log.WithFields(log.Fields{"session": s.name, "failed_since_last_report": suppressed}).WithError(err).Warn("remap failed; trying again")
+					warned, suppressed = time.Now(), 0
+				} else {
+					suppressed++
+				}
 				ok = false
 			}
 		}
@@ -398,9 +415,15 @@ func (s *cltSess) remapLoop() {
 		}
 		s.mu.Unlock()
 		if !ok {
-			// Wait for a path before trying again; the link event kicks us too.
-			time.Sleep(backoff)
-			backoff = min(2*backoff, time.Second)
+			// Wait before trying again: a link event ends the wait.
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+				backoff = min(2*backoff, remapBackoff)
+			case <-s.remapKick:
+				t.Stop()
+				backoff = 10 * time.Millisecond
+			}
 			if !s.anyConnected() {
 				s.mu.Lock()
 				s.remap = false

@@ -41,6 +41,7 @@ type Device struct {
 
 	mu        sync.Mutex
 	state     DeviceState
+	closedWhy string // why the device is StateClosedByServer
 	id        uint32
 	geo       MsgOpenRsp
 	downSince time.Time
@@ -94,11 +95,22 @@ func (d *Device) open(ctx context.Context) error {
 		d.sendClose(ctx, rsp.DeviceID)
 		return errUnmappedMeanwhile
 	}
-	defer d.mu.Unlock()
 	if d.geo.LogicalBlockSize != 0 && (rsp.NSectors != d.geo.NSectors || rsp.LogicalBlockSize != d.geo.LogicalBlockSize) {
-		d.setStateLocked(StateDisconnected)
-		return fmt.Errorf("rnbd: %q changed geometry on remap (%d → %d sectors): %w", d.path, d.geo.NSectors, rsp.NSectors, syscall.EIO)
+		// The export is not the device that was mapped (replaced, or resized under it). It
+		// is closed on the server, which would otherwise hold it open for this session
+		// (rw: nobody else could open it), and stays closed here, not retried at every
+		// remap: unmap_device and map_device take it with its new size. (The kernel's
+		// client takes the new size; our front ends cannot all follow one.)
+		why := fmt.Sprintf("its geometry changed on the server (%d sectors of %d bytes, now %d of %d)", d.geo.NSectors, d.geo.LogicalBlockSize, rsp.NSectors, rsp.LogicalBlockSize)
+		d.closedWhy = "closed: " + why
+		d.setStateLocked(StateClosedByServer)
+		d.mu.Unlock()
+		d.sendClose(ctx, rsp.DeviceID)
+		d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).
+			Warnf("remap: %s: closed, its IO fails with EIO until it is unmapped and mapped again", why)
+		return fmt.Errorf("rnbd: %q: %s: %w", d.path, why, syscall.EIO)
 	}
+	defer d.mu.Unlock()
 	d.id, d.geo = rsp.DeviceID, rsp
 	d.noUnmapRefused.Store(false) // the server may have been upgraded under a remap
 	d.setStateLocked(StateMapped)
@@ -341,6 +353,7 @@ func (d *Device) closedByServer(id uint32) bool {
 		d.mu.Unlock()
 		return false
 	}
+	d.closedWhy = "closed by the server (force_close)"
 	d.setStateLocked(StateClosedByServer)
 	d.mu.Unlock()
 	d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path, "device_id": id}).
@@ -349,5 +362,8 @@ func (d *Device) closedByServer(id uint32) bool {
 }
 
 func (d *Device) errClosedByServer() error {
-	return fmt.Errorf("rnbd: %q of session %q was closed by the server (force_close): %w", d.path, d.sess.name, syscall.EIO)
+	d.mu.Lock()
+	why := d.closedWhy
+	d.mu.Unlock()
+	return fmt.Errorf("rnbd: %q of session %q was %s: %w", d.path, d.sess.name, why, syscall.EIO)
 }

@@ -1125,3 +1125,36 @@ func TestIOFailingForeverEnds(t *testing.T) {
 		t.Fatalf("read once the server answers: %v", err)
 	}
 }
+
+// TestRemapChangedGeometry: an export whose size changed while its session was down is not
+// taken as the device that was mapped: the remap closes it on the server (which would
+// otherwise hold it open, rw, for this session) and the device turns closed, its IO failing
+// with EIO at once and no remap retrying it; unmap and map take it with its new size.
+func TestRemapChangedGeometry(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "geo", "disk", AccessRW)
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	for _, ts := range e.server().sessionsOf() {
+		for _, p := range ts.Paths() {
+			p.Disconnect()
+		}
+	}
+	testutil.WaitFor(t, 10*time.Second, "the device closed at its remap", func() bool { return d.State() == StateClosedByServer })
+	testutil.WaitFor(t, 10*time.Second, "the server holding no device for the session", func() bool { return len(e.server().Devices()) == 0 })
+	if _, err := d.ReadAt(make([]byte, 4096), 0); !errors.Is(err, syscall.EIO) || !strings.Contains(err.Error(), "geometry changed") {
+		t.Fatalf("IO to the closed device: %v, want EIO saying why", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := d.Unmap(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if d2 := mustMap(t, e, c, "geo", "disk", AccessRW); d2.Size() != 2<<20 {
+		t.Fatalf("mapped again: %d bytes, want %d", d2.Size(), 2<<20)
+	}
+}
