@@ -124,7 +124,13 @@ func hostOf(peer string) string {
 
 // Warn logs that peer was refused for cause (with detail), unless cause was reported for
 // peer's host less than Every ago: then it only counts it.
-func (l *Limiter) Warn(e *Entry, cause, peer, detail string) {
+func (l *Limiter) Warn(e *Entry, cause, peer, detail string) { l.report(e, cause, peer, "refused: "+detail) }
+
+// Note logs msg about peer (a host, or what else the line is about) for cause as Warn does,
+// without calling it a refusal: a failure the peer did not cause, such as an export's.
+func (l *Limiter) Note(e *Entry, cause, peer, msg string) { l.report(e, cause, peer, msg) }
+
+func (l *Limiter) report(e *Entry, cause, peer, msg string) {
 	every := l.Every
 	if every <= 0 {
 		every = time.Minute
@@ -164,5 +170,5 @@ func (l *Limiter) Warn(e *Entry, cause, peer, detail string) {
 	if missed > 0 {
 		f["refused_since_last_report"] = missed
 	}
-	e.WithFields(f).Warn("refused: " + detail)
+	e.WithFields(f).Warn(msg)
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -131,5 +133,37 @@ func TestStatelessSessionRefusalsLimited(t *testing.T) {
 	h.mu.Unlock()
 	if warns > 10 {
 		t.Errorf("%d refused requests from one session logged %d warning lines (want once per cause and interval)", n+100, warns)
+	}
+}
+
+// TestExportErrorLogged: IO an export fails with EIO (a file truncated under its mapping) is
+// logged at the server, once a minute per session: the client sees only the errno.
+func TestExportErrorLogged(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, time.Second)
+	d := mustMap(t, e, c, "shrunk", "disk", AccessRW)
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	h := &logHook{}
+	logrus.StandardLogger().AddHook(h)
+	defer logrus.StandardLogger().ReplaceHooks(logrus.LevelHooks{})
+	for range 5 {
+		if _, err := d.ReadAt(make([]byte, 4096), 512<<10); !errors.Is(err, syscall.EIO) {
+			t.Fatalf("a read past the export's new end: %v, want EIO", err)
+		}
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for _, m := range h.msg {
+		if strings.HasPrefix(m, "warning") && strings.Contains(m, "IO failed with EIO") {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("%d warnings for 5 reads the export failed; want 1:\n%s", n, strings.Join(h.msg, "\n"))
 	}
 }

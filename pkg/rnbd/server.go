@@ -125,6 +125,7 @@ type Server struct {
 	// unknownRefusals limits the refusals logged for sessions the server keeps no state for
 	// (no SESS_INFO or OPEN yet, or gone): a peer must not write the log at line rate.
 	unknownRefusals log.Limiter
+	exportErrs      log.Limiter // the exports' EIO, once a minute per session
 }
 
 // OpenRefused is how many OPENs were answered with an error since the server started, by
@@ -325,6 +326,10 @@ func (s *Server) failed(r *transport.SrvRequest, err error) {
 	switch en := errno.Of(err); en {
 	case syscall.EINVAL, syscall.EPERM, syscall.ENODEV, syscall.EBADMSG, syscall.EOPNOTSUPP:
 		s.refusals(r).Warn(lg, "request refused: "+en.Error(), r.Path().SrcAddr().IP.String(), err.Error())
+	case syscall.EIO:
+		// The export's own failure (a file truncated under a mapping, a failing disk):
+		// the operator's to know, though the peer did nothing wrong.
+		s.exportErrs.Note(lg, "export error", r.Session().Name(), fmt.Sprintf("IO failed with EIO: %v", err))
 	default:
 		lg.Debugf("%v", err)
 	}
