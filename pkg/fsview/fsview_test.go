@@ -372,8 +372,8 @@ func TestPermissions(t *testing.T) {
 	}
 }
 
-// TestRemoveRefused: rm and rmdir in a tree fail with EPERM, as in sysfs, and change
-// nothing: what a file or directory shows goes only through the control files.
+// TestRemoveRefused: rm, rmdir, mkdir and mv in a tree fail with EPERM, as in sysfs, and
+// change nothing: what a file or directory shows goes only through the control files.
 func TestRemoveRefused(t *testing.T) {
 	leakcheck.Check(t)
 	tt := &testTree{}
@@ -385,6 +385,12 @@ func TestRemoveRefused(t *testing.T) {
 	}
 	if err := syscall.Rmdir(dir + "/sub"); err != syscall.EPERM {
 		t.Errorf("rmdir sub: %v, want EPERM", err)
+	}
+	if err := syscall.Mkdir(dir+"/new", 0o755); err != syscall.EPERM {
+		t.Errorf("mkdir: %v, want EPERM", err)
+	}
+	if err := syscall.Rename(dir+"/value", dir+"/other"); err != syscall.EPERM {
+		t.Errorf("rename: %v, want EPERM", err)
 	}
 	if out, err := sh(t, "rm -rf "+dir+"/sub"); err == nil || !strings.Contains(out, "Operation not permitted") {
 		t.Fatalf("rm -rf sub: %q %v", out, err)

@@ -240,6 +240,8 @@ var (
 	_ fs.NodeGetattrer = (*dirNode)(nil)
 	_ fs.NodeUnlinker  = (*dirNode)(nil)
 	_ fs.NodeRmdirer   = (*dirNode)(nil)
+	_ fs.NodeMkdirer   = (*dirNode)(nil)
+	_ fs.NodeRenamer   = (*dirNode)(nil)
 )
 
 // Unlink refuses, as sysfs does: a tree's files go with what they show, through its
@@ -249,6 +251,16 @@ func (n *dirNode) Unlink(ctx context.Context, name string) syscall.Errno { retur
 
 // Rmdir refuses, as Unlink does.
 func (n *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno { return syscall.EPERM }
+
+// Mkdir refuses, as sysfs does (go-fuse would say EOPNOTSUPP).
+func (n *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	return nil, syscall.EPERM
+}
+
+// Rename refuses, as sysfs does.
+func (n *dirNode) Rename(ctx context.Context, name string, newParent fs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
+	return syscall.EPERM
+}
 
 func (n *dirNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	out.Mode = syscall.S_IFDIR | 0o755

@@ -825,7 +825,11 @@ func (p *Path) mapChunks(desc []SgDesc) error {
 func (p *Path) watch(c *con) {
 	ev, ok := <-c.id.Events()
 	if ok && ev.Type == rdma.EventDisconnected {
-		p.errRecovery(fmt.Errorf("connection %d disconnected (%v): %w", c.cid, ev.Err, syscall.ECONNRESET))
+		why := "by the peer"
+		if ev.Err != nil {
+			why = ev.Err.Error()
+		}
+		p.errRecovery(fmt.Errorf("connection %d disconnected (%s): %w", c.cid, why, syscall.ECONNRESET))
 	}
 }
 
