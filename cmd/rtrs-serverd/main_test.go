@@ -74,3 +74,19 @@ func TestHeartbeatIntervalChecked(t *testing.T) {
 		}
 	}
 }
+
+// TestChunkMemoryHoldsASession: a -max-chunk-memory below one session's chunks (queue depth ×
+// (chunk + header)), which would refuse every client, is refused at start naming the flag.
+func TestChunkMemoryHoldsASession(t *testing.T) {
+	for v, ok := range map[string]bool{"1M": false, "65M": false, "66M": true, "8G": true, "": true} {
+		c := newConfig()
+		c.MaxChunkMemory = v
+		_, err := c.resolve()
+		if ok && err != nil {
+			t.Errorf("-max-chunk-memory %q: %v", v, err)
+		}
+		if !ok && (err == nil || !strings.Contains(err.Error(), "-max-chunk-memory")) {
+			t.Errorf("-max-chunk-memory %q: %v, want a refusal naming the flag", v, err)
+		}
+	}
+}

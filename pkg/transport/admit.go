@@ -186,7 +186,7 @@ func loadNames(path string) (*nameStore, error) {
 		return nil, fmt.Errorf("rtrs: session names: %w", err)
 	}
 	if err := json.Unmarshal(b, &ns.names); err != nil {
-		return nil, fmt.Errorf("rtrs: session names in %s: %w", path, err)
+		return nil, fmt.Errorf("rtrs: session names in %s: %w (the file is the server's own record of which client holds which name: move it away to start afresh, every name free again)", path, err)
 	}
 	for name := range ns.names {
 		if validName(name) != nil {
