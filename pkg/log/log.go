@@ -124,7 +124,9 @@ func hostOf(peer string) string {
 
 // Warn logs that peer was refused for cause (with detail), unless cause was reported for
 // peer's host less than Every ago: then it only counts it.
-func (l *Limiter) Warn(e *Entry, cause, peer, detail string) { l.report(e, cause, peer, "refused: "+detail) }
+func (l *Limiter) Warn(e *Entry, cause, peer, detail string) {
+	l.report(e, cause, peer, "refused: "+detail)
+}
 
 // Note logs msg about peer (a host, or what else the line is about) for cause as Warn does,
 // without calling it a refusal: a failure the peer did not cause, such as an export's.
