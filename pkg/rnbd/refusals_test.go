@@ -167,3 +167,30 @@ func TestExportErrorLogged(t *testing.T) {
 		t.Fatalf("%d warnings for 5 reads the export failed; want 1:\n%s", n, strings.Join(h.msg, "\n"))
 	}
 }
+
+// TestSessionDevicesBounded: a session holds at most maxSessDevices devices open; an OPEN
+// past it is refused with EMFILE and logged, and one is allowed again once a device closes.
+func TestSessionDevicesBounded(t *testing.T) {
+	leakcheck.Check(t)
+	defer func(n int) { maxSessDevices = n }(maxSessDevices)
+	maxSessDevices = 2
+	e := newTestEnv(t)
+	for _, n := range []string{"a", "b", "c"} {
+		e.file(t, n, 64<<10)
+	}
+	c := e.client(t, time.Second)
+	da := mustMap(t, e, c, "many", "a", AccessRO)
+	mustMap(t, e, c, "many", "b", AccessRO)
+	if _, err := e.mapDev(t, c, "many", "c", AccessRO); !errors.Is(err, syscall.EMFILE) {
+		t.Fatalf("a third device: %v, want EMFILE", err)
+	}
+	if got := e.server().OpenRefused()[syscall.EMFILE]; got != 1 {
+		t.Fatalf("OPENs refused with EMFILE: %d, want 1", got)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := da.Unmap(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mustMap(t, e, c, "many", "c", AccessRO)
+}

@@ -743,13 +743,22 @@ func (s *Server) admitLocked(p *transport.SrvPath, d *sessDev) error {
 		return fmt.Errorf("rnbd: %q: the path of the OPEN is gone: %w", d.name, syscall.ENOTCONN)
 	}
 	ts := p.Session()
-	for _, o := range s.sess(ts).devs { // the path is connected: the session is live
+	devs := s.sess(ts).devs // the path is connected: the session is live
+	for _, o := range devs {
 		if o.key == d.key {
 			return fmt.Errorf("rnbd: %q is %q, open in this session already: %w", d.name, o.name, syscall.EEXIST)
 		}
 	}
+	if len(devs) >= maxSessDevices {
+		return fmt.Errorf("rnbd: %q: the session has %d devices open, the most one may: %w", d.name, len(devs), syscall.EMFILE)
+	}
 	return nil
 }
+
+// maxSessDevices bounds the devices one session holds open (a descriptor each, and more with
+// direct IO): a client could otherwise open every file under the search path in each of its
+// sessions. The kernel's server has no bound. A variable for the tests.
+var maxSessDevices = 1024
 
 // publishLocked rebuilds the IO index of the devices; s.mu is held.
 func (s *Server) publishLocked() {
