@@ -42,6 +42,9 @@ type Device struct {
 	mu        sync.Mutex
 	state     DeviceState
 	closedWhy string // why the device is StateClosedByServer
+	// idClosed: the CLOSE of id was sent already (a remap that found the geometry changed):
+	// an unmap must not send another, which could close a device given the id since.
+	idClosed  bool
 	id        uint32
 	geo       MsgOpenRsp
 	downSince time.Time
@@ -103,6 +106,7 @@ func (d *Device) open(ctx context.Context) error {
 		// client takes the new size; our front ends cannot all follow one.)
 		why := fmt.Sprintf("its geometry changed on the server (%d sectors of %d bytes, now %d of %d)", d.geo.NSectors, d.geo.LogicalBlockSize, rsp.NSectors, rsp.LogicalBlockSize)
 		d.closedWhy = "closed: " + why
+		d.id, d.idClosed = rsp.DeviceID, true
 		d.setStateLocked(StateClosedByServer)
 		d.mu.Unlock()
 		d.sendClose(ctx, rsp.DeviceID)
@@ -111,7 +115,7 @@ func (d *Device) open(ctx context.Context) error {
 		return fmt.Errorf("rnbd: %q: %s: %w", d.path, why, syscall.EIO)
 	}
 	defer d.mu.Unlock()
-	d.id, d.geo = rsp.DeviceID, rsp
+	d.id, d.geo, d.idClosed = rsp.DeviceID, rsp, false
 	d.noUnmapRefused.Store(false) // the server may have been upgraded under a remap
 	d.setStateLocked(StateMapped)
 	return nil
@@ -274,8 +278,9 @@ func (d *Device) Unmap(ctx context.Context) error {
 		d.mu.Unlock()
 		return fmt.Errorf("rnbd: %q is still being mapped: %w", d.path, syscall.EBUSY)
 	}
-	// A device the server closed is closed too: the server still holds its id for us.
-	wasMapped, id := d.state == StateMapped || d.state == StateClosedByServer, d.id
+	// A device the server closed is closed too: the server still holds its id for us
+	// (force_close), unless the client closed it already (a changed geometry).
+	wasMapped, id := d.state == StateMapped || d.state == StateClosedByServer && !d.idClosed, d.id
 	d.setStateLocked(StateUnmapped)
 	var revoke []func()
 	for h := range d.holders {

@@ -1151,8 +1151,22 @@ func TestRemapChangedGeometry(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	// The unmap sends no second CLOSE of the id the remap closed: a server that gives the
+	// id to another device (the kernel's takes the lowest free) would close that one.
+	var closes atomic.Int32
+	count := func(r *transport.SrvRequest) bool {
+		if typ, _ := PeekType(r.Usr); typ == MsgTypeClose {
+			closes.Add(1)
+		}
+		return false
+	}
+	e.intercept.Store(&count)
+	defer e.intercept.Store(nil)
 	if err := d.Unmap(ctx); err != nil {
 		t.Fatal(err)
+	}
+	if n := closes.Load(); n != 0 {
+		t.Fatalf("the unmap of the device the remap closed sent %d CLOSEs", n)
 	}
 	if d2 := mustMap(t, e, c, "geo", "disk", AccessRW); d2.Size() != 2<<20 {
 		t.Fatalf("mapped again: %d bytes, want %d", d2.Size(), 2<<20)
