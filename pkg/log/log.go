@@ -95,6 +95,12 @@ type Limiter struct {
 
 type limitKey struct{ cause, host string }
 
+// flushedCount is what a forgotten host had left to report.
+type flushedCount struct {
+	limitKey
+	missed int
+}
+
 type limited struct {
 	last   time.Time
 	missed int
@@ -144,10 +150,15 @@ func (l *Limiter) report(e *Entry, cause, peer, msg string) {
 	}
 	k := limitKey{cause, hostOf(peer)}
 	c := l.causes[k]
+	var flushed []flushedCount
 	if c == nil && len(l.causes) >= limiterHosts {
-		// Forget what has nothing left to report; failing room, the others share a line.
+		// Forget the hosts whose interval is over, saying what they still had to report;
+		// failing room, the others share a line.
 		for old, v := range l.causes {
-			if v.missed == 0 && now.Sub(v.last) >= every {
+			if now.Sub(v.last) >= every {
+				if v.missed > 0 {
+					flushed = append(flushed, flushedCount{old, v.missed})
+				}
 				delete(l.causes, old)
 			}
 		}
@@ -156,6 +167,11 @@ func (l *Limiter) report(e *Entry, cause, peer, msg string) {
 			c = l.causes[k]
 		}
 	}
+	defer func() {
+		for _, fc := range flushed {
+			e.WithFields(Fields{"peer": fc.host, "cause": fc.cause, "refused_since_last_report": fc.missed}).Warn("refused: more of the same")
+		}
+	}()
 	if c == nil {
 		c = &limited{}
 		l.causes[k] = c

@@ -83,3 +83,27 @@ func TestLimiterOtherHosts(t *testing.T) {
 		t.Fatalf("%d hosts: %d lines, %d kept; want at most %d and %d", 4*limiterHosts, n, kept, limiterHosts, limiterHosts+1)
 	}
 }
+
+// TestLimiterTableRecovers: hosts whose interval is over make room for new ones, each of which
+// then gets its own line again, and what the forgotten ones had left to report is logged as
+// they go: a peer with many addresses fills the table only for one interval.
+func TestLimiterTableRecovers(t *testing.T) {
+	var buf bytes.Buffer
+	if _, err := Setup(Options{JSON: true, NoTime: true, Out: &buf}); err != nil {
+		t.Fatal(err)
+	}
+	l := Limiter{Every: 50 * time.Millisecond}
+	for i := range limiterHosts {
+		for range 2 {
+			l.Warn(L, "not allowed", fmt.Sprintf("10.2.%d.%d", i/256, i%256), "x")
+		}
+	}
+	time.Sleep(60 * time.Millisecond)
+	buf.Reset()
+	l.Warn(L, "not allowed", "10.3.0.1", "x")
+	l.Warn(L, "not allowed", "10.3.0.2", "x")
+	out := buf.String()
+	if !strings.Contains(out, `"peer":"10.3.0.1"`) || !strings.Contains(out, `"peer":"10.3.0.2"`) || strings.Count(out, `"refused_since_last_report":1`) != limiterHosts {
+		t.Fatalf("after the interval: new hosts logged %v %v, forgotten hosts' counts %d of %d", strings.Contains(out, `"peer":"10.3.0.1"`), strings.Contains(out, `"peer":"10.3.0.2"`), strings.Count(out, `"refused_since_last_report":1`), limiterHosts)
+	}
+}
