@@ -475,6 +475,9 @@ func (h *ublkHandler) QueueFailed(q int, err error) {
 // the queue maps its own.
 func (h *ublkHandler) QueueBuffers(q, depth, maxIO int) ([]byte, func()) {
 	n := int64(depth) * int64(maxIO)
+	if h.u.regLimit < 0 {
+		return nil, nil // off: the queue maps its own
+	}
 	if !h.u.reserve(n) {
 		h.u.regRefuse.Warn(h.lg, "ublk registered memory", h.name, fmt.Sprintf("ublk queue %d: the queues' registered buffers hold %d MiB, the bound (-ublk-registered-memory %d MiB): its data is copied through the transport's stage", q, h.u.regMem.Load()>>20, h.u.regLimit>>20))
 		return nil, nil

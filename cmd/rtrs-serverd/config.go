@@ -137,8 +137,8 @@ func (c *config) resolve() (*resolved, error) {
 			return nil, fmt.Errorf("-max-chunk-memory: %w", err)
 		}
 		r.limits.MaxChunkMemory = int64(n)
-		// One session takes queue depth × (chunk + header); less would refuse every client.
-		if one := int64(c.QueueDepth) * int64(r.chunkSize+transport.MaxHdrSize); r.limits.MaxChunkMemory < one {
+		// One session is charged queue depth × chunk size; less would refuse every client.
+		if one := int64(c.QueueDepth) * int64(r.chunkSize); r.limits.MaxChunkMemory < one {
 			return nil, fmt.Errorf("-max-chunk-memory %s: less than one session's chunks (%d MiB at queue depth %d and %s chunks): no client could connect", c.MaxChunkMemory, one>>20, c.QueueDepth, c.ChunkSize)
 		}
 	}

@@ -76,9 +76,10 @@ func TestHeartbeatIntervalChecked(t *testing.T) {
 }
 
 // TestChunkMemoryHoldsASession: a -max-chunk-memory below one session's chunks (queue depth ×
-// (chunk + header)), which would refuse every client, is refused at start naming the flag.
+// chunk size, what a session is charged), which would refuse every client, is refused at
+// start naming the flag.
 func TestChunkMemoryHoldsASession(t *testing.T) {
-	for v, ok := range map[string]bool{"1M": false, "65M": false, "66M": true, "8G": true, "": true} {
+	for v, ok := range map[string]bool{"1M": false, "63M": false, "64M": true, "8G": true, "": true} {
 		c := newConfig()
 		c.MaxChunkMemory = v
 		_, err := c.resolve()

@@ -130,7 +130,8 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 	if err != nil {
 		return d, err
 	}
-	// A map of the other name that ran beside this one: the later to look gives way.
+	// A map of the other name that ran beside this one: one that looks after both mapped
+	// gives way (both may, and are tried again; neither is ever shown under the other).
 	if err := c.fileNameFree(r.SessName, r.DevicePath, d); err != nil {
 		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 		defer cancel()

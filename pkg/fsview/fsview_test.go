@@ -281,6 +281,11 @@ func TestBlockFile(t *testing.T) {
 	if !ok {
 		t.Fatal("the part of a write across the end that fits not written")
 	}
+	// An empty write anywhere, past the end too, writes nothing and fails nothing (the node
+	// called directly: the kernel may not pass one on).
+	if n, en := (&blockNode{b: mb}).Write(context.Background(), nil, nil, 2<<20); n != 0 || en != 0 {
+		t.Fatalf("an empty write past the end: %d, %v", n, en)
+	}
 }
 
 // zeroBlock is a memBlock that zeroes ranges itself (fsview.Zeroer), recording how.

@@ -616,7 +616,10 @@ func (n *blockNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off 
 func (n *blockNode) Write(ctx context.Context, f fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	d := n.blk(f)
 	size := d.Size()
-	if off >= size && len(data) > 0 {
+	switch {
+	case len(data) == 0:
+		return 0, 0
+	case off >= size:
 		return 0, syscall.ENOSPC
 	}
 	data = data[:min(int64(len(data)), size-off)]

@@ -392,7 +392,7 @@ func (s *cltSess) remapLoop() {
 				// Each OPEN has its own deadline: one for them all ran out behind a few slow
 				// ones, and the remap started over from the first device, for ever.
 				octx, ocancel := context.WithTimeout(context.Background(), s.c.opts.ReconnectTimeout)
-				if e := d.open(octx); e != nil && !errors.Is(e, errUnmappedMeanwhile) {
+				if e := d.open(octx); e != nil && !errors.Is(e, errUnmappedMeanwhile) && !errors.Is(e, errClosedAtRemap) {
 					err = fmt.Errorf("%w: %w", errRemapDevice, e)
 				}
 				ocancel()

@@ -112,7 +112,7 @@ func (d *Device) open(ctx context.Context) error {
 		d.sendClose(ctx, rsp.DeviceID)
 		d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).
 			Warnf("remap: %s: closed, its IO fails with EIO until it is unmapped and mapped again", why)
-		return fmt.Errorf("rnbd: %q: %s: %w", d.path, why, syscall.EIO)
+		return fmt.Errorf("rnbd: %q: %s: %w", d.path, why, errClosedAtRemap)
 	}
 	defer d.mu.Unlock()
 	d.id, d.geo, d.idClosed = rsp.DeviceID, rsp, false
@@ -173,6 +173,10 @@ func (d *Device) BlockSize() int {
 	defer d.mu.Unlock()
 	return int(d.geo.LogicalBlockSize)
 }
+
+// errClosedAtRemap is a remap's OPEN of a device that is no longer the one mapped (its
+// geometry changed): closed, not tried again.
+var errClosedAtRemap = fmt.Errorf("closed at the remap: %w", syscall.EIO)
 
 // errUnmappedMeanwhile is a remap's OPEN answered after the device was unmapped.
 var errUnmappedMeanwhile = errors.New("rnbd: unmapped while being opened")

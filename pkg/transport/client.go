@@ -825,7 +825,7 @@ func (p *Path) mapChunks(desc []SgDesc) error {
 func (p *Path) watch(c *con) {
 	ev, ok := <-c.id.Events()
 	if ok && ev.Type == rdma.EventDisconnected {
-		why := "by the peer"
+		why := "no error reported"
 		if ev.Err != nil {
 			why = ev.Err.Error()
 		}

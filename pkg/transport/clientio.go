@@ -28,6 +28,9 @@ type cltReq struct {
 	// invErrno the server's answer meanwhile; whoever swaps inv to nil finishes it.
 	inv      atomic.Pointer[con]
 	invErrno int
+	// invAfterPost: inv was set by post for a request answered under its PostSend, which
+	// the invalidation's completion finishes with answer (recv accounted for it).
+	invAfterPost bool
 	// posting is set while post is in PostSend with the request's chain; a response that
 	// comes meanwhile (a hostile server's before the request has left, or an honest one's
 	// to a request that left before PostSend returned: with the soft provider over loopback,
@@ -432,7 +435,24 @@ func (p *Path) post(r *cltReq, countMI bool) error {
 		// REG_MR had run found no key to take back: the key this post handed the server
 		// must not outlive the request, which gives the buffer back to its caller.
 		if fr := res.fr[r.permit]; len(r.data) > 0 && fr != nil && fr.Valid() {
-			_, _ = c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}})
+			if res.syncLocal {
+				_, _ = c.qp.PostSend([]rdma.SendWR{{Opcode: rdma.OpLocalInv, InvRKey: fr.RKey()}})
+			} else {
+				// As in recv: the request waits for the invalidation's completion, which
+				// finishes it (invDone; recv accounted for it already).
+				// Before the post: its completion may finish the request, and the permit's
+				// next request set posting, inside PostSend.
+				r.posting.Store(0)
+				r.invAfterPost = true
+				r.inv.Store(c)
+				_, err := c.qp.PostSend([]rdma.SendWR{{ID: wrLocalInv | uint64(r.permit), Opcode: rdma.OpLocalInv, InvRKey: fr.RKey(), Flags: rdma.SendSignaled}})
+				if err == nil || !r.inv.CompareAndSwap(c, nil) {
+					return nil
+				}
+				r.invAfterPost = false
+				c.qp.ToError()
+				p.errRecovery(fmt.Errorf("connection %d: LOCAL_INV of message %d: %w", c.cid, r.permit, err))
+			}
 		}
 		r.posting.Store(0)
 		go func(err error) {
@@ -560,8 +580,9 @@ func (p *Path) recv(c *con, w rdma.WC) {
 			if err == nil || !r.inv.CompareAndSwap(c, nil) {
 				return
 			}
-			// The connection is going: its QP's error state keeps the key from reaching
-			// anything.
+			// Not posted (a send queue full, a QP going): in the error state the QP reaches
+			// no memory through any key, so the request may end; the path recovers.
+			c.qp.ToError()
 			p.errRecovery(fmt.Errorf("connection %d: LOCAL_INV of message %d: %w", c.cid, msgID, err))
 		} else {
 			_, _ = c.qp.PostSend(c.sendWR[:])
@@ -597,17 +618,23 @@ func (p *Path) invDone(c *con, w rdma.WC) {
 	res := p.res
 	p.mu.Unlock()
 	r := &p.sess.reqs[idx]
-	// A path being torn down has given up its resources: its teardown finishes the request
-	// once the handlers have stopped (finishInvalidating), with the stage still there.
-	if res == nil || !r.inv.CompareAndSwap(c, nil) {
+	// On a path being torn down (res nil) this may run before or after the teardown's
+	// sweep (finishInvalidating): whichever takes inv finishes the request.
+	if !r.inv.CompareAndSwap(c, nil) {
 		return
 	}
 	p.completeRes(r, res)
 }
 
-// completeRes finishes r after its invalidation; res nil (the path torn down) only for
-// requests that need no copy out of the stage, else they fail.
+// completeRes finishes r after its invalidation: a request recv answered, or one answered
+// under its post (finished by post's rules); res nil (the path torn down) only for requests
+// that need no copy out of the stage, else they fail.
 func (p *Path) completeRes(r *cltReq, res *pathRes) {
+	if r.invAfterPost {
+		r.invAfterPost = false
+		p.sess.finish(r, r.answer)
+		return
+	}
 	if res == nil && r.staged && r.dir == Read && r.invErrno == 0 {
 		r.invErrno = int(syscall.EIO)
 	}

@@ -120,7 +120,7 @@ func (s *Session) releaseKept() {
 		if left > 0 {
 			return false
 		}
-		s.log.Infof("kept IO buffers (%d bytes) deregistered at last: unmapped", len(b.buf))
+		s.log.Infof("kept IO buffers (%d bytes) unmapped: no window holds their regions any more, or their paths are gone", len(b.buf))
 		b.unmap(s)
 		return true
 	})

@@ -112,6 +112,10 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 	}
 }
 
+// keepClientKeys, set by a test, answers READs without invalidating the client's key, as a
+// server that does not honour RTRS_MSG_NEED_INVAL_F: the client must take the key back.
+var keepClientKeys bool
+
 // srvReq is the per-chunk request state of a path.
 type srvReq struct {
 	r       SrvRequest
@@ -218,7 +222,7 @@ func (p *SrvPath) dispatch(c *con, id int) {
 				p.badRequest(id, fmt.Sprintf("read of %d bytes into %d", r.desc.Len, dataLen))
 				return
 			}
-			r.needInv, r.cliKey = m.Flags&MsgNeedInvalF != 0, r.desc.Key
+			r.needInv, r.cliKey = m.Flags&MsgNeedInvalF != 0 && !keepClientKeys, r.desc.Key
 		}
 	default:
 		p.badRequest(id, fmt.Sprintf("type %d", typ))
