@@ -1094,8 +1094,11 @@ inv_race_only() {
 	errs=$(grep -c 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)' /tmp/dmesg.race || true)
 	invs=$(grep -c 'rtrs_client.*Failed IB_WR_LOCAL_INV: WR flushed' /tmp/dmesg.race || true)
 	[ "$errs" -ge 1 ] && [ "$invs" -ge "$errs" ] || return 1
+	# 7.2's rnbd_client also logs each such READ as "read I/O failed with err: -103"
+	# (ECONNABORTED: fail_all_outstanding_reqs' own errno), part of the same signature.
 	! grep -E "$IO_ERRORS" /tmp/dmesg.race |
-		grep -v 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)'
+		grep -v 'I/O error, dev rnbd0, sector [0-9]* op 0x0:(READ)' |
+		grep -v 'rnbd_client.*read I/O failed with err: -103$'
 }
 
 # uptime_now: seconds of uptime, as dmesg stamps its lines.
