@@ -45,7 +45,7 @@ type config struct {
 	MaxSessions, MaxConnsPerPath, MaxConnecting, MaxConnectingPerAddr int
 	MaxNewSessionsPerAddr, MaxConns, MaxPending, MaxPendingPerAddr    int
 	MaxSessionsPerClient                                              int
-	MaxChunkMemory                                                    string
+	MaxChunkMemory, MaxChunkMemoryPerClient                           string
 	EstablishTimeout, HandshakeTimeout                                time.Duration
 }
 
@@ -88,6 +88,7 @@ func (c *config) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&c.MaxSessions, "max-sessions", c.MaxSessions, "sessions the server holds at most, established or not")
 	fs.IntVar(&c.MaxSessionsPerClient, "max-sessions-per-client", c.MaxSessionsPerClient, "sessions one client holds at most: its certificate subject, or its allowlist entry of single addresses, else its address (an IPv6 client: its /64)")
 	fs.StringVar(&c.MaxChunkMemory, "max-chunk-memory", c.MaxChunkMemory, "chunk memory of all sessions at most (e.g. 8G; empty: half the machine's memory)")
+	fs.StringVar(&c.MaxChunkMemoryPerClient, "max-chunk-memory-per-client", c.MaxChunkMemoryPerClient, "chunk memory of one client's sessions at most, a client as -max-sessions-per-client counts it (empty: a quarter of -max-chunk-memory, and at least one session's)")
 	fs.IntVar(&c.MaxConnsPerPath, "max-conns-per-path", c.MaxConnsPerPath, "connections a path may have (its cid_num)")
 	fs.IntVar(&c.MaxConnecting, "max-connecting", c.MaxConnecting, "connections of paths not yet established, in all")
 	fs.IntVar(&c.MaxConnectingPerAddr, "max-connecting-per-addr", c.MaxConnectingPerAddr, "connections of paths not yet established, per client address (an IPv6 client: per /64)")
@@ -131,16 +132,23 @@ func (c *config) resolve() (*resolved, error) {
 		MaxConnecting: c.MaxConnecting, MaxConnectingPerAddr: c.MaxConnectingPerAddr,
 		MaxNewSessionsPerAddr: c.MaxNewSessionsPerAddr, MaxConns: c.MaxConns, MaxChunkMemory: daemon.DefaultChunkMemory(),
 		MaxSessionsPerClient: c.MaxSessionsPerClient}
-	if c.MaxChunkMemory != "" {
-		n, err := size.Parse(c.MaxChunkMemory)
+	// One session is charged queue depth × chunk size; less would refuse every client.
+	one := int64(c.QueueDepth) * int64(r.chunkSize)
+	for _, b := range []struct {
+		flag, v string
+		to      *int64
+	}{{"max-chunk-memory", c.MaxChunkMemory, &r.limits.MaxChunkMemory}, {"max-chunk-memory-per-client", c.MaxChunkMemoryPerClient, &r.limits.MaxChunkMemoryPerClient}} {
+		if b.v == "" {
+			continue
+		}
+		n, err := size.Parse(b.v)
 		if err != nil {
-			return nil, fmt.Errorf("-max-chunk-memory: %w", err)
+			return nil, fmt.Errorf("-%s: %w", b.flag, err)
 		}
-		r.limits.MaxChunkMemory = int64(n)
-		// One session is charged queue depth × chunk size; less would refuse every client.
-		if one := int64(c.QueueDepth) * int64(r.chunkSize); r.limits.MaxChunkMemory < one {
-			return nil, fmt.Errorf("-max-chunk-memory %s: less than one session's chunks (%d MiB at queue depth %d and %s chunks): no client could connect", c.MaxChunkMemory, one>>20, c.QueueDepth, c.ChunkSize)
+		if int64(n) < one {
+			return nil, fmt.Errorf("-%s %s: less than one session's chunks (%d MiB at queue depth %d and %s chunks): no client could connect", b.flag, b.v, one>>20, c.QueueDepth, c.ChunkSize)
 		}
+		*b.to = int64(n)
 	}
 	for name, v := range map[string]int{"max-sessions": c.MaxSessions, "max-conns-per-path": c.MaxConnsPerPath,
 		"max-connecting": c.MaxConnecting, "max-connecting-per-addr": c.MaxConnectingPerAddr,

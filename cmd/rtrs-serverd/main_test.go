@@ -75,19 +75,28 @@ func TestHeartbeatIntervalChecked(t *testing.T) {
 	}
 }
 
-// TestChunkMemoryHoldsASession: a -max-chunk-memory below one session's chunks (queue depth ×
-// chunk size, what a session is charged), which would refuse every client, is refused at
-// start naming the flag.
+// TestChunkMemoryHoldsASession: a -max-chunk-memory or -max-chunk-memory-per-client below one
+// session's chunks (queue depth × chunk size, what a session is charged), which would refuse
+// every client, is refused at start naming the flag; one that holds it is taken as given.
 func TestChunkMemoryHoldsASession(t *testing.T) {
-	for v, ok := range map[string]bool{"1M": false, "63M": false, "64M": true, "8G": true, "": true} {
-		c := newConfig()
-		c.MaxChunkMemory = v
-		_, err := c.resolve()
-		if ok && err != nil {
-			t.Errorf("-max-chunk-memory %q: %v", v, err)
-		}
-		if !ok && (err == nil || !strings.Contains(err.Error(), "-max-chunk-memory")) {
-			t.Errorf("-max-chunk-memory %q: %v, want a refusal naming the flag", v, err)
+	for _, flag := range []string{"max-chunk-memory", "max-chunk-memory-per-client"} {
+		for v, ok := range map[string]bool{"1M": false, "63M": false, "64M": true, "8G": true, "": true, "x": false} {
+			c := newConfig()
+			f := &c.MaxChunkMemory
+			if flag != "max-chunk-memory" {
+				f = &c.MaxChunkMemoryPerClient
+			}
+			*f = v
+			r, err := c.resolve()
+			if ok && err != nil {
+				t.Errorf("-%s %q: %v", flag, v, err)
+			}
+			if !ok && (err == nil || !strings.Contains(err.Error(), "-"+flag+" ")) && (err == nil || !strings.Contains(err.Error(), "-"+flag+":")) {
+				t.Errorf("-%s %q: %v, want a refusal naming the flag", flag, v, err)
+			}
+			if ok && v == "8G" && flag != "max-chunk-memory" && r.limits.MaxChunkMemoryPerClient != 8<<30 {
+				t.Errorf("-%s 8G: limit %d", flag, r.limits.MaxChunkMemoryPerClient)
+			}
 		}
 	}
 }

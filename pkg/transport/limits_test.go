@@ -126,7 +126,7 @@ func TestSessionStormWithinChunkMemory(t *testing.T) {
 	const per = qd * chunk
 	e := newLimitedEnv(t, func(o *ServerOptions) {
 		o.QueueDepth, o.ChunkSize = qd, chunk
-		o.Limits = ServerLimits{MaxChunkMemory: 4 * per}
+		o.Limits = ServerLimits{MaxChunkMemory: 4 * per, MaxChunkMemoryPerClient: 4 * per}
 	})
 	s := e.open(t, "healthy", paths(t, path1()), nil)
 	model := make([]byte, len(e.disk.disk))
@@ -209,6 +209,56 @@ func TestSessionStormWithinChunkMemory(t *testing.T) {
 	// The healthy client is still fine, and a new session fits again.
 	randomIO(t, s, model, 300, 8, 4)
 	e.open(t, "late", paths(t, path2()), nil)
+}
+
+// One client cannot take the chunk memory every other client needs: past
+// MaxChunkMemoryPerClient its sessions are refused (logged and counted under their own
+// cause), another client's session still opens, and a session that closes gives its client
+// the room back.
+func TestChunkMemoryPerClient(t *testing.T) {
+	const qd, chunk = 16, 512 << 10
+	const per = qd * chunk
+	e := newLimitedEnv(t, func(o *ServerOptions) {
+		o.QueueDepth, o.ChunkSize = qd, chunk
+		o.Limits = ServerLimits{MaxChunkMemory: 4 * per, MaxChunkMemoryPerClient: 2 * per}
+	})
+	// path2's sessions come from testAddr(2), path1's from testAddr(1): two clients.
+	a := e.open(t, "a0", paths(t, path2()), nil)
+	e.open(t, "a1", paths(t, path2()), nil)
+	if err := tryOpen(e, "a2", paths(t, path2())); err == nil {
+		t.Fatal("a third session of one client opened past its chunk memory")
+	}
+	if n := e.srv.Refused()["chunk memory per client"]; n == 0 {
+		t.Fatalf("refusals %v: none under the per-client cause", e.srv.Refused())
+	}
+	if got := e.srv.ChunkMemory(); got != 2*per {
+		t.Fatalf("chunk memory %d after the refusal, want %d", got, 2*per)
+	}
+	b := e.open(t, "b0", paths(t, path1()), nil)
+	model := make([]byte, len(e.disk.disk))
+	copy(model, e.disk.disk)
+	randomIO(t, b, model, 200, 8, 5)
+	_ = a.Close()
+	testutil.WaitFor(t, 10*time.Second, "a0's memory given back", func() bool { return e.srv.ChunkMemory() == 2*per })
+	e.open(t, "a2", paths(t, path2()), nil)
+}
+
+// The default per-client bound is a quarter of the server's, and never less than one session.
+func TestChunkMemoryPerClientDefault(t *testing.T) {
+	const qd, chunk = 16, 512 << 10
+	for _, tc := range []struct{ total, want int64 }{
+		{16 * qd * chunk, 4 * qd * chunk},
+		{2 * qd * chunk, qd * chunk},
+		{qd * chunk / 2, qd * chunk / 2},
+	} {
+		e := newLimitedEnv(t, func(o *ServerOptions) {
+			o.QueueDepth, o.ChunkSize = qd, chunk
+			o.Limits = ServerLimits{MaxChunkMemory: tc.total}
+		})
+		if got := e.srv.opts.Limits.MaxChunkMemoryPerClient; got != tc.want {
+			t.Errorf("MaxChunkMemory %d: per client %d, want %d", tc.total, got, tc.want)
+		}
+	}
 }
 
 // A client refuses a server that offers more chunk memory than it allows.

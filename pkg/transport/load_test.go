@@ -94,7 +94,7 @@ func loadRun(tb testing.TB, n, qd, ios int, restart bool) loadFigures {
 		o := DefaultServerOptions()
 		o.Provider, o.Handler, o.Timings, o.QueueDepth, o.Addr = prov, h, tm, qd, addr
 		o.ChunkSize = 64 << 10
-		o.Limits = ServerLimits{MaxSessions: 2 * n, MaxNewSessionsPerAddr: 2 * n, MaxSessionsPerClient: 2 * n, MaxConnecting: 8 * n * 3, MaxConnectingPerAddr: 8 * n * 3}
+		o.Limits = ServerLimits{MaxSessions: 2 * n, MaxNewSessionsPerAddr: 2 * n, MaxSessionsPerClient: 2 * n, MaxChunkMemoryPerClient: DefaultServerChunkMemory, MaxConnecting: 8 * n * 3, MaxConnectingPerAddr: 8 * n * 3}
 		srv, err := NewServer(o)
 		if err != nil {
 			tb.Fatal(err)

@@ -52,6 +52,10 @@ type ServerLimits struct {
 	// size each, allocated when a session's first path sends INFO_REQ; default
 	// DefaultServerChunkMemory). A session past it is refused.
 	MaxChunkMemory int64
+	// MaxChunkMemoryPerClient bounds the chunk memory of one client's sessions (a client as
+	// MaxSessionsPerClient counts it; default a quarter of MaxChunkMemory, and at least one
+	// session's), so that one client cannot take the memory every other client needs.
+	MaxChunkMemoryPerClient int64
 	// MaxConnsPerPath bounds a path's connections, its cid_num (default 257: the kernel
 	// client opens one per CPU and one more).
 	MaxConnsPerPath int
@@ -142,6 +146,7 @@ type Server struct {
 	newSessFrom    map[netip.Addr]int // sessions without INFO_REQ yet, per client address
 	conns          int                // connections of all paths
 	chunkMemory    int64
+	clientMemory   map[string]int64 // chunk memory per client (clientKey), entries above zero
 
 	// letGo is closed, and replaced, whenever a session's last live path goes and with it
 	// the session's hold on its name (waitName); under mu.
@@ -182,6 +187,10 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	}
 	opts.Timings = opts.Timings.withDefaults()
 	opts.Limits = opts.Limits.withDefaults()
+	if opts.Limits.MaxChunkMemoryPerClient <= 0 {
+		one := int64(opts.QueueDepth) * int64(opts.ChunkSize)
+		opts.Limits.MaxChunkMemoryPerClient = min(max(opts.Limits.MaxChunkMemory/4, one), opts.Limits.MaxChunkMemory)
+	}
 	names, err := loadNames(opts.NamesFile)
 	if err != nil {
 		return nil, err
@@ -190,7 +199,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{opts: opts, ln: ln, names: names, sessions: map[sessKey]*SrvSess{}, letGo: make(chan struct{}), connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{},
+	s := &Server{opts: opts, ln: ln, names: names, sessions: map[sessKey]*SrvSess{}, letGo: make(chan struct{}), connectingFrom: map[netip.Addr]int{}, newSessFrom: map[netip.Addr]int{}, clientMemory: map[string]int64{},
 		log: log.L.WithFields(log.Fields{"component": "rtrs-srv", "listen": ln.Addr().String()})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)

@@ -472,7 +472,11 @@ func (p *SrvPath) nameSession(peer netip.AddrPort, name string) bool {
 	}
 	// Memory first: a session refused for want of it does not take a name.
 	if err := p.regChunks(); err != nil {
-		srv.refuse(peer, "chunk memory", err.Error())
+		cause := "chunk memory"
+		if errors.Is(err, errClientMemory) {
+			cause = "chunk memory per client"
+		}
+		srv.refuse(peer, cause, err.Error())
 		return false
 	}
 	if !p.claimName(peer, name) {

@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"runtime"
@@ -109,17 +110,12 @@ func (ss *SrvSess) chunkMem() ([]byte, error) {
 	// the charge first, then the session, and the loser of a race gives its copy back.
 	srv := ss.srv
 	n := int64(srv.opts.QueueDepth) * int64(srv.opts.ChunkSize)
-	srv.mu.Lock()
-	if srv.chunkMemory+n > srv.opts.Limits.MaxChunkMemory {
-		used := srv.chunkMemory
-		srv.mu.Unlock()
-		return nil, fmt.Errorf("rtrs: chunk memory of %d bytes for the session: %d of %d in use: %w", n, used, srv.opts.Limits.MaxChunkMemory, syscall.ENOMEM)
+	if err := srv.chargeMem(ss.client, n); err != nil {
+		return nil, err
 	}
-	srv.chunkMemory += n
-	srv.mu.Unlock()
 	mem, err := rdma.Alloc(int(n))
 	if err != nil {
-		srv.unchargeMem(n)
+		srv.unchargeMem(ss.client, n)
 		return nil, fmt.Errorf("rtrs: chunk memory for the session: %w", err)
 	}
 	ss.mu.Lock()
@@ -127,7 +123,7 @@ func (ss *SrvSess) chunkMem() ([]byte, error) {
 		have, gone := ss.mem, ss.gone
 		ss.mu.Unlock()
 		_ = rdma.Free(mem)
-		srv.unchargeMem(n)
+		srv.unchargeMem(ss.client, n)
 		if gone {
 			return nil, fmt.Errorf("rtrs: session closed: %w", syscall.ECONNRESET)
 		}
@@ -136,9 +132,10 @@ func (ss *SrvSess) chunkMem() ([]byte, error) {
 	ss.mem = mem
 	// Normally freed when the last path has closed (freeMem); if a handler still held a
 	// request then, only once nothing can reach the session any more.
+	client := ss.client
 	ss.memCleanup = runtime.AddCleanup(ss, func(mem []byte) {
 		_ = rdma.Free(mem)
-		srv.unchargeMem(int64(len(mem)))
+		srv.unchargeMem(client, int64(len(mem)))
 	}, mem)
 	ss.mu.Unlock()
 	return mem, nil
@@ -158,7 +155,7 @@ func (ss *SrvSess) freeMem() {
 		return
 	}
 	_ = rdma.Free(mem)
-	ss.srv.unchargeMem(int64(len(mem)))
+	ss.srv.unchargeMem(ss.client, int64(len(mem)))
 	ss.srv.returnMem()
 }
 
@@ -188,10 +185,33 @@ func (s *Server) returnMem() {
 	})
 }
 
-// unchargeMem takes n bytes of chunk memory off the server's account.
-func (s *Server) unchargeMem(n int64) {
+// errClientMemory marks a refusal by MaxChunkMemoryPerClient, logged under its own cause.
+var errClientMemory = errors.New("the client's chunk memory")
+
+// chargeMem puts n bytes of chunk memory on the server's account and on client's, within
+// MaxChunkMemory and MaxChunkMemoryPerClient.
+func (s *Server) chargeMem(client string, n int64) error {
+	lim := s.opts.Limits
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.chunkMemory+n > lim.MaxChunkMemory {
+		return fmt.Errorf("rtrs: chunk memory of %d bytes for the session: %d of %d in use: %w", n, s.chunkMemory, lim.MaxChunkMemory, syscall.ENOMEM)
+	}
+	if have := s.clientMemory[client]; have+n > lim.MaxChunkMemoryPerClient {
+		return fmt.Errorf("rtrs: chunk memory of %d bytes for the session: its client's sessions hold %d of the %d allowed per client: %w: %w", n, have, lim.MaxChunkMemoryPerClient, errClientMemory, syscall.ENOMEM)
+	}
+	s.chunkMemory += n
+	s.clientMemory[client] += n
+	return nil
+}
+
+// unchargeMem takes n bytes of chunk memory off the server's account and off client's.
+func (s *Server) unchargeMem(client string, n int64) {
 	s.mu.Lock()
 	s.chunkMemory -= n
+	if s.clientMemory[client] -= n; s.clientMemory[client] <= 0 {
+		delete(s.clientMemory, client)
+	}
 	s.mu.Unlock()
 }
 
