@@ -10,10 +10,10 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
+	"github.com/rtrs-go/rtrs/internal/lib/membudget"
 	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
@@ -52,9 +52,8 @@ type ublkAttacher struct {
 	paths  func(*rnbd.Device) int // the device's session's paths, for queues "paths"
 	ctx    context.Context        // the daemon's: IO of the devices ends with it
 	lg     *log.Entry
-	// regLimit bounds the queues' registered buffers (regMem) over all devices; -1: none.
-	regLimit  int64
-	regMem    atomic.Int64
+	// regMem bounds the queues' registered buffers over all devices (-ublk-registered-memory).
+	regMem    *membudget.Budget
 	regRefuse log.Limiter
 
 	mu      sync.Mutex
@@ -74,7 +73,7 @@ type ublkAttacher struct {
 // newUblkAttacher is the daemon's ublk front end as its settings say; IO of its devices ends
 // with ctx.
 func newUblkAttacher(ctx context.Context, c *config, r *resolved, rc *rnbd.Client, lg *log.Entry) *ublkAttacher {
-	return &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg, regLimit: r.ublkRegMemory,
+	return &ublkAttacher{def: r.ublkDefault, queues: c.UblkQueues, depth: c.UblkDepth, ctx: ctx, lg: lg, regMem: membudget.New(r.ublkRegMemory),
 		paths: func(dev *rnbd.Device) int {
 			if s := rc.Session(dev.Session()); s != nil {
 				return len(s.Paths())
@@ -475,49 +474,22 @@ func (h *ublkHandler) QueueFailed(q int, err error) {
 // the queue maps its own.
 func (h *ublkHandler) QueueBuffers(q, depth, maxIO int) ([]byte, func()) {
 	n := int64(depth) * int64(maxIO)
-	if h.u.regLimit < 0 {
+	if h.u.regMem.Limit() < 0 {
 		return nil, nil // off: the queue maps its own
 	}
-	if !h.u.reserve(n) {
-		h.u.regRefuse.Warn(h.lg, "ublk registered memory", h.name, fmt.Sprintf("ublk queue %d: the queues' registered buffers hold %d MiB, the bound (-ublk-registered-memory %d MiB): its data is copied through the transport's stage", q, h.u.regMem.Load()>>20, h.u.regLimit>>20))
+	if !h.u.regMem.Reserve(n) {
+		h.u.regRefuse.Warn(h.lg, "ublk registered memory", h.name, fmt.Sprintf("ublk queue %d: the queues' registered buffers hold %d MiB, the bound (-ublk-registered-memory %d MiB): its data is copied through the transport's stage", q, h.u.regMem.Used()>>20, h.u.regMem.Limit()>>20))
 		return nil, nil
 	}
 	b, free, err := h.d.AllocIOBuffers(depth*maxIO, maxIO)
 	if err != nil || b == nil {
-		h.u.regMem.Add(-n)
+		h.u.regMem.Cancel(n)
 		if err != nil {
 			h.lg.WithError(err).Warnf("%s: ublk queue %d: buffers not registered, its requests are staged", h.name, q)
 		}
 		return nil, nil
 	}
-	return b, func() { h.u.unreserve(n, free()) }
-}
-
-// reserve counts n bytes of queue buffers against regLimit, unless that would pass it.
-func (u *ublkAttacher) reserve(n int64) bool {
-	if u.regLimit < 0 {
-		return false
-	}
-	if u.regMem.Add(n) > u.regLimit {
-		u.regMem.Add(-n)
-		return false
-	}
-	return true
-}
-
-// unreserve uncounts n bytes once released is closed: the session may keep registered memory
-// past its free (a region a window still holds), counted until it is given back.
-func (u *ublkAttacher) unreserve(n int64, released <-chan struct{}) {
-	select {
-	case <-released:
-		u.regMem.Add(-n)
-	default:
-		// At most regLimit's worth of these wait, since what they wait for is counted.
-		go func() {
-			<-released
-			u.regMem.Add(-n)
-		}()
-	}
+	return b, func() { h.u.regMem.ReleaseWhen(n, free()) }
 }
 
 // Serve starts the request: reads and writes asynchronously, the rest in a goroutine.

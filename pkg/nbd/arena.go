@@ -40,19 +40,18 @@ type arena struct {
 // allocation fails (logged): the pools serve then.
 func (s *Server) newArena(d BufferDevice, name string) *arena {
 	slot := d.MaxIO()
-	if slot <= 0 || s.opts.MaxArenaMemory < 0 {
+	if slot <= 0 || s.arenaMem.Limit() < 0 {
 		return nil
 	}
 	slots := int(min(int64(s.opts.MaxInflight), s.opts.MaxConnMemory/int64(slot)))
 	size := int64(slots) * int64(slot)
-	if s.arenaMem.Add(size) > s.opts.MaxArenaMemory {
-		s.arenaMem.Add(-size)
+	if !s.arenaMem.Reserve(size) {
 		s.refusals.Warn(s.log, "no registered memory", name, fmt.Sprintf("the connections' arenas hold %d MiB, the bound (MaxArenaMemory): this connection's data is copied through the transport's stage", s.opts.MaxArenaMemory>>20))
 		return nil
 	}
 	buf, free, err := d.AllocIOBuffers(int(size), slot)
 	if err != nil || buf == nil {
-		s.arenaMem.Add(-size)
+		s.arenaMem.Cancel(size)
 		if err != nil {
 			s.log.WithError(err).Warnf("nbd: export %q: no memory from its device for a connection's requests: their data is staged", name)
 		}
@@ -64,18 +63,7 @@ func (s *Server) newArena(d BufferDevice, name string) *arena {
 // closeArena frees a connection's arena, once every request of it is over. Memory its
 // device keeps past the free counts against MaxArenaMemory until it is given back.
 func (s *Server) closeArena(a *arena) {
-	n := int64(len(a.buf))
-	released := a.free()
-	select {
-	case <-released:
-		s.arenaMem.Add(-n)
-	default:
-		// At most MaxArenaMemory's worth of these wait, since what they wait for is counted.
-		go func() {
-			<-released
-			s.arenaMem.Add(-n)
-		}()
-	}
+	s.arenaMem.ReleaseWhen(int64(len(a.buf)), a.free())
 }
 
 // get returns n bytes beginning a run of slots, or nil if no run of that length is free.

@@ -248,7 +248,7 @@ func TestBufferDeviceKept(t *testing.T) {
 	close(dev.keep)
 	dev.keep = nil
 	dev.mu.Unlock()
-	testutil.WaitFor(t, 10*time.Second, "the kept arena uncounted", func() bool { return s.arenaMem.Load() == 0 })
+	testutil.WaitFor(t, 10*time.Second, "the kept arena uncounted", func() bool { return s.arenaMem.Used() == 0 })
 	write("third")
 	if in, out, _, arenas, _ := dev.counts(); arenas != 2 || in != 2 || out != 1 {
 		t.Fatalf("third connection, the arena given back: %d arenas, %d requests in one, %d outside; want 2, 2, 1", arenas, in, out)

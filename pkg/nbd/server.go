@@ -17,6 +17,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/rtrs-go/rtrs/internal/lib/membudget"
 	"github.com/rtrs-go/rtrs/internal/lib/sockread"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"golang.org/x/sys/unix"
@@ -165,7 +166,7 @@ type Server struct {
 	wg      sync.WaitGroup
 
 	refusals log.Limiter
-	arenaMem atomic.Int64 // bytes of the connections' arenas (MaxArenaMemory)
+	arenaMem *membudget.Budget // the connections' arenas (MaxArenaMemory)
 }
 
 // NewServer returns a server; Serve starts it on a listener.
@@ -196,7 +197,7 @@ func NewServer(opts Options) *Server {
 	if opts.MaxConnsPerAddr <= 0 {
 		opts.MaxConnsPerAddr = 32
 	}
-	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"), mem: newBudget(opts.MaxMemory),
+	s := &Server{opts: opts, log: log.G(context.Background()).WithField("component", "nbd"), mem: newBudget(opts.MaxMemory), arenaMem: membudget.New(opts.MaxArenaMemory),
 		lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}, perAddr: map[netip.Addr]int{}, perLn: map[net.Listener]int{}}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	return s
