@@ -97,7 +97,6 @@ type Session struct {
 	maxIOSize  int
 	chunkSize  int
 	memBits    int
-	newRkey    bool
 
 	permits *permits
 	reqs    []cltReq
@@ -350,6 +349,10 @@ type Path struct {
 	trigger   chan struct{} // wakes the reconnect loop at once
 	worker    bool          // a recovery/reconnect goroutine is running
 	workDone  chan struct{}
+	// Reconnect attempts begun and finished, and a channel closed (and replaced) at the end
+	// of each: a reconnect write waits for the attempt it asked for, not for the worker.
+	tryStarts, tryEnds uint64
+	tryDone            chan struct{}
 
 	hb heartbeat
 
@@ -364,11 +367,17 @@ type rbuf struct {
 
 // pathRes are the memory resources of one connection round of a path.
 type pathRes struct {
-	pd     rdma.PD
-	fr     []rdma.MR // per permit: fast-registration MR for the data
-	iu     rdma.MR   // per permit MaxHdrSize: user header + RTRS header
-	rcv    rdma.MR   // receive buffers: info response, then per connection 2*qd rkey responses
-	rcvOff []int     // per connection: offset of its receive buffers
+	pd rdma.PD
+	// What this round's server announced in connection 0's response: its chunk size (at
+	// least the session's) and whether it sends a new key with each response
+	// (always_invalidate), per path as the kernel's client keeps them, since a server
+	// restarted with other settings is the same path.
+	chunk   int
+	newRkey bool
+	fr      []rdma.MR // per permit: fast-registration MR for the data
+	iu      rdma.MR   // per permit MaxHdrSize: user header + RTRS header
+	rcv     rdma.MR   // receive buffers: info response, then per connection 2*qd rkey responses
+	rcvOff  []int     // per connection: offset of its receive buffers
 	// stage is per permit maxIOSize bytes of registered memory, where data is staged for a
 	// device that maps only registered memory (rdma.DeviceAttr.MapRegisteredOnly); nil
 	// where the user's buffers are mapped directly.
@@ -385,7 +394,7 @@ type pathRes struct {
 
 func (s *Session) newPath(pa PathAddrs, first bool) *Path {
 	p := &Path{sess: s, uuid: uuid.New(), dst: pa.Dst, src: pa.Src, firstConn: first,
-		state: StateConnecting, trigger: make(chan struct{}, 1), Stats: stats.NewClientPath()}
+		state: StateConnecting, trigger: make(chan struct{}, 1), tryDone: make(chan struct{}), Stats: stats.NewClientPath()}
 	p.stateCond = sync.NewCond(&p.mu)
 	p.logp.Store(s.log.WithField("dst", pa.Dst.String()))
 	s.mu.Lock()
@@ -640,12 +649,15 @@ func (s *Session) takeLimits(p *Path, rsp *MsgConnRsp) error {
 	if lim := s.opts.MaxChunkMemory; int64(qd)*int64(chunk+MaxHdrSize) > lim {
 		return fmt.Errorf("rtrs: server offers queue depth %d × chunk %d (and a %d-byte header each), more than the %d bytes allowed (MaxChunkMemory): %w", qd, chunk, MaxHdrSize, lim, syscall.EINVAL)
 	}
+	p.mu.Lock()
+	res := p.res
+	p.mu.Unlock()
+	res.chunk, res.newRkey = chunk, rsp.Flags&MsgNewRkeyF != 0
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.permits == nil {
 		s.queueDepth, s.chunkSize, s.memBits = qd, chunk, MemBits(qd)
 		s.maxIOSize = int(rsp.MaxIOSize)
-		s.newRkey = rsp.Flags&MsgNewRkeyF != 0
 		s.permits = newPermits(qd)
 		s.reqs = make([]cltReq, qd)
 		for i := range s.reqs {
@@ -653,14 +665,16 @@ func (s *Session) takeLimits(p *Path, rsp *MsgConnRsp) error {
 		}
 		return nil
 	}
-	if qd != s.queueDepth || chunk != s.chunkSize {
+	if qd != s.queueDepth {
 		p.mu.Lock()
-		p.attempts = -1 // queue depth changed: no more automatic reconnects
+		p.attempts = -1 // queue depth changed: no more automatic reconnects, as the kernel
 		p.mu.Unlock()
-		return fmt.Errorf("rtrs: queue depth changed from %d to %d: %w", s.queueDepth, qd, syscall.EINVAL)
+		return fmt.Errorf("rtrs: queue depth changed from %d to %d: %w", s.queueDepth, qd, syscall.ECONNRESET)
 	}
-	if newRkey := rsp.Flags&MsgNewRkeyF != 0; newRkey != s.newRkey {
-		return fmt.Errorf("rtrs: server always_invalidate differs between paths: %w", syscall.EINVAL)
+	// A larger chunk takes the session's requests as they are; a smaller one would not take
+	// the largest (the block device above was told the session's max IO size at its open).
+	if chunk < s.chunkSize || int(rsp.MaxIOSize) < s.maxIOSize {
+		return fmt.Errorf("rtrs: server's chunks are %d bytes (max IO %d), less than the session's %d (max IO %d): %w", chunk, rsp.MaxIOSize, s.chunkSize, s.maxIOSize, syscall.ECONNRESET)
 	}
 	return nil
 }
@@ -720,7 +734,7 @@ func (p *Path) allocRes() error {
 		wrs := make([]rdma.RecvWR, n)
 		for j := range wrs {
 			wrs[j].ID = wrRecv | uint64(j)
-			if s.newRkey {
+			if res.newRkey {
 				wrs[j].SGList = []rdma.SGE{rdma.SGEOf(res.rcv, res.rcvOff[i]+j*rkeyRspSize, rkeyRspSize)}
 			}
 		}
@@ -793,7 +807,10 @@ func (p *Path) infoRsp(w rdma.WC) {
 
 func (p *Path) mapChunks(desc []SgDesc) error {
 	s := p.sess
-	qd, cs := s.queueDepth, s.chunkSize
+	p.mu.Lock()
+	cs := p.res.chunk
+	p.mu.Unlock()
+	qd := s.queueDepth
 	if len(desc) == 0 || qd%len(desc) != 0 {
 		return fmt.Errorf("%d descriptors for queue depth %d: %w", len(desc), qd, ErrMsg)
 	}
@@ -914,6 +931,7 @@ func (p *Path) recoverAndReconnect() {
 			return
 		}
 		p.attempts++
+		p.tryStarts++
 		p.mu.Unlock()
 		if t.ReconnectBackoff > 0 {
 			time.Sleep(t.ReconnectBackoff)
@@ -931,14 +949,26 @@ func (p *Path) recoverAndReconnect() {
 			p.Stats.ReconnectOK.Inc()
 			p.lg().Info("path reconnected")
 			p.markUp()
+			p.tryEnded()
 			return
 		}
 		p.Stats.ReconnectFail.Inc()
 		p.lg().WithError(err).Warn("reconnect failed")
-		if !p.setState(StateReconnecting) {
+		ok := p.setState(StateReconnecting)
+		p.tryEnded()
+		if !ok {
 			return
 		}
 	}
+}
+
+// tryEnded tells a waiting Reconnect that an attempt has finished, its outcome in the state.
+func (p *Path) tryEnded() {
+	p.mu.Lock()
+	p.tryEnds++
+	close(p.tryDone)
+	p.tryDone = make(chan struct{})
+	p.mu.Unlock()
 }
 
 // teardown stops the heartbeat, kills the connections, fails the requests in flight over to
@@ -1035,8 +1065,10 @@ func (p *Path) Disconnect() {
 	p.close()
 }
 
-// Reconnect tears the path down if it is up, and reconnects it now; it returns when the
-// attempt has finished (spec 5.1 reconnect). A path of a closed session is ErrClosed.
+// Reconnect tears the path down if it is up, and reconnects it now; it returns when that
+// attempt has finished (spec 5.1 reconnect): nil if the path is connected, ErrNotConn if the
+// attempt failed (the path then goes on reconnecting after the delay). A path of a closed
+// session is ErrClosed.
 func (p *Path) Reconnect(ctx context.Context) error {
 	p.mu.Lock()
 	// A closed session's path would reconnect with no session to serve (and its worker
@@ -1057,29 +1089,33 @@ func (p *Path) Reconnect(ctx context.Context) error {
 		return fmt.Errorf("%w: path is %v", ErrBusy, st)
 	}
 	p.attempts = 0
-	w := p.workDone
+	// The next attempt to begin is this write's: one under way now began before it.
+	want := p.tryStarts + 1
 	p.mu.Unlock()
 	select {
 	case p.trigger <- struct{}{}:
 	default:
 	}
 	for {
-		select {
-		case <-w:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-		// The worker that ended may have started another on its way out (an error
-		// recovery came as it finished): wait for that one too.
+		// Done when that attempt has finished, or when no worker is left (the attempts ran
+		// out, or the path closed). A failed attempt leaves the worker reconnecting after the
+		// delay, as the kernel's sysfs write leaves its delayed work queued.
 		p.mu.Lock()
-		again, st := p.worker, p.state
-		w = p.workDone
+		over, next, w, st := p.tryEnds >= want || !p.worker, p.tryDone, p.workDone, p.state
 		p.mu.Unlock()
-		if !again {
+		if over {
 			if st != StateConnected {
 				return ErrNotConn
 			}
 			return nil
+		}
+		select {
+		case <-next:
+		case <-w:
+			// The worker that ended may have started another on its way out (an error
+			// recovery came as it finished): the check above looks again.
+		case <-ctx.Done():
+			return ctx.Err()
 		}
 	}
 }

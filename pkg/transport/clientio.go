@@ -527,7 +527,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 	*repost = rdma.RecvWR{ID: w.ID, SGList: repost.SGList[:0]}
 	idx := int(w.ID &^ wrKindMask)
 	var buf []byte
-	if s.newRkey && c.cid < len(res.rcvOff) && idx < 2*s.queueDepth {
+	if res.newRkey && c.cid < len(res.rcvOff) && idx < 2*s.queueDepth {
 		off := res.rcvOff[c.cid] + idx*rkeyRspSize
 		repost.SGList = append(repost.SGList, rdma.SGEOf(res.rcv, off, rkeyRspSize))
 		buf = res.rcv.Bytes()[off : off+rkeyRspSize]
@@ -552,7 +552,7 @@ func (p *Path) recv(c *con, w rdma.WC) {
 		p.errRecovery(fmt.Errorf("response for message %d: %w", msgID, syscall.EPROTO))
 		return
 	}
-	if w.Opcode == rdma.WCRecv && s.newRkey {
+	if w.Opcode == rdma.WCRecv && res.newRkey {
 		var rk MsgRkeyRsp
 		if buf == nil || w.ByteLen != rkeyRspSize || rk.Unmarshal(buf) != nil || int(rk.BufID) != int(msgID) {
 			p.errRecovery(fmt.Errorf("bad rkey response for message %d: %w", msgID, syscall.EPROTO))

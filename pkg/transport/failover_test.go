@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -295,6 +296,96 @@ func TestStaleRkeyRefused(t *testing.T) {
 	if err := s.Do(context.Background(), Read, offHdr(0), make([]byte, 4096)); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestReconnectOneAttempt: a manual reconnect (the path's reconnect file) returns once the
+// attempt it asked for has failed, with ENOTCONN, as the kernel's write does, and leaves the
+// path reconnecting: it used to wait for the worker, which with unlimited attempts ends only
+// when the server is back.
+func TestReconnectOneAttempt(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "oneshot", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), func(o *ClientOptions) { o.MaxReconnectAttempts = -1 })
+	p := s.Paths()[0]
+	addr := e.srv.Addr()
+	if err := e.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	fails := p.Stats.ReconnectFail.Value()
+	if err := p.Reconnect(ctx); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("manual reconnect with no server: %v, want ENOTCONN", err)
+	}
+	if got := p.Stats.ReconnectFail.Value(); got <= fails {
+		t.Fatalf("reconnect failures %d → %d: the write returned before its attempt", fails, got)
+	}
+	if st := p.State(); st == StateClosed || st == StateConnected {
+		t.Fatalf("path %v after a failed manual reconnect, want it still reconnecting", st)
+	}
+	o := DefaultServerOptions()
+	o.Provider, o.Handler, o.Timings, o.Addr, o.QueueDepth, o.AlwaysInvalidate = e.prov, e.disk, Timings(testutil.FastTimings()), addr, 16, false
+	srv2, err := NewServer(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv2.Close()
+	testutil.WaitFor(t, 10*time.Second, "reconnected on its own", func() bool { return p.State() == StateConnected })
+	if err := p.Reconnect(ctx); err != nil {
+		t.Fatalf("manual reconnect with the server back: %v", err)
+	}
+	if err := s.Do(ctx, Read, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Close()
+}
+
+// TestServerRestartedOtherwise: a server restarted with always_invalidate switched and larger
+// chunks is reconnected to, as the kernel's client does (it takes the flags of each path's
+// connection 0 afresh), and the session's largest IO still goes through; one restarted with
+// smaller chunks, which would not take that IO, is refused, and the path keeps trying. Both
+// used to be refused for good.
+func TestServerRestartedOtherwise(t *testing.T) {
+	leakcheck.Check(t)
+	e := newEnv(t, false, 16)
+	s := e.open(t, "otherwise", paths(t, "ip:127.0.0.1@ip:127.0.0.1"), func(o *ClientOptions) { o.MaxReconnectAttempts = -1 })
+	p := s.Paths()[0]
+	addr := e.srv.Addr()
+	max := s.MaxIOSize()
+	restart := func(old *Server, inv bool, chunk int) *Server {
+		t.Helper()
+		if err := old.Close(); err != nil {
+			t.Fatal(err)
+		}
+		testutil.WaitFor(t, 5*time.Second, "path down", func() bool { return p.State() != StateConnected })
+		o := DefaultServerOptions()
+		o.Provider, o.Handler, o.Timings, o.Addr, o.QueueDepth = e.prov, e.disk, Timings(testutil.FastTimings()), addr, 16
+		o.AlwaysInvalidate, o.ChunkSize = inv, chunk
+		srv, err := NewServer(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = srv.Close() })
+		return srv
+	}
+	srv := restart(e.srv, true, 2*DefaultChunkSize)
+	testutil.WaitFor(t, 10*time.Second, "reconnected to a server with always_invalidate on and 256 KiB chunks", func() bool { return p.State() == StateConnected })
+	data := bytes.Repeat([]byte{0x5a}, max)
+	if err := s.Do(context.Background(), Write, offHdr(0), data); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, max)
+	if err := s.Do(context.Background(), Read, offHdr(0), got); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read back after the restart: %v, equal %v", err, bytes.Equal(got, data))
+	}
+	restart(srv, false, DefaultChunkSize/2)
+	fails := p.Stats.ReconnectFail.Value()
+	testutil.WaitFor(t, 10*time.Second, "refusals of a server with smaller chunks", func() bool { return p.Stats.ReconnectFail.Value() >= fails+3 })
+	if st := p.State(); st == StateConnected || st == StateClosed {
+		t.Fatalf("path %v with a server whose chunks are smaller, want it reconnecting", st)
+	}
+	_ = s.Close()
 }
 
 // TestQueueDepthChange: a server that comes back with another queue depth gets no automatic
