@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -470,6 +471,32 @@ type mr struct {
 	// bound is the QP whose REG_MR last made a remoteInv region valid: its peer alone may
 	// name the key (a type 2 memory window is bound to its QP).
 	bound *qp
+	// placers are the QPs whose readers are copying a peer's RDMA WRITE payload into a
+	// fast-reg region now (resolved with a key that was valid when the frame began). An
+	// invalidation or deregistration cuts them (fence): on an HCA no byte of a write lands
+	// once the key is invalid, and a peer that trickles a write in after answering would
+	// otherwise write into memory handed back to its owner.
+	placers []*qp
+}
+
+// fence moves the QPs still placing into a region just invalidated to error and waits for
+// their copies to stop (qp.ToError). Called with no QP's or region's lock held.
+func fence(placers []*qp) {
+	for _, q := range placers {
+		q.ToError()
+	}
+}
+
+// placed ends q's placement into m (resolve with place set).
+func (m *mr) placed(q *qp) {
+	m.mu.Lock()
+	for i, o := range m.placers {
+		if o == q {
+			m.placers = append(m.placers[:i], m.placers[i+1:]...)
+			break
+		}
+	}
+	m.mu.Unlock()
 }
 
 // The state word: key in bits 0-31, access in 32-39, valid bit 40, deregistered bit 41.
@@ -554,7 +581,9 @@ func (m *mr) Dereg() error {
 		return rdma.ErrClosed
 	}
 	m.setState(m.key(), m.access(), false, true)
+	placers := slices.Clone(m.placers)
 	m.mu.Unlock()
+	fence(placers)
 	m.pd.dev.removeMR(m)
 	if m.file != nil {
 		m.file.put()
@@ -581,16 +610,20 @@ func (d *device) resolveFile(p *pd, key uint32, addr uint64, n uint32) (s seg, s
 // remoteInv region serves only the QP it was registered on. It returns the completion status
 // to report when the key does not grant the access.
 func (d *device) resolve(p *pd, from *qp, key uint32, addr uint64, n uint32, need rdma.Access) ([]byte, rdma.WCStatus) {
+	b, _, st := d.resolvePlace(p, from, key, addr, n, need, false)
+	return b, st
+}
+
+// resolvePlace is resolve; with place, a peer's RDMA WRITE into a fast-reg region is recorded
+// as under way (m.placers) until the caller's m.placed: the region is returned then.
+func (d *device) resolvePlace(p *pd, from *qp, key uint32, addr uint64, n uint32, need rdma.Access, place bool) ([]byte, *mr, rdma.WCStatus) {
 	bad := rdma.WCLocProtErr
 	if from != nil {
 		bad = rdma.WCRemAccessErr
 	}
 	m := d.lookup(key)
-	if m == nil {
-		return nil, bad
-	}
-	if m.pd != p {
-		return nil, bad
+	if m == nil || m.pd != p {
+		return nil, nil, bad
 	}
 	if m.fastReg {
 		m.mu.Lock()
@@ -602,36 +635,46 @@ func (d *device) resolve(p *pd, from *qp, key uint32, addr uint64, n uint32, nee
 		off := addr - m.iova
 		b = m.buf[off : off+uint64(n) : off+uint64(n)]
 	}
+	placing := ok && place && m.fastReg
+	if placing {
+		m.placers = append(m.placers, from)
+	}
 	if m.fastReg {
 		m.mu.Unlock()
 	}
 	if !ok {
-		return nil, bad
+		return nil, nil, bad
 	}
-	return b, rdma.WCSuccess
+	if !placing {
+		m = nil
+	}
+	return b, m, rdma.WCSuccess
 }
 
 // invalidate invalidates the region of pd named by key; from is the QP a remote invalidation
-// came in on (nil: a local one). A peer may invalidate only a
+// came in on (nil: a local one). It returns the QPs placing a write into the region, which the
+// caller fences once it holds no lock. A peer may invalidate only a
 // fast-reg region allocated for it (rdma.FastRegRemoteInv), as a type 2 memory window.
-func (d *device) invalidate(p *pd, from *qp, key uint32) bool {
+func (d *device) invalidate(p *pd, from *qp, key uint32) (ok bool, placers []*qp) {
 	m := d.lookup(key)
 	if m == nil || from != nil && !m.remoteInv {
-		return false
+		return false, nil
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	st := m.st.Load()
 	if m.pd != p || uint32(st) != key || st&stDereg != 0 {
-		return false
+		return false, nil
 	}
 	// A peer invalidates only what it was granted: a valid region with remote access, made
 	// so by a REG_MR on the QP the request came in on (a type 2 window's binding).
 	if from != nil && (st&stValid == 0 || m.access()&(rdma.AccessRemoteWrite|rdma.AccessRemoteRead) == 0 || m.bound != from) {
-		return false
+		return false, nil
 	}
 	m.setState(key, m.access(), false, false)
-	return true
+	// The peer's own invalidation comes from the reader that places its writes, between
+	// frames: only a local one can find a placement under way.
+	return true, slices.Clone(m.placers)
 }
 
 // register makes region m valid with key and access (a REG_MR work request posted on q).

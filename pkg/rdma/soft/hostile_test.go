@@ -461,3 +461,67 @@ func TestToErrorFencesRemoteWrite(t *testing.T) {
 		t.Fatal("the write went on landing in memory after ToError returned")
 	}
 }
+
+// TestLocalInvFencesRemoteWrite: once a LOCAL_INV's post has returned, a peer's RDMA WRITE
+// under the key it invalidated no longer lands, even one whose payload was being placed when
+// it was posted: an RTRS client hands a READ's buffer back right after, and a server that
+// answered and then trickled a write into it wrote into memory that was someone else's (or
+// unmapped: a crash). The QP is moved to error, as the write is the peer's fault.
+func TestLocalInvFencesRemoteWrite(t *testing.T) {
+	p := New(Options{})
+	srv, addr := acceptOne(t, p)
+	c := rawConnect(t, addr)
+	s := <-srv
+	if s == nil {
+		t.Fatal("server did not accept")
+	}
+	const n = 4096
+	backing := s.reg(t, n, rdma.AccessLocalWrite)
+	m, err := s.pd.AllocFastRegMR(n, rdma.FastRegRemoteInv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Map(backing.Bytes(), backing.Addr()); err != nil {
+		t.Fatal(err)
+	}
+	key := rdma.IncKey(m.RKey())
+	s.post(t, rdma.SendWR{ID: 99, Opcode: rdma.OpRegMR, Flags: rdma.SendSignaled, MR: m, Key: key, Access: rdma.AccessLocalWrite | rdma.AccessRemoteWrite})
+	s.expect(t, 99, rdma.WCRegMR, rdma.WCSuccess)
+	var hb [hdrLen]byte
+	(&frameHdr{op: fWrite, seq: 1, len: n, rkey: key, addr: backing.Addr()}).encode(hb[:])
+	if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xaa}, 1024)...)); err != nil {
+		t.Fatal(err)
+	}
+	sq := s.qp.(*qp)
+	deadline := time.Now().Add(10 * time.Second)
+	for sq.placingWrite.TryLock() { // not placing yet
+		sq.placingWrite.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatal("the write's placement never began")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	returned := make(chan error, 1)
+	go func() {
+		_, err := s.qp.PostSend([]rdma.SendWR{{ID: 7, Opcode: rdma.OpLocalInv, InvRKey: key}})
+		returned <- err
+	}()
+	select {
+	case err := <-returned:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("LOCAL_INV waited for the peer to send the rest of the write")
+	}
+	before := bytes.Clone(backing.Bytes())
+	_ = c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	_, _ = c.Write(bytes.Repeat([]byte{0xbb}, n-1024))
+	time.Sleep(200 * time.Millisecond)
+	if !bytes.Equal(backing.Bytes(), before) {
+		t.Fatal("the write went on landing in memory after its key was invalidated")
+	}
+	if st := s.qp.State(); st != rdma.QPSErr {
+		t.Fatalf("QP %v after a write cut by an invalidation, want error", st)
+	}
+}

@@ -131,7 +131,9 @@ func TestMRValidation(t *testing.T) {
 
 // invalidateKey runs what a LOCAL_INV work request does.
 func invalidateKey(dev rdma.Device, p rdma.PD, key uint32) bool {
-	return dev.(*device).invalidate(p.(*pd), nil, key)
+	ok, placers := dev.(*device).invalidate(p.(*pd), nil, key)
+	fence(placers)
+	return ok
 }
 
 // TestLargeWriteLeavesDuringBurst: a large RDMA WRITE that a completion handler posts while

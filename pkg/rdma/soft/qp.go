@@ -76,6 +76,7 @@ type qp struct {
 	rqAvail      chan struct{}
 	shutOnce     sync.Once
 	segTmp       []seg // PostSend scratch for resolved SGEs
+	fences       []*qp // PostSend: QPs found placing into a region it invalidated (fence)
 	// Initiator depth: READs on the wire whose response has not arrived, and the frames
 	// waiting in order behind a READ that would pass maxRdAtomic.
 	rdOut   int
@@ -248,7 +249,9 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			e.done = true
 			ok := false
 			if wr.Opcode == rdma.OpLocalInv {
-				ok = q.dev.invalidate(q.pd, nil, wr.InvRKey)
+				var placers []*qp
+				ok, placers = q.dev.invalidate(q.pd, nil, wr.InvRKey)
+				q.fences = append(q.fences, placers...)
 			} else {
 				ok = q.dev.register(q.pd, q, wr.MR, wr.Key, wr.Access)
 			}
@@ -274,7 +277,11 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 // for the completions reported (a refusal's too: a flushed request's completion on a QP in
 // error would otherwise wait for the next post).
 func (q *qp) endPost(queued, failed bool, n int, err error) (int, error) {
+	fences := q.fences
+	q.fences = nil
 	q.finishPost(queued)
+	// Before the completions: a LOCAL_INV is complete once no write lands under its key.
+	fence(fences)
 	if failed {
 		// A local error kills the QP; the peer learns through the disconnect.
 		q.shutdown(nil)
@@ -704,9 +711,10 @@ func (q *qp) execute(h *frameHdr) error {
 		// A zero-length write touches no memory, so no key is checked (IB does the same;
 		// RTRS heartbeats are such writes with rkey 0).
 		var b []byte
+		var m *mr
 		st := rdma.WCSuccess
 		if h.len > 0 {
-			b, st = q.dev.resolve(q.pd, q, h.rkey, h.addr, h.len, rdma.AccessRemoteWrite)
+			b, m, st = q.dev.resolvePlace(q.pd, q, h.rkey, h.addr, h.len, rdma.AccessRemoteWrite, true)
 		}
 		if st != rdma.WCSuccess {
 			return q.fatal(h.seq, st, fmt.Errorf("%w: remote write to rkey %#x addr %#x len %d: %v", rdma.ErrPeerFault, h.rkey, h.addr, h.len, st))
@@ -720,6 +728,9 @@ func (q *qp) execute(h *frameHdr) error {
 				}
 			}
 			q.placingWrite.Unlock()
+			if m != nil {
+				m.placed(q)
+			}
 			if err != nil {
 				return err
 			}
@@ -755,7 +766,7 @@ func (q *qp) execute(h *frameHdr) error {
 	case fSendImm:
 		wc.Flags, wc.Imm = rdma.WCWithImm, h.imm
 	case fSendInv:
-		if !q.dev.invalidate(q.pd, q, h.imm) {
+		if ok, _ := q.dev.invalidate(q.pd, q, h.imm); !ok {
 			return q.fatal(h.seq, rdma.WCRemInvReqErr, fmt.Errorf("%w: send with invalidate of rkey %#x, which names no region open to remote invalidation", rdma.ErrPeerFault, h.imm))
 		}
 		wc.Flags, wc.InvRKey = rdma.WCWithInv, h.imm
