@@ -146,8 +146,10 @@ func (d *Device) check(off int64, n int64) error {
 	return nil
 }
 
-// split runs fn on consecutive pieces of [off, off+n) of at most max bytes, in parallel,
-// and returns the first error.
+// split runs fn on consecutive pieces of [off, off+n) of at most max bytes, at most
+// splitWindow at once, and returns the first error (no piece starts after it). The window
+// bounds what one IO can make the client hold: a server may announce limits of one block,
+// which made a 4 GiB discard eight million goroutines at once.
 func split(off, n int64, max int, fn func(off int64, n int) error) error {
 	if n <= int64(max) {
 		return fn(off, int(n))
@@ -155,11 +157,22 @@ func split(off, n int64, max int, fn func(off int64, n int) error) error {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	var first error
+	window := make(chan struct{}, splitWindow)
 	for n > 0 {
+		window <- struct{}{}
+		mu.Lock()
+		failed := first != nil
+		mu.Unlock()
+		if failed {
+			break
+		}
 		k := int(min(n, int64(max)))
 		wg.Add(1)
 		go func(off int64, k int) {
-			defer wg.Done()
+			defer func() {
+				<-window
+				wg.Done()
+			}()
 			if err := fn(off, k); err != nil {
 				mu.Lock()
 				if first == nil {
@@ -173,6 +186,11 @@ func split(off, n int64, max int, fn func(off int64, n int) error) error {
 	wg.Wait()
 	return first
 }
+
+// splitWindow is how many pieces of one split IO are in flight at once: more than a
+// session's paths take at a time for the large IOs that are split (4 GiB discards, 32 MiB
+// NBD reads in 124 KiB pieces).
+const splitWindow = 64
 
 // ReadAtContext reads len(p) bytes at off (whole blocks).
 func (d *Device) ReadAtContext(ctx context.Context, p []byte, off int64) error {

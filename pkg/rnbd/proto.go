@@ -271,6 +271,11 @@ func (m *MsgOpenRsp) Unmarshal(b []byte) error {
 	if int(m.MaxWriteZeroesSectors)*SectorSize < lbs {
 		m.MaxWriteZeroesSectors = 0
 	}
+	// The block layer rounds with the discard granularity as a power of two: one that is
+	// not (or is past 1 GiB) is taken as none announced, the block size then serving.
+	if g := m.DiscardGranularity; g&(g-1) != 0 || g > 1<<30 {
+		m.DiscardGranularity, m.DiscardAlignment = 0, 0
+	}
 	return nil
 }
 

@@ -133,6 +133,13 @@ func TestDecodersReject(t *testing.T) {
 	if err := r.Unmarshal(rsp); err != nil || r.MaxDiscardSectors != 0 || r.MaxWriteZeroesSectors != 0 || r.MaxHWSectors != 8 {
 		t.Errorf("limits below a block: %+v, %v", r, err)
 	}
+	// A discard granularity the block layer cannot round with is taken as none announced.
+	for g, keep := range map[uint32]bool{0: true, 4096: true, 1 << 30: true, 3000: false, 0xffffffff: false, 1 << 31: false} {
+		MsgOpenRsp{LogicalBlockSize: 512, NSectors: 8, DiscardGranularity: g, DiscardAlignment: 512, MaxDiscardSectors: 8}.Put(rsp)
+		if err := r.Unmarshal(rsp); err != nil || (r.DiscardGranularity == g) != keep || !keep && r.DiscardAlignment != 0 {
+			t.Errorf("discard granularity %d: %+v, %v", g, r, err)
+		}
+	}
 }
 
 // FuzzDecoders feeds arbitrary bytes to every decoder: none may panic, and whatever decodes

@@ -2,9 +2,13 @@ package rnbd
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -53,5 +57,47 @@ func TestRawPreadv2(t *testing.T) {
 	}
 	if _, err := rawPreadv2(-1, make([]byte, 512), 0, 0); err != unix.EBADF {
 		t.Fatalf("a bad descriptor: %v, want EBADF", err)
+	}
+}
+
+// TestSplitWindow: a range split into many pieces has at most splitWindow of them in flight,
+// every piece is run once, and after an error no new piece starts.
+func TestSplitWindow(t *testing.T) {
+	var mu sync.Mutex
+	var now, peak, ran int
+	seen := map[int64]bool{}
+	err := split(0, 10000*512, 512, func(off int64, n int) error {
+		mu.Lock()
+		if seen[off] || n != 512 || off%512 != 0 {
+			mu.Unlock()
+			return fmt.Errorf("piece %d+%d again or misplaced", off, n)
+		}
+		seen[off] = true
+		now++
+		ran++
+		peak = max(peak, now)
+		mu.Unlock()
+		time.Sleep(10 * time.Microsecond)
+		mu.Lock()
+		now--
+		mu.Unlock()
+		return nil
+	})
+	if err != nil || ran != 10000 || peak > splitWindow {
+		t.Fatalf("err %v, %d pieces run, %d at once (window %d)", err, ran, peak, splitWindow)
+	}
+	ran = 0
+	boom := errors.New("boom")
+	err = split(0, 10000*512, 512, func(off int64, n int) error {
+		mu.Lock()
+		ran++
+		mu.Unlock()
+		if off == 512*100 {
+			return boom
+		}
+		return nil
+	})
+	if !errors.Is(err, boom) || ran > 100+2*splitWindow {
+		t.Fatalf("after an error: %v, %d pieces run", err, ran)
 	}
 }
