@@ -353,6 +353,7 @@ type Path struct {
 	// of each: a reconnect write waits for the attempt it asked for, not for the worker.
 	tryStarts, tryEnds uint64
 	tryDone            chan struct{}
+	infoErr            error // why the last INFO_RSP was refused (infoRsp), for infoExchange
 
 	hb heartbeat
 
@@ -622,8 +623,12 @@ func (p *Path) connectCon(ctx context.Context, cid, n int, src Addr, first bool,
 		}
 		return fail(err)
 	}
-	if err := rsp.Unmarshal(data); err != nil || rsp.Errno != 0 {
+	if err := rsp.Unmarshal(data); err != nil {
 		return fail(fmt.Errorf("rtrs: bad connection response (%v): %w", err, syscall.ECONNRESET))
+	}
+	if rsp.Errno != 0 {
+		// An accept that carries an errno: no kernel server sends one.
+		return fail(fmt.Errorf("rtrs: connection %d accepted with errno %d: %w", cid, rsp.Errno, syscall.ECONNRESET))
 	}
 	return c, rsp, nil
 }
@@ -750,6 +755,7 @@ func (p *Path) infoExchange(ctx context.Context) error {
 	s := p.sess
 	p.mu.Lock()
 	c0, res := p.cons[0], p.res
+	p.infoErr = nil
 	p.mu.Unlock()
 	b, err := (&MsgInfoReq{PathName: s.opts.SessName}).Marshal()
 	if err != nil {
@@ -771,6 +777,9 @@ func (p *Path) infoExchange(ctx context.Context) error {
 		p.stateCond.Wait()
 	}
 	if p.state != StateConnected {
+		if p.infoErr != nil {
+			return fmt.Errorf("rtrs: INFO_RSP refused: %w: %w", p.infoErr, syscall.ECONNRESET)
+		}
 		if ctx.Err() != nil {
 			return fmt.Errorf("rtrs: no INFO_RSP: %w", syscall.ETIMEDOUT)
 		}
@@ -797,6 +806,7 @@ func (p *Path) infoRsp(w rdma.WC) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.infoErr = err
 	if err != nil {
 		p.lg().WithError(err).Warn("bad INFO_RSP")
 		p.setStateLocked(StateConnectingErr)

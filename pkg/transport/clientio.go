@@ -43,10 +43,14 @@ type cltReq struct {
 	countedMI bool
 	staged    bool          // the data went through the path's stage (set by post)
 	gen       atomic.Uint64 // counts the permit's requests: a waiter tells its own from the next
-	start     time.Time
-	cpu       int
-	wrs       [2]rdma.SendWR // the request chain, reused: posting copies it
-	sges      [3]rdma.SGE
+	// expiries counts the paths its waiter recovered for it (Do past its deadline and
+	// grace): the first failover sends it again, on another path; after the second it ends
+	// with ETIMEDOUT, since with a path always back in time it bounced between them for ever.
+	expiries atomic.Uint32
+	start    time.Time
+	cpu      int
+	wrs      [2]rdma.SendWR // the request chain, reused: posting copies it
+	sges     [3]rdma.SGE
 }
 
 // Request submits a request: dir READ fills data from the server, WRITE sends it; usr is the
@@ -85,7 +89,9 @@ func (s *Session) DoAdmin(ctx context.Context, dir Dir, usr, data []byte) error 
 // ConnectTimeout more to be answered once ctx has ended (a caller's short deadline is no
 // sign of a bad path); then the path that holds it is recovered as one whose heartbeats
 // stopped (a server that answers them but not this request is no better), which fails the
-// request over or ends it; and so again every ConnectTimeout while it is not answered.
+// request over or ends it; and so again every ConnectTimeout while it is not answered, but a
+// request recovered for twice ends with ETIMEDOUT (sent again each time, it bounced between
+// the paths for as long as one came back in time).
 func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool) error {
 	ch := make(chan error, 1)
 	r, gen, err := s.request(ctx, dir, usr, data, func(err error) { ch <- err }, true, admin)
@@ -109,6 +115,7 @@ func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool)
 		// itself before it is posted.
 		if c := r.owner.Load(); c != nil && r.gen.Load() == gen {
 			if p := s.pathOf(c); p != nil {
+				r.expiries.Add(1)
 				p.errRecovery(fmt.Errorf("a request unanswered past its caller's deadline (%v): %w", ctx.Err(), syscall.ETIMEDOUT))
 			}
 		}
@@ -191,6 +198,7 @@ func (s *Session) start(permit int, dir Dir, usr, data []byte, done func(error),
 	r := &s.reqs[permit]
 	r.dir, r.usr, r.data, r.done, r.admin = dir, usr, data, done, admin
 	r.start, r.cpu = time.Now(), stats.CPU()
+	r.expiries.Store(0)
 	gen := r.gen.Add(1)
 	if err := s.issue(r, nil, false); err != nil {
 		s.failNoPath.Inc()
@@ -693,6 +701,11 @@ func (p *Path) failover(cons []*con) {
 		}
 		if r.countedMI {
 			p.Stats.Inflight.Add(-1)
+		}
+		if r.expiries.Load() >= 2 {
+			s.finish(r, fmt.Errorf("rtrs: a request unanswered on two paths past its caller's deadline: %w", syscall.ETIMEDOUT))
+			failed = true
+			continue
 		}
 		if err := s.issue(r, p, true); err != nil {
 			s.failNoPath.Inc()

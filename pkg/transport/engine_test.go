@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -264,5 +266,21 @@ func TestOpenAndRandomIO(t *testing.T) {
 				t.Fatalf("client counted %d reads %d writes, server %d and %d", cr, cw, sr, sw)
 			}
 		})
+	}
+}
+
+// reconnect is a manual reconnect of a path that must end connected. Its attempt can come
+// before the server has seen the old connections go, with the tests' 10 ms backoff (the
+// kernel's 1 s leaves the server room), and fail with ENOTCONN, as the kernel's write would:
+// the path then reconnects on its own after the delay, which is waited for.
+func reconnect(t testing.TB, ctx context.Context, p *Path) {
+	t.Helper()
+	err := p.Reconnect(ctx)
+	if errors.Is(err, syscall.ENOTCONN) {
+		testutil.WaitFor(t, 10*time.Second, "the path reconnected after a first attempt too early", func() bool { return p.State() == StateConnected })
+		return
+	}
+	if err != nil {
+		t.Fatalf("reconnect: %v", err)
 	}
 }

@@ -332,9 +332,7 @@ func TestReconnectOneAttempt(t *testing.T) {
 	}
 	defer srv2.Close()
 	testutil.WaitFor(t, 10*time.Second, "reconnected on its own", func() bool { return p.State() == StateConnected })
-	if err := p.Reconnect(ctx); err != nil {
-		t.Fatalf("manual reconnect with the server back: %v", err)
-	}
+	reconnect(t, ctx, p) // with the server back
 	if err := s.Do(ctx, Read, offHdr(0), make([]byte, 4096)); err != nil {
 		t.Fatal(err)
 	}
@@ -545,17 +543,18 @@ func TestDeepServerQueue(t *testing.T) {
 	}
 }
 
-// holdOnce is a server handler that never answers the first request for offset 1 MiB and
-// hands everything else to the disk.
+// holdOnce is a server handler that never answers the first request for offset 1 MiB (every
+// one, with all) and hands everything else to the disk.
 type holdOnce struct {
 	Handler
+	all  bool
 	mu   sync.Mutex
 	held []*SrvRequest
 }
 
 func (h *holdOnce) Request(r *SrvRequest) {
 	h.mu.Lock()
-	hold := len(h.held) == 0 && len(r.Usr) == 8 && binary.LittleEndian.Uint64(r.Usr) == 1<<20
+	hold := (h.all || len(h.held) == 0) && len(r.Usr) == 8 && binary.LittleEndian.Uint64(r.Usr) == 1<<20
 	if hold {
 		h.held = append(h.held, r)
 	}
@@ -613,6 +612,49 @@ func TestDoDeadline(t *testing.T) {
 	}
 }
 
+// TestDoDeadlineBounded: a request that no path's server answers, while their heartbeats go
+// on, is sent again once after its caller's deadline, then ends with ETIMEDOUT: with paths
+// that come back before the next recovery it bounced between them for ever (and with it an
+// unmap's CLOSE, a daemon's stop).
+func TestDoDeadlineBounded(t *testing.T) {
+	leakcheck.Check(t)
+	h := &holdOnce{all: true}
+	e := newLimitedEnv(t, func(o *ServerOptions) { h.Handler = o.Handler; o.Handler = h })
+	s := e.open(t, "bounded", paths(t, path1(), path2()), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.Do(ctx, Write, offHdr(1<<20), make([]byte, 4096)) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, syscall.ETIMEDOUT) {
+			t.Fatalf("a request no server answers: %v, want ETIMEDOUT", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Do still waits 30 s after its 300 ms deadline")
+	}
+	h.mu.Lock()
+	held := h.held
+	h.mu.Unlock()
+	if len(held) != 2 {
+		t.Fatalf("the request was sent %d times, want 2", len(held))
+	}
+	for _, r := range held {
+		defer r.Respond(0)
+	}
+	testutil.WaitFor(t, 10*time.Second, "both paths back", func() bool {
+		for _, p := range s.Paths() {
+			if p.State() != StateConnected {
+				return false
+			}
+		}
+		return true
+	})
+	if err := s.Do(context.Background(), Write, offHdr(0), make([]byte, 4096)); err != nil {
+		t.Fatalf("the permit after: %v", err)
+	}
+}
+
 // TestLateInvalidation: on a device that executes LOCAL_INV after the post (an HCA; here the
 // soft provider reporting itself as one), a READ whose key the server did not invalidate is
 // finished from its LOCAL_INV's completion, not before; those whose completion a path's
@@ -645,9 +687,7 @@ func TestLateInvalidation(t *testing.T) {
 		})
 		if c.kill == "reconnect" {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			if err := p2.Reconnect(ctx); err != nil {
-				t.Fatalf("%s: %v", name, err)
-			}
+			reconnect(t, ctx, p2)
 			cancel()
 		} else {
 			p2.mu.Lock()

@@ -95,9 +95,7 @@ func TestIOBuffers(t *testing.T) {
 	// A reconnect is a new PD: the buffers are registered on it again.
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	if err := s.Paths()[1].Reconnect(ctx); err != nil {
-		t.Fatal(err)
-	}
+	reconnect(t, ctx, s.Paths()[1])
 	io(2)
 
 	free()
