@@ -109,6 +109,32 @@ func TestGoneWithRepliesInFlight(t *testing.T) {
 	testutil.WaitFor(t, 5*time.Second, "the connection ended", func() bool { return conns(s) == 0 })
 }
 
+// TestCloseBounded: Close returns after closeWait even when a device never answers a request
+// in flight (a server that answers heartbeats but not IO held a daemon's stop for ever); the
+// connection ends once the device answers after all.
+func TestCloseBounded(t *testing.T) {
+	leakcheck.Check(t)
+	defer func(d time.Duration) { closeWait = d }(closeWait)
+	closeWait = 200 * time.Millisecond
+	dev := newGateDev(1 << 20)
+	sock, s := startServerOpts(t, Options{}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	cl.send(Request{Type: CmdRead, Cookie: 1, Length: 4096}, nil)
+	testutil.WaitFor(t, 5*time.Second, "the read at the device", func() bool { return dev.count() == 1 })
+	closed := make(chan struct{})
+	go func() { s.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close waits for a request its device never answers")
+	}
+	if conns(s) != 1 {
+		t.Fatalf("%d connections after Close, want the one whose request is unanswered", conns(s))
+	}
+	dev.release()
+	testutil.WaitFor(t, 5*time.Second, "the connection ended", func() bool { return conns(s) == 0 })
+}
+
 // TestStalledClientDropped: a client that sends reads and takes none of the replies is
 // disconnected once a reply has waited ReplyTimeout for it, and holds nothing after that.
 func TestStalledClientDropped(t *testing.T) {

@@ -287,7 +287,10 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 	}
 }
 
-// Close stops the listeners, ends every connection and waits for their requests.
+// Close stops the listeners, ends every connection and waits for their requests, up to
+// closeWait: a request its device never answers (a server that answers its heartbeats but
+// not the IO) would hold a daemon's stop for ever. Those are left to end when their device's
+// session closes.
 func (s *Server) Close() {
 	s.mu.Lock()
 	s.stop()
@@ -298,8 +301,22 @@ func (s *Server) Close() {
 		c.Close()
 	}
 	s.mu.Unlock()
-	s.wg.Wait()
+	done := make(chan struct{})
+	go func() {
+		s.wg.Wait()
+		close(done)
+	}()
+	t := time.NewTimer(closeWait)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		s.log.Warnf("nbd: closed with requests unanswered by their devices after %v; they end when their sessions close", closeWait)
+	}
 }
+
+// closeWait bounds Close's wait for requests in flight.
+var closeWait = 10 * time.Second
 
 func (s *Server) lookup(name string) (Export, bool) {
 	exps := s.opts.Exports()
