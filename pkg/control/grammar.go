@@ -4,14 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
-	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 
 	"github.com/rtrs-go/rtrs/internal/lib/names"
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
+	"github.com/rtrs-go/rtrs/pkg/stats"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
@@ -151,8 +150,8 @@ func parseMap(v string, withAttach bool) (MapRequest, error) {
 			r.AccessMode, err = rnbd.ParseAccessMode(val)
 		case "nr_poll_queues":
 			// The kernel's range: -1 (one per CPU) to nr_cpu_ids.
-			if n, aerr := parseMatchInt(val); aerr != nil || n < -1 || n > cpuIDs() {
-				err = fmt.Errorf("nr_poll_queues %q: -1 to %d: %w", val, cpuIDs(), syscall.EINVAL)
+			if n, aerr := parseMatchInt(val); aerr != nil || n < -1 || n > stats.PossibleCPUs() {
+				err = fmt.Errorf("nr_poll_queues %q: -1 to %d: %w", val, stats.PossibleCPUs(), syscall.EINVAL)
 			}
 		default:
 			err = fmt.Errorf("unknown token %q: %w", tok, syscall.EINVAL)
@@ -416,6 +415,10 @@ func (pp *pathParser) path(val string, max int) error {
 	}
 	src, dst, err := transport.ParsePathAddrs(val)
 	if err != nil {
+		// An address without ip: or gid: is the kernel's EPROTONOSUPPORT; the rest EINVAL.
+		if errors.Is(err, syscall.EPROTONOSUPPORT) {
+			return fmt.Errorf("path %q: %w", val, err)
+		}
 		return fmt.Errorf("path %q: %w", val, syscall.EINVAL)
 	}
 	port := pp.pending
@@ -435,20 +438,4 @@ func writePaths(b *strings.Builder, paths []transport.PathAddrs, port uint16) {
 	for _, pa := range paths {
 		b.WriteString(" path=" + FormatPath(pa))
 	}
-}
-
-// cpuIDs is the kernel's nr_cpu_ids, the CPUs possible (not only those this process may run
-// on): one more than the last of /sys/devices/system/cpu/possible ("0-63", "0").
-func cpuIDs() int {
-	b, err := os.ReadFile("/sys/devices/system/cpu/possible")
-	if err == nil {
-		s := strings.TrimSpace(string(b))
-		if i := strings.LastIndexAny(s, "-,"); i >= 0 {
-			s = s[i+1:]
-		}
-		if n, err := strconv.Atoi(s); err == nil {
-			return n + 1
-		}
-	}
-	return runtime.NumCPU()
 }

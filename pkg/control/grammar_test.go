@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/rtrs-go/rtrs/pkg/rnbd"
+	"github.com/rtrs-go/rtrs/pkg/stats"
 	"github.com/rtrs-go/rtrs/pkg/transport"
 )
 
@@ -138,7 +139,8 @@ func TestRefused(t *testing.T) {
 		{openErr, "", syscall.EINVAL},
 		{openErr, "sessname=s1", syscall.EINVAL},
 		{openErr, "path=ip:10.0.0.1", syscall.EINVAL},
-		{openErr, "sessname=s1 path=10.0.0.1", syscall.EINVAL},
+		{openErr, "sessname=s1 path=10.0.0.1", syscall.EPROTONOSUPPORT}, // no ip: or gid:, as the kernel's map_device
+		{mapErr, "sessname=s1 device_path=x path=10.0.0.1", syscall.EPROTONOSUPPORT},
 		{openErr, "sessname=a.b path=ip:10.0.0.1", syscall.EINVAL},
 		{openErr, "sessname=ctl path=ip:10.0.0.1", syscall.EINVAL},
 		{openErr, "sessname=a#b path=ip:10.0.0.1", syscall.EINVAL},
@@ -158,7 +160,7 @@ func TestRefused(t *testing.T) {
 		{mapErr, "sessname=s1 device_path=x access_mode=rx", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nr_poll_queues=many", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nr_poll_queues=-2", syscall.EINVAL},
-		{mapErr, "sessname=s1 device_path=x nr_poll_queues=" + strconv.Itoa(cpuIDs()+1), syscall.EINVAL},
+		{mapErr, "sessname=s1 device_path=x nr_poll_queues=" + strconv.Itoa(stats.PossibleCPUs()+1), syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=auto nbd=none", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=01", syscall.EINVAL},
 		{mapErr, "sessname=s1 device_path=x nbd=1048576", syscall.EINVAL},

@@ -9,8 +9,11 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"os"
 	"runtime"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -243,11 +246,29 @@ type ClientPath struct {
 	sg1Base atomic.Uint64
 }
 
-// NewClientPath returns zeroed statistics for the CPUs of this machine.
+// NewClientPath returns zeroed statistics for the CPUs of this machine: one migration column
+// per possible CPU, as the kernel prints them (nr_cpu_ids), not only those this process may
+// run on (under taskset or a cpuset) or those online.
 func NewClientPath() *ClientPath {
-	n := runtime.NumCPU()
+	n := PossibleCPUs()
 	return &ClientPath{MigFrom: make([]Counter, n), MigTo: make([]Counter, n)}
 }
+
+// PossibleCPUs is the kernel's nr_cpu_ids: one past the highest CPU id in
+// /sys/devices/system/cpu/possible (runtime.NumCPU where that cannot be read).
+var PossibleCPUs = sync.OnceValue(func() int {
+	b, err := os.ReadFile("/sys/devices/system/cpu/possible")
+	if err == nil {
+		s := strings.TrimSpace(string(b))
+		if i := strings.LastIndexAny(s, "-,"); i >= 0 {
+			s = s[i+1:]
+		}
+		if n, err := strconv.Atoi(s); err == nil && n >= 0 {
+			return n + 1
+		}
+	}
+	return runtime.NumCPU()
+})
 
 // Done records a finished request: its direction, size, latency and the CPUs it was
 // submitted and completed on.

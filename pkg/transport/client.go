@@ -91,7 +91,10 @@ type Session struct {
 
 	mu    sync.RWMutex
 	paths []*Path
-	snap  atomic.Pointer[[]*Path] // paths, copied on every change, for the IO path
+	// removed is when a path to each server address was last removed (under mu): AddPath
+	// retries the server's EEXIST only for an address the session has just let go.
+	removed map[string]time.Time
+	snap    atomic.Pointer[[]*Path] // paths, copied on every change, for the IO path
 
 	queueDepth int
 	maxIOSize  int
@@ -1137,6 +1140,7 @@ func (p *Path) Remove() {
 	p.setStateLocked(StateDead)
 	p.mu.Unlock()
 	p.sess.removePath(p)
+	p.sess.noteRemoved(p.dst)
 }
 
 // hasPath says whether the session has a path other than self to the addresses of pa.
@@ -1162,6 +1166,30 @@ func (s *Session) removePath(p *Path) {
 	}
 }
 
+// noteRemoved records that the operator removed a path to dst (Path.Remove).
+func (s *Session) noteRemoved(dst Addr) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.removed == nil {
+		s.removed = map[string]time.Time{}
+	}
+	now := time.Now()
+	for k, t := range s.removed {
+		if now.Sub(t) > s.opts.Timings.ConnectTimeout {
+			delete(s.removed, k)
+		}
+	}
+	s.removed[dst.String()] = now
+}
+
+// removedRecently says whether a path to dst was removed within the last ConnectTimeout.
+func (s *Session) removedRecently(dst Addr) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	t, ok := s.removed[dst.String()]
+	return ok && time.Since(t) <= s.opts.Timings.ConnectTimeout
+}
+
 // AddPath adds a path and connects it; it returns when the path is connected or failed
 // (add_path).
 func (s *Session) AddPath(ctx context.Context, pa PathAddrs) (*Path, error) {
@@ -1180,16 +1208,18 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddrs) (*Path, error) {
 	n := len(s.paths)
 	s.mu.RUnlock()
 	p := s.newPath(pa, n == 0)
-	// EEXIST from the server for a path this session does not have is the server still
-	// holding the one just removed (`rnbd client path readd`): it goes as soon as the server
-	// sees the disconnect, so the add is tried again for a while.
+	// EEXIST from the server for a path to an address this session has just removed is the
+	// server still holding that one (`rnbd client path readd`): it goes as soon as the server
+	// sees the disconnect, so the add is tried again for a while. Any other EEXIST is the
+	// server's answer (the kernel's refuses a path of a second address family so), given at
+	// once as the kernel's client gives it.
 	deadline := time.Now().Add(s.opts.Timings.ConnectTimeout)
 	for {
 		err := p.connectFirst(ctx)
 		if err == nil {
 			break
 		}
-		if !errors.Is(err, syscall.EEXIST) || s.hasPath(pa, p) || time.Now().After(deadline) {
+		if !errors.Is(err, syscall.EEXIST) || s.hasPath(pa, p) || time.Now().After(deadline) || !s.removedRecently(pa.Dst) {
 			return nil, err
 		}
 		select {

@@ -2,6 +2,8 @@ package transport
 
 import (
 	"context"
+	"errors"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -32,5 +34,23 @@ func TestRemoveThenAddPath(t *testing.T) {
 	}
 	if n := len(s.Paths()); n != 2 {
 		t.Fatalf("%d paths after the rounds", n)
+	}
+}
+
+// TestAddPathServerEEXIST: a server's EEXIST for a path to an address the session did not
+// just remove is its answer (the kernel's gives it for a path of a second address family),
+// returned at once as the kernel's client returns it, not retried for a connect timeout.
+func TestAddPathServerEEXIST(t *testing.T) {
+	e := newEnv(t, true, 16)
+	s := e.open(t, "eexist", paths(t, path1()), nil)
+	// No source: the client cannot see before connecting that it is path1 again.
+	pa := PathAddrs{Dst: paths(t, path1())[0].Dst}
+	t0 := time.Now()
+	_, err := s.AddPath(context.Background(), pa)
+	if !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("a second path from the same address: %v, want EEXIST", err)
+	}
+	if d := time.Since(t0); d >= s.opts.Timings.ConnectTimeout {
+		t.Fatalf("EEXIST after %v: retried as if the path had just been removed: %v", d, err)
 	}
 }
