@@ -41,8 +41,11 @@ const (
 	infoDescription = 2
 	infoBlockSize   = 3
 
-	// maxOptLen bounds an option's data; longer ones end the connection.
-	maxOptLen = 64 << 10
+	// maxOptLen bounds the option data the server reads; longer options up to maxOptSkip
+	// are skipped and refused (NBD_REP_ERR_TOO_BIG, or ERR_UNSUP when unknown), longer
+	// still end the connection.
+	maxOptLen  = 64 << 10
+	maxOptSkip = 16 << 20
 )
 
 // Transmission flags.
@@ -141,12 +144,15 @@ func wireError(err error) uint32 {
 		return errNoMem
 	case syscall.EINVAL:
 		return errInval
-	case syscall.ENOSPC:
-		return errNoSpc
-	case syscall.EOVERFLOW:
-		return errOverflow
+	case syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG:
+		return errNoSpc // the spec's words for a full export, whatever the server's
 	case syscall.EOPNOTSUPP:
-		return errNotSup
+		// The spec keeps ENOTSUP for a FAST_ZERO that would be slow and EOVERFLOW for a DF
+		// read in pieces (neither offered here): a server's EOPNOTSUPP or EOVERFLOW is
+		// another failure of the command. Write-zeroes' is set apart (errZeroesNotSup).
+		return errInval
+	case syscall.EOVERFLOW:
+		return errInval
 	case syscall.ESHUTDOWN:
 		return errShutdown
 	}

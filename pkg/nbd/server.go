@@ -412,8 +412,15 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 	}
 	_ = nc.SetDeadline(time.Time{})
 	lg.Debugf("serving %q", c.exp.Name)
-	if err := c.transmit(); err != nil && !clientGone(err) && s.ctx.Err() == nil {
+	err = c.transmit()
+	if err != nil && !clientGone(err) && s.ctx.Err() == nil {
 		s.refusals.Warn(s.log, "connection ended", nc.RemoteAddr().String(), clip(err.Error()))
+	}
+	if tc, ok := c.c.(*tls.Conn); ok && err == nil {
+		// After DISC the spec has TLS shut down before the socket closes: close_notify,
+		// bounded, as the client may not read it.
+		_ = tc.SetWriteDeadline(time.Now().Add(time.Second))
+		_ = tc.CloseWrite()
 	}
 }
 
@@ -484,6 +491,11 @@ func (c *conn) handshake() (bool, error) {
 	if clientFlags&^(flagFixedNewstyle|flagNoZeroes) != 0 {
 		return false, fmt.Errorf("nbd: client flags %#x", clientFlags)
 	}
+	if c.tlsCfg != nil && clientFlags&flagFixedNewstyle == 0 {
+		// Such a client cannot be told TLS is required (the spec forbids the reply to it),
+		// and this listener serves nothing in clear.
+		return false, errors.New("nbd: a client without fixed newstyle on a listener that requires TLS")
+	}
 	noZeroes := clientFlags&flagNoZeroes != 0
 	for {
 		var h [16]byte
@@ -495,7 +507,23 @@ func (c *conn) handshake() (bool, error) {
 		}
 		opt, n := binary.BigEndian.Uint32(h[8:]), binary.BigEndian.Uint32(h[12:])
 		if n > maxOptLen {
-			return false, fmt.Errorf("nbd: option %d of %d bytes", opt, n)
+			// Skipped unread and refused, so the stream stays in step; past maxOptSkip
+			// the connection ends (a peer sending that much is no client).
+			if n > maxOptSkip || opt == optExportName {
+				return false, fmt.Errorf("nbd: option %d of %d bytes", opt, n)
+			}
+			if err := c.skip(int64(n)); err != nil {
+				return false, err
+			}
+			rep := uint32(repErrUnsup)
+			switch opt {
+			case optList, optInfo, optGo, optStartTLS, optAbort:
+				rep = repErrTooBig
+			}
+			if err := c.optReply(opt, rep, []byte("option data too large")); err != nil {
+				return false, err
+			}
+			continue
 		}
 		data := make([]byte, n)
 		if err := c.r.ReadFull(data); err != nil {
@@ -563,6 +591,19 @@ func (c *conn) handshake() (bool, error) {
 			}
 		}
 	}
+}
+
+// skip reads and drops n bytes of option data.
+func (c *conn) skip(n int64) error {
+	var b [4096]byte
+	for n > 0 {
+		k := min(n, int64(len(b)))
+		if err := c.r.ReadFull(b[:k]); err != nil {
+			return err
+		}
+		n -= k
+	}
+	return nil
 }
 
 // startTLS answers NBD_OPT_STARTTLS (n: its data length): on a listener with TLS the
@@ -944,9 +985,18 @@ func (c *conn) serve(req Request, payload []byte, cost int64) {
 		if err = d.WriteZeroes(ctx, off, n, req.Flags&CmdFlagNoHole != 0); err == nil && fua {
 			err = d.Flush(ctx)
 		}
+		if errors.Is(err, syscall.EOPNOTSUPP) {
+			err = errZeroesNotSup{err}
+		}
 	}
 	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload, cost: cost})
 }
+
+// errZeroesNotSup is a WRITE_ZEROES the device could not do: ENOTSUP on the wire, on which
+// qemu and the kernel's nbd write the zeroes themselves.
+type errZeroesNotSup struct{ error }
+
+func (e errZeroesNotSup) Unwrap() error { return e.error }
 
 // check refuses what the export cannot take: unknown commands, command flags the command or
 // the handshake does not allow, writes to a read-only export, ranges outside the device or
@@ -973,6 +1023,10 @@ func (c *conn) check(req Request) error {
 	}
 	if req.Type != CmdRead && c.exp.ReadOnly {
 		return syscall.EPERM
+	}
+	// A command the transmission flags did not offer is EINVAL, as the spec has it.
+	if f := c.tflags(); req.Type == CmdTrim && f&tflagSendTrim == 0 || req.Type == CmdWriteZeroes && f&tflagWriteZeroes == 0 {
+		return fmt.Errorf("nbd: command %d not offered for this export: %w", req.Type, syscall.EINVAL)
 	}
 	if req.Type == CmdRead && req.Length > MaxRequest {
 		return syscall.EINVAL
@@ -1080,6 +1134,9 @@ func (c *conn) write(batch []pendingReply, mayBlock bool) bool {
 		var e uint32
 		if r.err != nil {
 			e = wireError(r.err)
+			if errors.As(r.err, new(errZeroesNotSup)) {
+				e = errNotSup
+			}
 		}
 		hdrs = binary.BigEndian.AppendUint32(hdrs, simpleReplyMagic)
 		hdrs = binary.BigEndian.AppendUint32(hdrs, e)

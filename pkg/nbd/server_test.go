@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"sync"
@@ -292,10 +293,35 @@ func TestHandshakeOptions(t *testing.T) {
 	if bs := seen[infoBlockSize]; binary.BigEndian.Uint32(bs) != 512 || binary.BigEndian.Uint32(bs[8:]) != MaxRequest {
 		t.Errorf("block sizes %x", bs)
 	}
-	// A huge option ends the connection.
+	// A large option is skipped and refused, the stream still in step: TOO_BIG for a known
+	// one, UNSUP for an unknown one; the next option is answered.
 	sendOpt(t, c, optInfo, make([]byte, maxOptLen+1))
+	if _, typ, _ := readOptReply(t, c); typ != repErrTooBig {
+		t.Fatalf("INFO of 64 KiB+1: reply %#x, want ERR_TOO_BIG", typ)
+	}
+	sendOpt(t, c, 99, make([]byte, maxOptLen+1))
+	if _, typ, _ := readOptReply(t, c); typ != repErrUnsup {
+		t.Fatalf("unknown option of 64 KiB+1: reply %#x, want ERR_UNSUP", typ)
+	}
+	sendOpt(t, c, optList, nil)
+	if _, typ, _ := readOptReply(t, c); typ != repServer {
+		t.Fatalf("LIST after the large options: reply %#x", typ)
+	}
+	for {
+		if _, typ, _ := readOptReply(t, c); typ == repAck {
+			break
+		}
+	}
+	// A huge one ends the connection.
+	var oh [16]byte
+	binary.BigEndian.PutUint64(oh[:], optMagic)
+	binary.BigEndian.PutUint32(oh[8:], optInfo)
+	binary.BigEndian.PutUint32(oh[12:], maxOptSkip+1)
+	if _, err := c.Write(oh[:]); err != nil { // the header only: the server reads no further
+		t.Fatal(err)
+	}
 	if _, err := c.Read(make([]byte, 1)); err == nil {
-		t.Fatal("connection survived a 64 KiB+1 option")
+		t.Fatal("connection survived a 16 MiB+1 option")
 	}
 	// Old-style NBD_OPT_EXPORT_NAME.
 	c = hello(t, sock)
@@ -421,8 +447,9 @@ func TestTransmission(t *testing.T) {
 func TestWireErrors(t *testing.T) {
 	for err, want := range map[error]uint32{
 		syscall.EROFS: errPerm, syscall.ENOSPC: errNoSpc, syscall.ENODEV: errIO,
-		io.ErrUnexpectedEOF: errIO, syscall.EOPNOTSUPP: errNotSup, syscall.ENOMEM: errNoMem,
-		syscall.EOVERFLOW: errOverflow, syscall.ESHUTDOWN: errShutdown,
+		io.ErrUnexpectedEOF: errIO, syscall.EOPNOTSUPP: errInval, syscall.ENOMEM: errNoMem,
+		syscall.EOVERFLOW: errInval, syscall.ESHUTDOWN: errShutdown, syscall.EDQUOT: errNoSpc,
+		syscall.EFBIG: errNoSpc,
 	} {
 		if got := wireError(err); got != want {
 			t.Errorf("%v → %d, want %d", err, got, want)
@@ -714,4 +741,33 @@ func TestTrimWriteZeroes(t *testing.T) {
 			t.Errorf("range %d+%d not zeroed exactly", r[0], r[1])
 		}
 	}
+}
+
+// TestUnofferedCommands: a TRIM or WRITE_ZEROES the transmission flags did not offer is
+// EINVAL, as the spec has it (a device's EOPNOTSUPP went out as ENOTSUP); a WRITE_ZEROES the
+// device cannot do after all is ENOTSUP, on which clients write the zeroes themselves.
+func TestUnofferedCommands(t *testing.T) {
+	leakcheck.Check(t)
+	dev := &memDev{b: make([]byte, 1<<20)}
+	sock := startServer(t, Export{Name: "none", Dev: rangeDev{memDev: dev}}, Export{Name: "wz", Dev: notSupDev{rangeDev{memDev: dev, writeZeroes: true}}})
+	cl := dial(t, sock, "none")
+	cl.send(Request{Type: CmdTrim, Cookie: 1, Length: 4096}, nil)
+	cl.send(Request{Type: CmdWriteZeroes, Cookie: 2, Length: 4096}, nil)
+	for range 2 {
+		if ck, e, _ := cl.recv(0); e != errInval {
+			t.Errorf("request %d not offered: errno %d, want EINVAL", ck, e)
+		}
+	}
+	cl = dial(t, sock, "wz")
+	cl.send(Request{Type: CmdWriteZeroes, Cookie: 3, Length: 4096}, nil)
+	if _, e, _ := cl.recv(0); e != errNotSup {
+		t.Errorf("write-zeroes the device refuses: errno %d, want ENOTSUP", e)
+	}
+}
+
+// notSupDev offers write-zeroes and refuses each (a server that changed its mind).
+type notSupDev struct{ rangeDev }
+
+func (notSupDev) WriteZeroes(context.Context, int64, int64, bool) error {
+	return fmt.Errorf("refused: %w", syscall.EOPNOTSUPP)
 }

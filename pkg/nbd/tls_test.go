@@ -127,6 +127,30 @@ func TestNBDStartTLS(t *testing.T) {
 	if cookie, errno, data := cl.recv(8192); cookie != 9 || errno != 0 || !bytes.Equal(data, dev.b[4096:4096+8192]) {
 		t.Fatalf("read inside TLS: cookie %d errno %d", cookie, errno)
 	}
+	// DISC: TLS is shut down before the socket closes: a close_notify record arrives, then
+	// the EOF (Go's TLS takes a bare close at a record boundary as EOF too, so the record is
+	// looked for on the socket itself).
+	cl.send(Request{Type: CmdDisc}, nil)
+	if b, err := io.ReadAll(tc.NetConn()); err != nil || len(b) == 0 {
+		t.Fatalf("after DISC: %d bytes on the socket before its close (%v), want a close_notify record", len(b), err)
+	}
+
+	// A client without fixed newstyle cannot be told TLS is required: it is closed at once.
+	old, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	_ = old.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(old, make([]byte, 18)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := old.Write([]byte{0, 0, 0, flagNoZeroes}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := old.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("a client without fixed newstyle got %d bytes on a TLS listener", n)
+	}
 
 	// A certificate of another CA, and none at all, are refused.
 	bad := other.Issue(t, "intruder", false)
