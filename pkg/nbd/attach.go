@@ -49,7 +49,8 @@ func (s *Server) ServeTransmission(nc net.Conn, e Export) error {
 		s.wg.Done()
 	}()
 	c := s.newConn(nc)
-	c.exp, c.kernel = e, true
+	c.use(e, true) // the kernel was told the block size at the attach
+	c.kernel = true
 	err := c.transmit()
 	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || s.ctx.Err() != nil {
 		return nil

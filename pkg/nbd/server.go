@@ -167,6 +167,7 @@ type Server struct {
 
 	refusals log.Limiter
 	arenaMem *membudget.Budget // the connections' arenas (MaxArenaMemory)
+	blocks   sync.Map          // export name → *sync.RWMutex (conn.blocks)
 }
 
 // NewServer returns a server; Serve starts it on a listener.
@@ -369,6 +370,14 @@ type conn struct {
 	we    syscall.Errno
 	wfn   func(fd uintptr) bool
 
+	// bsAgreed: the client asked for NBD_INFO_BLOCK_SIZE in GO (or is the kernel's, told
+	// the size at the attach), so it sends whole blocks; any other may send any byte range
+	// (the spec's minimum block size of 1), served by read-modify-write. blocks is the
+	// export's lock: writes in whole blocks share it, a read-modify-write holds it alone,
+	// so a write into the rest of a block it rewrites is not lost.
+	bsAgreed bool
+	blocks   *sync.RWMutex
+
 	tlsCfg *tls.Config // set on a listener that requires TLS
 	letGo  func()      // lets go of the export's device (Holder), once chosen
 	inTLS  bool
@@ -422,6 +431,14 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 		_ = tc.SetWriteDeadline(time.Now().Add(time.Second))
 		_ = tc.CloseWrite()
 	}
+}
+
+// use makes e the connection's export; bsAgreed says whether the client agreed to its
+// block size.
+func (c *conn) use(e Export, bsAgreed bool) {
+	c.exp, c.bsAgreed = e, bsAgreed
+	l, _ := c.s.blocks.LoadOrStore(e.Name, new(sync.RWMutex))
+	c.blocks = l.(*sync.RWMutex)
 }
 
 // hold makes the connection an opener of e's device (Holder), until it ends.
@@ -551,7 +568,7 @@ func (c *conn) handshake() (bool, error) {
 			if err := c.hold(e); err != nil {
 				return false, err // this option has no error reply
 			}
-			c.exp = e
+			c.use(e, false)
 			b := make([]byte, 10, 134)
 			binary.BigEndian.PutUint64(b, uint64(e.Dev.Size()))
 			binary.BigEndian.PutUint16(b[8:], c.tflags())
@@ -706,6 +723,7 @@ func (c *conn) infoGo(opt uint32, data []byte) (bool, error) {
 		c.exp = prev
 		return false, nil
 	}
+	c.use(e, reqs[infoBlockSize])
 	return true, nil
 }
 
@@ -853,8 +871,12 @@ func (c *conn) transmit() (err error) {
 		case async != nil && req.Type == CmdRead:
 			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: c.getBuf(int(req.Length)), cost: cost})
 			async.ReadAsync(c.s.ctx, a.r.data, off, a.cb)
+		case !c.aligned(req):
+			go c.serveUnaligned(req, payload, cost)
 		case async != nil && req.Type == CmdWrite:
 			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, payload: payload, cost: cost})
+			c.blocks.RLock()
+			a.held = c.blocks
 			async.WriteAsync(c.s.ctx, payload, off, fua, a.cb)
 		default:
 			go c.serve(req, payload, cost)
@@ -933,6 +955,7 @@ type asyncReply struct {
 	r     pendingReply
 	queue func(pendingReply)
 	cb    func(error)
+	held  *sync.RWMutex // the export's lock, shared by a write until it is done
 }
 
 var asyncReplies sync.Pool
@@ -954,9 +977,12 @@ func newAsyncReply(queue func(pendingReply), r pendingReply) *asyncReply {
 
 // done is the device's callback: the reply is queued, the holder goes back to the pool.
 func (a *asyncReply) done(err error) {
-	r, queue := a.r, a.queue
-	a.r, a.queue = pendingReply{}, nil
+	r, queue, held := a.r, a.queue, a.held
+	a.r, a.queue, a.held = pendingReply{}, nil, nil
 	asyncReplies.Put(a)
+	if held != nil {
+		held.RUnlock()
+	}
 	r.err = err
 	queue(r)
 }
@@ -969,6 +995,10 @@ func (c *conn) serve(req Request, payload []byte, cost int64) {
 	fua := req.Flags&CmdFlagFUA != 0
 	off, n := int64(req.Offset), int64(req.Length)
 	var err error
+	if req.Type != CmdRead && req.Type != CmdFlush {
+		c.blocks.RLock()
+		defer c.blocks.RUnlock()
+	}
 	switch req.Type {
 	case CmdRead:
 		data = getBuf(int(n))
@@ -1039,8 +1069,107 @@ func (c *conn) check(req Request) error {
 		}
 		return syscall.EINVAL
 	}
-	if req.Offset%bs != 0 || uint64(req.Length)%bs != 0 {
+	if c.bsAgreed && (req.Offset%bs != 0 || uint64(req.Length)%bs != 0) {
 		return syscall.EINVAL
+	}
+	return nil
+}
+
+// aligned says whether req covers whole blocks (a FLUSH always does).
+func (c *conn) aligned(req Request) bool {
+	bs := uint64(c.exp.Dev.BlockSize())
+	return req.Type == CmdFlush || req.Offset%bs == 0 && uint64(req.Length)%bs == 0
+}
+
+// serveUnaligned serves a request of a client that agreed to no block size and sent part of
+// a block: a READ reads the blocks it touches; a WRITE or WRITE_ZEROES reads the first and
+// last block it touches in part, merges, and writes them back with the whole blocks between,
+// holding the export's lock alone; a TRIM, advisory, discards the whole blocks inside it.
+func (c *conn) serveUnaligned(req Request, payload []byte, cost int64) {
+	ctx, d := c.s.ctx, c.exp.Dev
+	bs := int64(d.BlockSize())
+	off, n := int64(req.Offset), int64(req.Length)
+	start, end := off-off%bs, (off+n+bs-1)/bs*bs
+	fua := req.Flags&CmdFlagFUA != 0
+	var data []byte
+	var err error
+	switch req.Type {
+	case CmdRead:
+		buf := make([]byte, end-start)
+		if err = d.ReadAtContext(ctx, buf, start); err == nil {
+			data = getBuf(int(n))
+			copy(data, buf[off-start:])
+		}
+	case CmdTrim:
+		if in0, in1 := (off+bs-1)/bs*bs, (off+n)/bs*bs; in1 > in0 {
+			c.blocks.RLock()
+			err = d.Discard(ctx, in0, in1-in0)
+			c.blocks.RUnlock()
+		}
+		if err == nil && fua {
+			err = d.Flush(ctx)
+		}
+	case CmdWrite:
+		c.blocks.Lock()
+		err = c.rmw(start, end, off, payload, fua)
+		c.blocks.Unlock()
+	case CmdWriteZeroes:
+		c.blocks.Lock()
+		err = c.zeroUnaligned(start, end, off, n, req.Flags&CmdFlagNoHole != 0, fua)
+		c.blocks.Unlock()
+	}
+	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload, cost: cost})
+}
+
+// rmw writes p at off inside the blocks [start, end): the partial first and last blocks are
+// read first. Called with the export's lock held alone.
+func (c *conn) rmw(start, end, off int64, p []byte, fua bool) error {
+	ctx, d := c.s.ctx, c.exp.Dev
+	bs := int64(d.BlockSize())
+	buf := make([]byte, end-start)
+	if off != start {
+		if err := d.ReadAtContext(ctx, buf[:bs], start); err != nil {
+			return err
+		}
+	}
+	if tail := end - bs; off+int64(len(p)) != end && (tail != start || off == start) {
+		if err := d.ReadAtContext(ctx, buf[tail-start:], tail); err != nil {
+			return err
+		}
+	}
+	copy(buf[off-start:], p)
+	return d.WriteAtContext(ctx, buf, start, fua)
+}
+
+// zeroUnaligned zeroes [off, off+n) inside the blocks [start, end): the partial first and
+// last blocks by read-modify-write, the whole blocks between as the device zeroes them.
+// Called with the export's lock held alone.
+func (c *conn) zeroUnaligned(start, end, off, n int64, noHole, fua bool) error {
+	ctx, d := c.s.ctx, c.exp.Dev
+	bs := int64(d.BlockSize())
+	in0, in1 := (off+bs-1)/bs*bs, (off+n)/bs*bs
+	if in1 <= in0 {
+		// Within one block, or two partial ones with none between.
+		if err := c.rmw(start, end, off, make([]byte, n), false); err != nil {
+			return err
+		}
+	} else {
+		if in0 != off {
+			if err := c.rmw(start, in0, off, make([]byte, in0-off), false); err != nil {
+				return err
+			}
+		}
+		if err := d.WriteZeroes(ctx, in0, in1-in0, noHole); err != nil {
+			return err
+		}
+		if in1 != off+n {
+			if err := c.rmw(in1, end, in1, make([]byte, off+n-in1), false); err != nil {
+				return err
+			}
+		}
+	}
+	if fua {
+		return d.Flush(ctx)
 	}
 	return nil
 }
