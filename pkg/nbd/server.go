@@ -248,7 +248,7 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 		}
 		var peer netip.Addr
 		if ta, ok := c.RemoteAddr().(*net.TCPAddr); ok {
-			peer = ta.AddrPort().Addr().Unmap()
+			peer = peerGroup(ta.AddrPort().Addr())
 		}
 		s.mu.Lock()
 		if s.ctx.Err() != nil {
@@ -286,6 +286,21 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 			c.Close()
 		}()
 	}
+}
+
+// peerGroup is what MaxConnsPerAddr counts a TCP client as: an IPv6 one by its /64, which one
+// host picks source addresses from, and loopback as one address, since any local user can
+// connect from each of 127.0.0.1 to 127.255.255.254 (one user filled the listener from nine).
+func peerGroup(a netip.Addr) netip.Addr {
+	a = a.Unmap()
+	switch {
+	case a.IsLoopback():
+		return netip.IPv4Unspecified()
+	case a.Is6():
+		p, _ := a.Prefix(64)
+		return p.Addr()
+	}
+	return a
 }
 
 // Close stops the listeners, ends every connection and waits for their requests, up to

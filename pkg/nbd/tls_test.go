@@ -187,6 +187,17 @@ func TestNBDConnectionBound(t *testing.T) {
 	if n, err := c.Read(make([]byte, 18)); err == nil {
 		t.Fatalf("a 4th connection from one address got %d bytes of greeting", n)
 	}
+	// Loopback counts as one address: any local user can pick another 127.x.y.z.
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 2)}}
+	c2, err := d.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	_ = c2.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := c2.Read(make([]byte, 18)); err == nil {
+		t.Fatalf("a 4th loopback connection, from 127.0.0.2, got %d bytes of greeting", n)
+	}
 	held[0].Close()
 	time.Sleep(50 * time.Millisecond)
 	helloOn(t, "tcp", ln.Addr().String()) // a slot is free again
