@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"net"
@@ -114,8 +115,8 @@ func TestGoneWithRepliesInFlight(t *testing.T) {
 // connection ends once the device answers after all.
 func TestCloseBounded(t *testing.T) {
 	leakcheck.Check(t)
-	defer func(d time.Duration) { closeWait = d }(closeWait)
-	closeWait = 200 * time.Millisecond
+	defer func(d, c time.Duration) { drainWait, closeWait = d, c }(drainWait, closeWait)
+	drainWait, closeWait = 100*time.Millisecond, 200*time.Millisecond
 	dev := newGateDev(1 << 20)
 	sock, s := startServerOpts(t, Options{}, Export{Name: "d", Dev: dev})
 	cl := dial(t, sock, "d")
@@ -133,6 +134,45 @@ func TestCloseBounded(t *testing.T) {
 	}
 	dev.release()
 	testutil.WaitFor(t, 5*time.Second, "the connection ended", func() bool { return conns(s) == 0 })
+}
+
+// TestOrderlyShutdown: Close answers the requests in flight first, as the spec asks of a
+// server that shuts down: a request read meanwhile gets ESHUTDOWN and an option ERR_SHUTDOWN;
+// then the connections end.
+func TestOrderlyShutdown(t *testing.T) {
+	leakcheck.Check(t)
+	dev := newGateDev(1 << 20)
+	for i := range dev.b {
+		dev.b[i] = byte(i)
+	}
+	sock, s := startServerOpts(t, Options{}, Export{Name: "d", Dev: dev})
+	cl := dial(t, sock, "d")
+	haggling := hello(t, sock)
+	cl.send(Request{Type: CmdRead, Cookie: 1, Offset: 4096, Length: 4096}, nil)
+	testutil.WaitFor(t, 5*time.Second, "the read at the device", func() bool { return dev.count() == 1 })
+	closed := make(chan struct{})
+	go func() { s.Close(); close(closed) }()
+	testutil.WaitFor(t, 5*time.Second, "the server draining", s.draining.Load)
+	cl.send(Request{Type: CmdRead, Cookie: 2, Length: 4096}, nil)
+	if ck, e, _ := cl.recv(0); ck != 2 || e != errShutdown {
+		t.Fatalf("a request during the shutdown: cookie %d errno %d, want ESHUTDOWN", ck, e)
+	}
+	sendOpt(t, haggling, optList, nil)
+	if _, typ, _ := readOptReply(t, haggling); typ != repErrShutdown {
+		t.Fatalf("an option during the shutdown: reply %#x, want ERR_SHUTDOWN", typ)
+	}
+	dev.release()
+	if ck, e, data := cl.recv(4096); ck != 1 || e != 0 || !bytes.Equal(data, dev.b[4096:8192]) {
+		t.Fatalf("the request in flight: cookie %d errno %d", ck, e)
+	}
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return once the requests in flight were answered")
+	}
+	if _, err := cl.c.Read(make([]byte, 1)); err == nil {
+		t.Fatal("the connection outlived Close")
+	}
 }
 
 // TestStalledClientDropped: a client that sends reads and takes none of the replies is

@@ -27,14 +27,15 @@ const (
 	optGo             = 7
 	optStructuredRepl = 8
 
-	repAck        = 1
-	repServer     = 2
-	repInfo       = 3
-	repErrUnsup   = 1<<31 + 1
-	repErrTLSReqd = 1<<31 + 5
-	repErrInval   = 1<<31 + 3
-	repErrUnknwn  = 1<<31 + 6
-	repErrTooBig  = 1<<31 + 9
+	repAck         = 1
+	repServer      = 2
+	repInfo        = 3
+	repErrUnsup    = 1<<31 + 1
+	repErrTLSReqd  = 1<<31 + 5
+	repErrInval    = 1<<31 + 3
+	repErrUnknwn   = 1<<31 + 6
+	repErrTooBig   = 1<<31 + 9
+	repErrShutdown = 1<<31 + 7
 
 	infoExport      = 0
 	infoName        = 1

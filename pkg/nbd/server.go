@@ -168,6 +168,10 @@ type Server struct {
 	refusals log.Limiter
 	arenaMem *membudget.Budget // the connections' arenas (MaxArenaMemory)
 	blocks   sync.Map          // export name → *sync.RWMutex (conn.blocks)
+	// draining: Close has begun; requests read from then on are answered ESHUTDOWN and
+	// options ERR_SHUTDOWN, while those in flight (inflight, over all connections) finish.
+	draining atomic.Bool
+	inflight atomic.Int64
 }
 
 // NewServer returns a server; Serve starts it on a listener.
@@ -230,7 +234,7 @@ func (s *Server) serve(ln net.Listener, tlsCfg *tls.Config) error {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
-			if s.ctx.Err() != nil {
+			if s.ctx.Err() != nil || s.draining.Load() {
 				return nil
 			}
 			if errors.Is(err, net.ErrClosed) {
@@ -303,16 +307,24 @@ func peerGroup(a netip.Addr) netip.Addr {
 	return a
 }
 
-// Close stops the listeners, ends every connection and waits for their requests, up to
-// closeWait: a request its device never answers (a server that answers its heartbeats but
-// not the IO) would hold a daemon's stop for ever. Those are left to end when their device's
-// session closes.
+// Close stops the listeners and shuts the connections down in order, as the spec asks: the
+// requests in flight are answered first (for up to drainWait), those read meanwhile get
+// ESHUTDOWN and options ERR_SHUTDOWN; then every connection ends and Close waits for their
+// requests, up to closeWait: a request its device never answers (a server that answers its
+// heartbeats but not the IO) would hold a daemon's stop for ever. Those are left to end when
+// their device's session closes.
 func (s *Server) Close() {
 	s.mu.Lock()
-	s.stop()
+	s.draining.Store(true)
 	for ln := range s.lns {
 		ln.Close()
 	}
+	s.mu.Unlock()
+	for t0 := time.Now(); s.inflight.Load() > 0 && time.Since(t0) < drainWait; {
+		time.Sleep(5 * time.Millisecond)
+	}
+	s.mu.Lock()
+	s.stop()
 	for c := range s.conns {
 		c.Close()
 	}
@@ -331,8 +343,9 @@ func (s *Server) Close() {
 	}
 }
 
-// closeWait bounds Close's wait for requests in flight.
-var closeWait = 10 * time.Second
+// drainWait bounds how long Close lets the requests in flight finish before it ends the
+// connections; closeWait how long it then waits for them.
+var drainWait, closeWait = 5 * time.Second, 10 * time.Second
 
 func (s *Server) lookup(name string) (Export, bool) {
 	exps := s.opts.Exports()
@@ -560,6 +573,15 @@ func (c *conn) handshake() (bool, error) {
 		data := make([]byte, n)
 		if err := c.r.ReadFull(data); err != nil {
 			return false, err
+		}
+		if c.s.draining.Load() && opt != optAbort {
+			if opt == optExportName {
+				return false, errors.New("nbd: EXPORT_NAME while shutting down") // it has no error reply
+			}
+			if err := c.optReply(opt, repErrShutdown, []byte("the server is shutting down")); err != nil {
+				return false, err
+			}
+			continue
 		}
 		if c.tlsCfg != nil && !c.inTLS && opt != optStartTLS && opt != optAbort {
 			if opt == optExportName {
@@ -866,10 +888,15 @@ func (c *conn) transmit() (err error) {
 			}
 		}
 		c.inflight.Add(1)
+		c.s.inflight.Add(1)
 		// A plug holds at most maxPlugged requests, refused ones counted: a stream of them
 		// must not keep back what a plug holds.
 		if inPlug++; inPlug > maxPlugged {
 			unplug()
+		}
+		if c.s.draining.Load() {
+			c.queue(pendingReply{cookie: req.Cookie, err: syscall.ESHUTDOWN, payload: payload, cost: cost})
+			continue
 		}
 		if err := c.check(req); err != nil || req.Length == 0 && req.Type != CmdFlush {
 			// A zero-length request is answered here, with success once it passed the
@@ -1452,6 +1479,7 @@ func (c *conn) release(batch []pendingReply) {
 		batch[i] = pendingReply{}
 		c.give(cost)
 		c.inflight.Done()
+		c.s.inflight.Add(-1)
 	}
 }
 
