@@ -2,7 +2,9 @@ package fsview
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/rtrs-go/rtrs/pkg/control"
@@ -78,7 +80,85 @@ func (t *DevTree) ctl() []Entry {
 			defer cancel()
 			return t.Ctl.Unmap(ctx, u)
 		}}},
+		{Name: "mapped", Dir: DirFunc(t.mapped)},
 	}
+}
+
+// mapped lists a directory per mapped device, "<device file>@<session>" as the kernel names
+// its links in /sys/class/rnbd-client/ctl/devices/, holding what the kernel's
+// /sys/block/rnbdX/rnbd/ holds.
+func (t *DevTree) mapped() []Entry {
+	var out []Entry
+	for _, d := range t.Ctl.Mapped() {
+		name := control.DeviceFileName(d.Path()) + "@" + d.Session()
+		if !validEntry(name) {
+			continue
+		}
+		out = append(out, Entry{Name: name, Obj: d, Dir: guarded("the device", func() bool { return d.State() != rnbd.StateUnmapped }, DirFunc(func() []Entry { return t.device(d) }))})
+	}
+	return out
+}
+
+// device is a mapped device's directory: the kernel's rnbd-client files, in its formats.
+func (t *DevTree) device(d *rnbd.Device) []Entry {
+	line := func(f func() string) func() string { return func() string { return f() + "\n" } }
+	return []Entry{
+		{Name: "state", Attr: &Attr{Mode: 0o444, Show: line(func() string { return kernelState(d.State()) })}},
+		{Name: "session", Attr: &Attr{Mode: 0o444, Show: line(d.Session)}},
+		{Name: "mapping_path", Attr: &Attr{Mode: 0o444, Show: line(d.Path)}},
+		{Name: "access_mode", Attr: &Attr{Mode: 0o444, Show: line(func() string { return d.AccessMode().String() })}},
+		// No poll queues: the transport's connections are served by completions.
+		{Name: "nr_poll_queues", Attr: &Attr{Mode: 0o444, Show: usage("0\n")}},
+		{Name: "unmap_device", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo <normal|force> > unmap_device\n"), Store: func(v string) error {
+			var force bool
+			switch strings.TrimSpace(v) {
+			case "normal":
+			case "force":
+				force = true
+			default:
+				return fmt.Errorf("unmap_device %q: normal or force: %w", v, syscall.EINVAL)
+			}
+			ctx, cancel := writeCtx(t.Timeout)
+			defer cancel()
+			return t.Ctl.Unmap(ctx, control.UnmapRequest{SessName: d.Session(), DevicePath: d.Path(), Force: force})
+		}}},
+		{Name: "remap_device", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo <1> > remap_device\n"), Store: func(v string) error {
+			if strings.TrimSpace(v) != "1" {
+				return fmt.Errorf("remap_device %q: 1: %w", v, syscall.EINVAL)
+			}
+			ctx, cancel := writeCtx(t.Timeout)
+			defer cancel()
+			return d.Remap(ctx)
+		}}},
+		{Name: "resize", Attr: &Attr{Mode: 0o644, Show: usage("Usage: echo <new size in sectors> > resize\n"), Store: func(v string) error {
+			v = strings.TrimSpace(v)
+			n, err := strconv.ParseUint(v, 0, 64)
+			if err != nil || strings.Contains(v, "_") {
+				return fmt.Errorf("resize %q: a number of sectors: %w", v, syscall.EINVAL)
+			}
+			if d.State() != rnbd.StateMapped {
+				return fmt.Errorf("resize: the device is not open: %w", syscall.ENOENT)
+			}
+			if n*rnbd.SectorSize == uint64(d.Size()) {
+				return nil
+			}
+			// Its NBD clients were told the size at their handshake, and ublk's UPDATE_SIZE
+			// is 7.x's: unmap_device and map_device take a new size.
+			return fmt.Errorf("resize to %d sectors from %d: a mapped device keeps its size here (unmap and map it again): %w", n, d.Size()/rnbd.SectorSize, syscall.EOPNOTSUPP)
+		}}},
+	}
+}
+
+// kernelState is a device's state in the kernel's words: open, closed (no path, or closed by
+// the server), unmapped.
+func kernelState(st rnbd.DeviceState) string {
+	switch st {
+	case rnbd.StateMapped:
+		return "open"
+	case rnbd.StateUnmapped:
+		return "unmapped"
+	}
+	return "closed"
 }
 
 // devices lists the mapped devices, "<session>/<device file> <state> <access mode>" a line;

@@ -293,6 +293,40 @@ func TestDeviceView(t *testing.T) {
 	}
 }
 
+// TestDeviceViewPerDevice: ctl/mapped/<device>@<session>/ holds the kernel's rnbd-client
+// files for each mapped device, in its formats and with its errnos: remap_device of an open
+// device is EALREADY, resize keeps the size (another is EOPNOTSUPP: the front ends were told
+// it), unmap_device takes normal or force.
+func TestDeviceViewPerDevice(t *testing.T) {
+	leakcheck.Check(t)
+	tr := mountTrees(t)
+	dev := tr.dev
+	mustSh(t, fmt.Sprintf("echo 'sessname=b device_path=/disk dest_port=%d path=ip:127.0.0.1@ip:127.0.0.1' > %s/ctl/map_device", tr.port, dev))
+	m := dev + "/ctl/mapped"
+	if got := mustSh(t, "ls "+m+" "+m+"/disk@b"); got != m+":\ndisk@b\n\n"+m+"/disk@b:\naccess_mode\nmapping_path\nnr_poll_queues\nremap_device\nresize\nsession\nstate\nunmap_device\n" {
+		t.Fatalf("ctl/mapped: %q", got)
+	}
+	d := m + "/disk@b/"
+	for f, want := range map[string]string{"state": "open\n", "session": "b\n", "mapping_path": "/disk\n", "access_mode": "rw\n",
+		"nr_poll_queues": "0\n", "remap_device": "Usage: echo <1> > remap_device\n", "resize": "Usage: echo <new size in sectors> > resize\n",
+		"unmap_device": "Usage: echo <normal|force> > unmap_device\n"} {
+		if got := mustSh(t, "cat "+d+f); got != want {
+			t.Errorf("%s: %q, want %q", f, got, want)
+		}
+	}
+	shErr(t, "echo 1 > "+d+"remap_device", "Operation already in progress")
+	shErr(t, "echo 2 > "+d+"remap_device", "Invalid argument")
+	mustSh(t, "echo 8192 > "+d+"resize") // 4 MiB: its size
+	mustSh(t, "echo 0x2000 > "+d+"resize")
+	shErr(t, "echo 16384 > "+d+"resize", "Operation not supported")
+	shErr(t, "echo 8_192 > "+d+"resize", "Invalid argument")
+	shErr(t, "echo later > "+d+"unmap_device", "Invalid argument")
+	mustSh(t, "echo normal > "+d+"unmap_device")
+	if got := mustSh(t, "ls "+m); got != "" {
+		t.Fatalf("ctl/mapped after the unmap: %q", got)
+	}
+}
+
 // TestDeviceViewNameTaken: sub/x and sub!x would both be shown as sub!x; the second mapping
 // is refused (EEXIST) and the first stays reachable under that name, as the kernel's client
 // refuses a device whose sysfs link name is taken.

@@ -121,6 +121,39 @@ func (d *Device) open(ctx context.Context) error {
 	return nil
 }
 
+// Remap opens the device on the server again now (the kernel's remap_device): ENODEV once
+// it is unmapped or being unmapped, EALREADY while it is open. A device waiting for its
+// session's remap, or one the server closed (force_close), is opened at once; the answer
+// must keep its size and block size, or the device stays closed (EIO).
+func (d *Device) Remap(ctx context.Context) error {
+	d.mu.Lock()
+	st, unmapping, id, idClosed := d.state, d.unmapping, d.id, d.idClosed
+	d.mu.Unlock()
+	switch {
+	case st == StateUnmapped || unmapping:
+		return fmt.Errorf("rnbd: %q is not mapped: %w", d.path, syscall.ENODEV)
+	case st == StateMapped:
+		return fmt.Errorf("rnbd: %q is open: %w", d.path, syscall.EALREADY)
+	case st == StateClosedByServer && !idClosed:
+		// The server keeps a force-closed id until its CLOSE, as for an unmap; once sent,
+		// an unmap after a failed open must not send it again (the id may be another's).
+		d.sendClose(ctx, id)
+		d.mu.Lock()
+		if d.id == id {
+			d.idClosed = true
+		}
+		d.mu.Unlock()
+	}
+	if err := d.open(ctx); err != nil {
+		if errors.Is(err, errUnmappedMeanwhile) {
+			return fmt.Errorf("rnbd: %q was unmapped meanwhile: %w", d.path, syscall.ENODEV)
+		}
+		return err
+	}
+	d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).Info("device remapped (remap_device)")
+	return nil
+}
+
 func (d *Device) setStateLocked(st DeviceState) {
 	if st == StateDisconnected && d.state != StateDisconnected {
 		d.downSince = time.Now()

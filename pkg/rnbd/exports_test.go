@@ -350,3 +350,78 @@ func TestExportENOTCONNIsEIO(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestRemapDevice: remap_device is EALREADY while the device is open; a device the server
+// force-closed is opened again by it (its old id closed on the server first, so nothing is
+// kept there), IO then works; a remap the server refuses (another session took the device
+// rw meanwhile) leaves it closed with the server's errno; once unmapped it is ENODEV.
+func TestRemapDevice(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 5*time.Second)
+	d := mustMap(t, e, c, "a", "disk", AccessRW)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := d.Remap(ctx); !errors.Is(err, syscall.EALREADY) {
+		t.Fatalf("remap of an open device: %v, want EALREADY", err)
+	}
+	rs := e.server()
+	real, err := filepath.EvalSymlinks(e.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pfx := strings.ReplaceAll(strings.TrimLeft(real, "/"), "/", "!") + "!"
+	if err := rs.ForceClose(findExport(t, rs, pfx+"disk", "a")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096)
+	if _, err := d.WriteAt(buf, 0); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("write after force_close: %v", err)
+	}
+	if err := d.Remap(ctx); err != nil {
+		t.Fatalf("remap after force_close: %v", err)
+	}
+	if st := d.State(); st != StateMapped {
+		t.Fatalf("state after the remap %v", st)
+	}
+	if _, err := d.WriteAt(bytes.Repeat([]byte{9}, 4096), 0); err != nil {
+		t.Fatalf("write after the remap: %v", err)
+	}
+	forced := func() int {
+		rs.mu.Lock()
+		defer rs.mu.Unlock()
+		n := 0
+		for _, ss := range rs.sessions {
+			n += len(ss.forced)
+		}
+		return n
+	}
+	if n := forced(); n != 0 {
+		t.Fatalf("%d force-closed ids kept on the server after the remap", n)
+	}
+	// Force-closed again, and another session takes it rw: the remap is refused (EPERM, the
+	// second rw opener) and the device stays closed.
+	if err := rs.ForceClose(findExport(t, rs, pfx+"disk", "a")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.WriteAt(buf, 0); !errors.Is(err, syscall.EIO) { // the client learns it here
+		t.Fatalf("write after the second force_close: %v", err)
+	}
+	mustMap(t, e, c, "b", "disk", AccessRW)
+	if err := d.Remap(ctx); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("remap of a device another session holds rw: %v, want EPERM", err)
+	}
+	if st := d.State(); st != StateClosedByServer {
+		t.Fatalf("state after a refused remap %v", st)
+	}
+	if err := d.Unmap(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := forced(); n != 0 {
+		t.Fatalf("%d force-closed ids kept on the server after the unmap", n)
+	}
+	if err := d.Remap(ctx); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("remap of an unmapped device: %v, want ENODEV", err)
+	}
+}
