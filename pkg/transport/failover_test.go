@@ -574,19 +574,10 @@ func TestDoDeadline(t *testing.T) {
 	s := e.open(t, "deadline", paths(t, path1(), path2()), nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- s.Do(ctx, Write, offHdr(1<<20), make([]byte, 4096)) }()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("the request held on one path, failed over: %v", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Do still waits 10 s after its 300 ms deadline")
+	held, err := doHeld(t, ctx, h, s, 10*time.Second)
+	if err != nil {
+		t.Fatalf("the request held on one path, failed over: %v", err)
 	}
-	h.mu.Lock()
-	held := h.held
-	h.mu.Unlock()
 	if len(held) != 1 {
 		t.Fatalf("%d requests held", len(held))
 	}
@@ -612,6 +603,23 @@ func TestDoDeadline(t *testing.T) {
 	}
 }
 
+// doHeld runs a Do of the request h holds (offset 1 MiB) with ctx, and returns its outcome
+// and the copies of it h holds then; it fails the test if Do has not returned within d.
+func doHeld(t *testing.T, ctx context.Context, h *holdOnce, s *Session, d time.Duration) ([]*SrvRequest, error) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- s.Do(ctx, Write, offHdr(1<<20), make([]byte, 4096)) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(d):
+		t.Fatalf("Do still waits %v after its deadline", d)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]*SrvRequest(nil), h.held...), err
+}
+
 // TestDoDeadlineBounded: a request that no path's server answers, while their heartbeats go
 // on, is sent again once after its caller's deadline, then ends with ETIMEDOUT: with paths
 // that come back before the next recovery it bounced between them for ever (and with it an
@@ -623,19 +631,10 @@ func TestDoDeadlineBounded(t *testing.T) {
 	s := e.open(t, "bounded", paths(t, path1(), path2()), nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- s.Do(ctx, Write, offHdr(1<<20), make([]byte, 4096)) }()
-	select {
-	case err := <-done:
-		if !errors.Is(err, syscall.ETIMEDOUT) {
-			t.Fatalf("a request no server answers: %v, want ETIMEDOUT", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("Do still waits 30 s after its 300 ms deadline")
+	held, err := doHeld(t, ctx, h, s, 30*time.Second)
+	if !errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("a request no server answers: %v, want ETIMEDOUT", err)
 	}
-	h.mu.Lock()
-	held := h.held
-	h.mu.Unlock()
 	if len(held) != 2 {
 		t.Fatalf("the request was sent %d times, want 2", len(held))
 	}

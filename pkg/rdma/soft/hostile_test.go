@@ -416,6 +416,26 @@ func TestAddrGroup(t *testing.T) {
 	}
 }
 
+// startPlacing sends, as the raw peer c, an RDMA WRITE of n bytes under key at addr with only
+// its first `first` bytes, and waits until s's reader is placing it.
+func startPlacing(t *testing.T, c net.Conn, s *end, key uint32, addr uint64, n, first int) {
+	t.Helper()
+	var hb [hdrLen]byte
+	(&frameHdr{op: fWrite, seq: 1, len: uint32(n), rkey: key, addr: addr}).encode(hb[:])
+	if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xaa}, first)...)); err != nil {
+		t.Fatal(err)
+	}
+	sq := s.qp.(*qp)
+	deadline := time.Now().Add(10 * time.Second)
+	for sq.placingWrite.TryLock() { // not placing yet
+		sq.placingWrite.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatal("the write's placement never began")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // TestToErrorFencesRemoteWrite: once ToError has returned, a peer's RDMA WRITE no longer
 // lands in local memory, even one whose payload was being placed when it was called (as on a
 // real QP moved to error). RTRS fails a dead connection's requests over to another path
@@ -431,20 +451,7 @@ func TestToErrorFencesRemoteWrite(t *testing.T) {
 	}
 	const n = 64 << 10
 	mr := s.reg(t, n, rdma.AccessLocalWrite|rdma.AccessRemoteWrite)
-	var hb [hdrLen]byte
-	(&frameHdr{op: fWrite, seq: 1, len: n, rkey: mr.RKey(), addr: mr.Addr()}).encode(hb[:])
-	if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xaa}, 4096)...)); err != nil {
-		t.Fatal(err)
-	}
-	sq := s.qp.(*qp)
-	deadline := time.Now().Add(10 * time.Second)
-	for sq.placingWrite.TryLock() { // not placing yet
-		sq.placingWrite.Unlock()
-		if time.Now().After(deadline) {
-			t.Fatal("the write's placement never began")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	startPlacing(t, c, s, mr.RKey(), mr.Addr(), n, 4096)
 	returned := make(chan struct{})
 	go func() { s.qp.ToError(); close(returned) }()
 	select {
@@ -487,20 +494,7 @@ func TestLocalInvFencesRemoteWrite(t *testing.T) {
 	key := rdma.IncKey(m.RKey())
 	s.post(t, rdma.SendWR{ID: 99, Opcode: rdma.OpRegMR, Flags: rdma.SendSignaled, MR: m, Key: key, Access: rdma.AccessLocalWrite | rdma.AccessRemoteWrite})
 	s.expect(t, 99, rdma.WCRegMR, rdma.WCSuccess)
-	var hb [hdrLen]byte
-	(&frameHdr{op: fWrite, seq: 1, len: n, rkey: key, addr: backing.Addr()}).encode(hb[:])
-	if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xaa}, 1024)...)); err != nil {
-		t.Fatal(err)
-	}
-	sq := s.qp.(*qp)
-	deadline := time.Now().Add(10 * time.Second)
-	for sq.placingWrite.TryLock() { // not placing yet
-		sq.placingWrite.Unlock()
-		if time.Now().After(deadline) {
-			t.Fatal("the write's placement never began")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	startPlacing(t, c, s, key, backing.Addr(), n, 1024)
 	returned := make(chan error, 1)
 	go func() {
 		_, err := s.qp.PostSend([]rdma.SendWR{{ID: 7, Opcode: rdma.OpLocalInv, InvRKey: key}})
