@@ -151,8 +151,9 @@ func (s *Server) identify(id rdma.ConnID) (Identity, bool) {
 }
 
 // maxNames bounds the names a server keeps for their owners; past it new names are refused
-// (an operator removes old ones from the file). maxNamesPerOwner bounds one owner's, where
-// the owner names a client (Identity.names), so that one tenant cannot take them all.
+// (an operator removes old ones from the file). maxNamesPerOwner bounds one client's (as
+// MaxSessionsPerClient counts clients: the owner where it names one, else the address a
+// session came from within its owner), so that one tenant cannot take them all.
 const (
 	maxNames         = 4096
 	maxNamesPerOwner = 256
@@ -169,7 +170,8 @@ type nameStore struct {
 
 type nameOwner struct {
 	Owner string    `json:"owner"`
-	Seen  time.Time `json:"seen"` // when it was last claimed by a new session
+	Seen  time.Time `json:"seen"`             // when it was last claimed by a new session
+	Quota string    `json:"client,omitempty"` // the client whose room it takes (clientKey)
 }
 
 // loadNames reads path (a missing file is an empty store; "" keeps names in memory only).
@@ -196,27 +198,27 @@ func loadNames(path string) (*nameStore, error) {
 	return ns, nil
 }
 
-// claim gives name to owner if it is free or owner's already. It answers 0, EPERM (another
-// owner's), ENOSPC (maxNames kept: names are never forgotten to make room for another
-// owner, so a flood of new names cannot push a tenant's out) or EDQUOT; err reports a names
-// file not written. Where quota applies, an owner at maxNamesPerOwner gives up its own
-// least recently claimed name that no live session uses (inUse) for the new one, also when
-// the store is full, and is refused with EDQUOT only when all of them are in use.
-func (ns *nameStore) claim(name, owner string, quota bool, inUse map[string]bool) (syscall.Errno, error) {
+// claim gives name to owner if it is free or owner's already, in the room of client (""
+// for none). It answers 0, EPERM (another owner's), ENOSPC (maxNames kept: names are never
+// forgotten to make room for another owner, so a flood of new names cannot push a tenant's
+// out) or EDQUOT; err reports a names file not written. A client at maxNamesPerOwner gives
+// up its own least recently claimed name that no live session uses (inUse) for the new one,
+// also when the store is full, and is refused with EDQUOT only when all of them are in use.
+func (ns *nameStore) claim(name, owner, client string, inUse map[string]bool) (syscall.Errno, error) {
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
 	if o, ok := ns.names[name]; ok {
 		if o.Owner != owner {
 			return syscall.EPERM, nil
 		}
-		o.Seen = time.Now().UTC()
+		o.Seen, o.Quota = time.Now().UTC(), client
 		ns.names[name] = o
 		return 0, ns.saveLocked()
 	}
-	if quota {
+	if client != "" {
 		n, oldest := 0, ""
 		for k, o := range ns.names {
-			if o.Owner != owner {
+			if o.Quota != client {
 				continue
 			}
 			n++
@@ -240,7 +242,7 @@ func (ns *nameStore) claim(name, owner string, quota bool, inUse map[string]bool
 	if len(ns.names) >= maxNames {
 		return syscall.ENOSPC, nil
 	}
-	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC()}
+	ns.names[name] = nameOwner{Owner: owner, Seen: time.Now().UTC(), Quota: client}
 	return 0, ns.saveLocked()
 }
 

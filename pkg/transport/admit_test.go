@@ -234,17 +234,17 @@ func TestNamesFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range maxNames {
-		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a", false, nil); errno != 0 {
+		if errno, _ := ns.claim(fmt.Sprintf("n%d", i), "addr:a", "", nil); errno != 0 {
 			t.Fatalf("name %d: %v", i, errno)
 		}
 	}
-	if errno, _ := ns.claim("late", "addr:b", false, nil); errno != syscall.ENOSPC {
+	if errno, _ := ns.claim("late", "addr:b", "", nil); errno != syscall.ENOSPC {
 		t.Fatalf("a new name in a full store: %v, want ENOSPC", errno)
 	}
-	if errno, _ := ns.claim("n0", "addr:a", false, nil); errno != 0 {
+	if errno, _ := ns.claim("n0", "addr:a", "", nil); errno != 0 {
 		t.Fatalf("the owner of a kept name: %v", errno)
 	}
-	if errno, _ := ns.claim("n1", "addr:b", false, nil); errno != syscall.EPERM {
+	if errno, _ := ns.claim("n1", "addr:b", "", nil); errno != syscall.EPERM {
 		t.Fatalf("another owner's name: %v", errno)
 	}
 }
@@ -252,7 +252,7 @@ func TestNamesFull(t *testing.T) {
 // One owner that names a client cannot take every name: at maxNamesPerOwner a new name
 // replaces the owner's least recently claimed one that no live session uses, and is EDQUOT
 // when all are in use; its kept names stay its, another owner's new name goes in, and an
-// owner that is only an address family has no quota of its own.
+// owner that is only an address family has the quota per address within it.
 func TestNamesPerOwner(t *testing.T) {
 	ns, err := loadNames("")
 	if err != nil {
@@ -261,21 +261,21 @@ func TestNamesPerOwner(t *testing.T) {
 	inUse := map[string]bool{}
 	for i := range maxNamesPerOwner {
 		n := fmt.Sprintf("a%d", i)
-		if errno, _ := ns.claim(n, "subject:CN=a", true, inUse); errno != 0 {
+		if errno, _ := ns.claim(n, "subject:CN=a", "subject:CN=a", inUse); errno != 0 {
 			t.Fatalf("name %d: %v", i, errno)
 		}
 		inUse[n] = true
 	}
-	if errno, _ := ns.claim("a-late", "subject:CN=a", true, inUse); errno != syscall.EDQUOT {
+	if errno, _ := ns.claim("a-late", "subject:CN=a", "subject:CN=a", inUse); errno != syscall.EDQUOT {
 		t.Fatalf("a name past the owner's quota, all in use: %v, want EDQUOT", errno)
 	}
-	if errno, _ := ns.claim("a0", "subject:CN=a", true, inUse); errno != 0 {
+	if errno, _ := ns.claim("a0", "subject:CN=a", "subject:CN=a", inUse); errno != 0 {
 		t.Fatalf("a kept name of the owner at its quota: %v", errno)
 	}
 	// a1 and a2 no longer in use: a1 is the least recently claimed (a0 was just claimed again).
 	delete(inUse, "a1")
 	delete(inUse, "a2")
-	if errno, _ := ns.claim("a-late", "subject:CN=a", true, inUse); errno != 0 {
+	if errno, _ := ns.claim("a-late", "subject:CN=a", "subject:CN=a", inUse); errno != 0 {
 		t.Fatalf("a new name with an unused one to give up: %v", errno)
 	}
 	if _, kept := ns.names["a1"]; kept {
@@ -284,20 +284,20 @@ func TestNamesPerOwner(t *testing.T) {
 	if _, kept := ns.names["a2"]; !kept {
 		t.Error("a name more recent than the one given up went")
 	}
-	if errno, _ := ns.claim("b0", "subject:CN=b", true, nil); errno != 0 {
+	if errno, _ := ns.claim("b0", "subject:CN=b", "subject:CN=b", nil); errno != 0 {
 		t.Fatalf("another owner's new name: %v", errno)
 	}
 	// A full store: another owner's new name is ENOSPC, but the owner at its quota still
 	// swaps an unused name of its own for a new one.
 	for i := len(ns.names); i < maxNames; i++ {
-		if errno, _ := ns.claim(fmt.Sprintf("f%d", i), "addr:ipv6", false, nil); errno != 0 {
+		if errno, _ := ns.claim(fmt.Sprintf("f%d", i), "addr:ipv6", "", nil); errno != 0 {
 			t.Fatalf("filling name %d: %v", i, errno)
 		}
 	}
-	if errno, _ := ns.claim("b1", "subject:CN=b", true, nil); errno != syscall.ENOSPC {
+	if errno, _ := ns.claim("b1", "subject:CN=b", "subject:CN=b", nil); errno != syscall.ENOSPC {
 		t.Fatalf("a new name in a full store: %v, want ENOSPC", errno)
 	}
-	if errno, _ := ns.claim("a-new", "subject:CN=a", true, inUse); errno != 0 {
+	if errno, _ := ns.claim("a-new", "subject:CN=a", "subject:CN=a", inUse); errno != 0 {
 		t.Fatalf("a swap at the owner's quota in a full store: %v", errno)
 	}
 	if _, kept := ns.names["a2"]; kept || len(ns.names) != maxNames {
@@ -308,10 +308,22 @@ func TestNamesPerOwner(t *testing.T) {
 			delete(ns.names, k) // room for the family's names below
 		}
 	}
-	for i := range maxNamesPerOwner + 1 {
-		if errno, _ := ns.claim(fmt.Sprintf("v%d", i), "addr:ipv4", false, nil); errno != 0 {
-			t.Fatalf("name %d of a family: %v", i, errno)
+	// An owner shared by many hosts (an address family) has the room per address within it:
+	// one address past its quota, all in use, is EDQUOT; another address of the family is not
+	// held back by it.
+	family := map[string]bool{}
+	for i := range maxNamesPerOwner {
+		n := fmt.Sprintf("v%d", i)
+		if errno, _ := ns.claim(n, "addr:ipv4", "addr:ipv4 from:10.0.0.1", family); errno != 0 {
+			t.Fatalf("name %d of one address of a family: %v", i, errno)
 		}
+		family[n] = true
+	}
+	if errno, _ := ns.claim("v-late", "addr:ipv4", "addr:ipv4 from:10.0.0.1", family); errno != syscall.EDQUOT {
+		t.Fatalf("a name past one address's quota, all in use: %v, want EDQUOT", errno)
+	}
+	if errno, _ := ns.claim("w0", "addr:ipv4", "addr:ipv4 from:10.0.0.2", family); errno != 0 {
+		t.Fatalf("another address of the family: %v", errno)
 	}
 }
 

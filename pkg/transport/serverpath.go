@@ -510,7 +510,7 @@ func (p *SrvPath) claimName(peer netip.AddrPort, name string) bool {
 	if named {
 		return true
 	}
-	errno, err := srv.names.claim(name, ss.owner.Key(), ss.owner.names(), srv.liveNames())
+	errno, err := srv.names.claim(name, ss.owner.Key(), ss.client, srv.liveNames())
 	if err != nil {
 		p.lg().WithError(err).Warn("session name not saved")
 	}
