@@ -405,6 +405,8 @@ type conn struct {
 	// so a write into the rest of a block it rewrites is not lost.
 	bsAgreed bool
 	blocks   *sync.RWMutex
+	tf       uint16 // the transmission flags the client was told (tflags at use)
+	bs       uint64 // the export's logical block size
 
 	tlsCfg *tls.Config // set on a listener that requires TLS
 	letGo  func()      // lets go of the export's device (Holder), once chosen
@@ -465,6 +467,7 @@ func (s *Server) serveConn(nc net.Conn, tlsCfg *tls.Config) {
 // block size.
 func (c *conn) use(e Export, bsAgreed bool) {
 	c.exp, c.bsAgreed = e, bsAgreed
+	c.tf, c.bs = c.tflags(), uint64(e.Dev.BlockSize())
 	l, _ := c.s.blocks.LoadOrStore(e.Name, new(sync.RWMutex))
 	c.blocks = l.(*sync.RWMutex)
 }
@@ -551,28 +554,23 @@ func (c *conn) handshake() (bool, error) {
 			return false, errors.New("nbd: bad option magic")
 		}
 		opt, n := binary.BigEndian.Uint32(h[8:]), binary.BigEndian.Uint32(h[12:])
-		if n > maxOptLen {
-			// Skipped unread and refused, so the stream stays in step; past maxOptSkip
-			// the connection ends (a peer sending that much is no client).
+		// Data past maxOptLen is skipped unread and the option refused below, so the stream
+		// stays in step; past maxOptSkip the connection ends (a peer sending that much is
+		// no client).
+		tooBig := n > maxOptLen
+		var data []byte
+		if tooBig {
 			if n > maxOptSkip || opt == optExportName {
 				return false, fmt.Errorf("nbd: option %d of %d bytes", opt, n)
 			}
 			if err := c.skip(int64(n)); err != nil {
 				return false, err
 			}
-			rep := uint32(repErrUnsup)
-			switch opt {
-			case optList, optInfo, optGo, optStartTLS, optAbort:
-				rep = repErrTooBig
-			}
-			if err := c.optReply(opt, rep, []byte("option data too large")); err != nil {
+		} else {
+			data = make([]byte, n)
+			if err := c.r.ReadFull(data); err != nil {
 				return false, err
 			}
-			continue
-		}
-		data := make([]byte, n)
-		if err := c.r.ReadFull(data); err != nil {
-			return false, err
 		}
 		if c.s.draining.Load() && opt != optAbort {
 			if opt == optExportName {
@@ -588,6 +586,17 @@ func (c *conn) handshake() (bool, error) {
 				return false, errors.New("nbd: EXPORT_NAME before STARTTLS on a listener that requires TLS")
 			}
 			if err := c.optReply(opt, repErrTLSReqd, []byte("TLS required: send NBD_OPT_STARTTLS first")); err != nil {
+				return false, err
+			}
+			continue
+		}
+		if tooBig && opt != optStartTLS { // STARTTLS with data is ERR_INVALID, below
+			rep := uint32(repErrUnsup)
+			switch opt {
+			case optList, optInfo, optGo, optAbort:
+				rep = repErrTooBig
+			}
+			if err := c.optReply(opt, rep, []byte("option data too large")); err != nil {
 				return false, err
 			}
 			continue
@@ -910,14 +919,19 @@ func (c *conn) transmit() (err error) {
 		}
 		off, fua := int64(req.Offset), req.Flags&CmdFlagFUA != 0
 		switch {
+		case !c.aligned(req):
+			go c.serveUnaligned(req, payload, cost)
 		case async != nil && req.Type == CmdRead:
 			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, data: c.getBuf(int(req.Length)), cost: cost})
 			async.ReadAsync(c.s.ctx, a.r.data, off, a.cb)
-		case !c.aligned(req):
-			go c.serveUnaligned(req, payload, cost)
 		case async != nil && req.Type == CmdWrite:
 			a := newAsyncReply(queueAsync, pendingReply{cookie: req.Cookie, payload: payload, cost: cost})
-			c.blocks.RLock()
+			if !c.blocks.TryRLock() {
+				// A read-modify-write holds the export, or waits for writes of ours that a
+				// plug keeps back: what is plugged goes first, then this write waits.
+				unplug()
+				c.blocks.RLock()
+			}
 			a.held = c.blocks
 			async.WriteAsync(c.s.ctx, payload, off, fua, a.cb)
 		default:
@@ -1097,13 +1111,13 @@ func (c *conn) check(req Request) error {
 		return syscall.EPERM
 	}
 	// A command the transmission flags did not offer is EINVAL, as the spec has it.
-	if f := c.tflags(); req.Type == CmdTrim && f&tflagSendTrim == 0 || req.Type == CmdWriteZeroes && f&tflagWriteZeroes == 0 {
+	if f := c.tf; req.Type == CmdTrim && f&tflagSendTrim == 0 || req.Type == CmdWriteZeroes && f&tflagWriteZeroes == 0 {
 		return fmt.Errorf("nbd: command %d not offered for this export: %w", req.Type, syscall.EINVAL)
 	}
 	if req.Type == CmdRead && req.Length > MaxRequest {
 		return syscall.EINVAL
 	}
-	bs := uint64(c.exp.Dev.BlockSize())
+	bs := c.bs
 	end := req.Offset + uint64(req.Length)
 	if end < req.Offset || end > uint64(c.exp.Dev.Size()) {
 		if req.Type == CmdWrite || req.Type == CmdWriteZeroes {
@@ -1119,8 +1133,7 @@ func (c *conn) check(req Request) error {
 
 // aligned says whether req covers whole blocks (a FLUSH always does).
 func (c *conn) aligned(req Request) bool {
-	bs := uint64(c.exp.Dev.BlockSize())
-	return req.Type == CmdFlush || req.Offset%bs == 0 && uint64(req.Length)%bs == 0
+	return req.Type == CmdFlush || req.Offset%c.bs == 0 && uint64(req.Length)%c.bs == 0
 }
 
 // serveUnaligned serves a request of a client that agreed to no block size and sent part of
@@ -1159,6 +1172,9 @@ func (c *conn) serveUnaligned(req Request, payload []byte, cost int64) {
 		c.blocks.Lock()
 		err = c.zeroUnaligned(start, end, off, n, req.Flags&CmdFlagNoHole != 0, fua)
 		c.blocks.Unlock()
+		if errors.Is(err, syscall.EOPNOTSUPP) {
+			err = errZeroesNotSup{err}
+		}
 	}
 	c.queue(pendingReply{cookie: req.Cookie, err: err, data: data, payload: payload, cost: cost})
 }

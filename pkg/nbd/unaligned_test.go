@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -195,4 +196,110 @@ func firstDiff(a, b []byte) int {
 		}
 	}
 	return -1
+}
+
+// asyncBlockDev is a blockDev that is also an AsyncDevice, as rnbd.Device is: a partial block
+// must not reach its asynchronous path either.
+type asyncBlockDev struct{ *blockDev }
+
+func (d asyncBlockDev) ReadAsync(ctx context.Context, p []byte, off int64, done func(error)) {
+	go func() { done(d.ReadAtContext(ctx, p, off)) }()
+}
+
+func (d asyncBlockDev) WriteAsync(ctx context.Context, p []byte, off int64, fua bool, done func(error)) {
+	go func() { done(d.WriteAtContext(ctx, p, off, fua)) }()
+}
+
+// TestUnalignedAsyncDevice: partial-block READs and WRITEs of a client that agreed to no block
+// size are served on a device with an asynchronous path too (they went to it and got EINVAL).
+func TestUnalignedAsyncDevice(t *testing.T) {
+	leakcheck.Check(t)
+	dev := asyncBlockDev{&blockDev{memDev: &memDev{b: make([]byte, 1<<20)}}}
+	for i := range dev.b {
+		dev.b[i] = byte(i * 13)
+	}
+	want := bytes.Clone(dev.b[4090:4110])
+	sock := startServer(t, Export{Name: "d", Dev: dev})
+	cl := goNoSizes(t, sock, "d")
+	cl.send(Request{Type: CmdRead, Cookie: 1, Offset: 4090, Length: 20}, nil)
+	if _, e, data := cl.recv(20); e != 0 || !bytes.Equal(data, want) {
+		t.Fatalf("partial read on an async device: errno %d", e)
+	}
+	cl.send(Request{Type: CmdWrite, Cookie: 2, Offset: 100, Length: 10}, make([]byte, 10))
+	if _, e, _ := cl.recv(0); e != 0 {
+		t.Fatalf("partial write on an async device: errno %d", e)
+	}
+}
+
+// holdDev4k is holdDev (IO held until the last Unplug, as the transport holds posts) of 4 KiB
+// blocks.
+type holdDev4k struct{ *holdDev }
+
+func (holdDev4k) BlockSize() int { return 4096 }
+
+// TestPartialWritesWhilePlugged: bursts mixing whole-block writes (the export's lock shared,
+// their IO held by the plug) and partial ones (the lock alone, waiting for those) from one
+// connection, and from a second that agreed to the block size: the transmit loop must let
+// the plug go before it waits for the lock. It waited with the plug held, and every IO of
+// the session stopped.
+func TestPartialWritesWhilePlugged(t *testing.T) {
+	leakcheck.Check(t)
+	dev := holdDev4k{&holdDev{memDev: &memDev{b: make([]byte, 1<<20)}}}
+	sock := startServer(t, Export{Name: "d", Dev: dev})
+	loose, agreed := goNoSizes(t, sock, "d"), dial(t, sock, "d")
+	const rounds = 100
+	write := func(c *client, reqs [][2]uint64) {
+		var buf []byte
+		for _, r := range reqs {
+			h := make([]byte, requestSize)
+			Request{Type: CmdWrite, Offset: r[0], Length: uint32(r[1])}.Put(h)
+			buf = append(append(buf, h...), make([]byte, r[1])...)
+		}
+		if _, err := c.c.Write(buf); err != nil {
+			t.Error(err)
+		}
+	}
+	replies := func(c *client, n int, done chan<- error) {
+		var h [replySize]byte
+		for range n {
+			if _, err := io.ReadFull(c.c, h[:]); err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
+	}
+	done := make(chan error, 2)
+	go replies(loose, rounds*12, done)
+	go replies(agreed, rounds*16, done)
+	go func() {
+		for range rounds {
+			burst := [][2]uint64{{0, 4096}, {8192 + 512, 512}}
+			for i := range 10 {
+				burst = append(burst, [2]uint64{16384 + uint64(i)*4096, 4096})
+			}
+			write(loose, burst)
+		}
+	}()
+	go func() {
+		for range rounds {
+			var burst [][2]uint64
+			for i := range 16 {
+				burst = append(burst, [2]uint64{uint64(i) * 4096, 4096})
+			}
+			write(agreed, burst)
+		}
+	}()
+	for range 2 {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(20 * time.Second):
+			loose.c.Close()
+			agreed.c.Close()
+			t.Fatal("no replies for 20 s: a transmit loop waits for the export's lock with its plug held")
+		}
+	}
 }
