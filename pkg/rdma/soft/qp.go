@@ -60,6 +60,7 @@ type qp struct {
 	sq      []sqEntry
 	sqHead  int
 	sqN     int
+	sqPops  uint64 // entries drained from the send queue so far: a slot's position over time
 	nextSeq uint64 // next request sequence number (from 1)
 	acked   uint64 // highest of our requests the peer has answered
 	ackReq  uint64 // seq of our last frame that asked for an ack
@@ -75,8 +76,9 @@ type qp struct {
 	dead         chan struct{}
 	rqAvail      chan struct{}
 	shutOnce     sync.Once
-	segTmp       []seg // PostSend scratch for resolved SGEs
-	fences       []*qp // PostSend: QPs found placing into a region it invalidated (fence)
+	segTmp       []seg    // PostSend scratch for resolved SGEs
+	fences       []*qp    // PostSend: QPs found placing into a region it invalidated (fence)
+	fenced       []uint64 // PostSend: their LOCAL_INVs, by position (sqPops + offset), done after
 	// Initiator depth: READs on the wire whose response has not arrived, and the frames
 	// waiting in order behind a READ that would pass maxRdAtomic.
 	rdOut   int
@@ -251,7 +253,13 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 			if wr.Opcode == rdma.OpLocalInv {
 				var placers []*qp
 				ok, placers = q.dev.invalidate(q.pd, nil, wr.InvRKey)
-				q.fences = append(q.fences, placers...)
+				if len(placers) > 0 {
+					// Complete only once the placements are cut (endPost): no completion of
+					// it may be seen while a byte can still land under the key.
+					e.done = false
+					q.fences = append(q.fences, placers...)
+					q.fenced = append(q.fenced, q.sqPops+uint64(q.sqN-1))
+				}
 			} else {
 				ok = q.dev.register(q.pd, q, wr.MR, wr.Key, wr.Access)
 			}
@@ -277,11 +285,24 @@ func (q *qp) PostSend(wrs []rdma.SendWR) (int, error) {
 // for the completions reported (a refusal's too: a flushed request's completion on a QP in
 // error would otherwise wait for the next post).
 func (q *qp) endPost(queued, failed bool, n int, err error) (int, error) {
-	fences := q.fences
-	q.fences = nil
+	fences, fenced := q.fences, q.fenced
+	q.fences, q.fenced = nil, nil
 	q.finishPost(queued)
-	// Before the completions: a LOCAL_INV is complete once no write lands under its key.
-	fence(fences)
+	if len(fences) > 0 {
+		// A LOCAL_INV is complete once no write lands under its key: its entry is done now
+		// (unless a flush has finished it meanwhile, or it has left the queue so).
+		fence(fences)
+		q.mu.Lock()
+		for _, pos := range fenced {
+			if pos >= q.sqPops {
+				if e := &q.sq[(q.sqHead+int(pos-q.sqPops))%len(q.sq)]; !e.done {
+					e.done = true
+				}
+			}
+		}
+		q.drainLocked()
+		q.mu.Unlock()
+	}
 	if failed {
 		// A local error kills the QP; the peer learns through the disconnect.
 		q.shutdown(nil)
@@ -464,6 +485,7 @@ func (q *qp) drainLocked() {
 		clear(e.segs)
 		q.sqHead = (q.sqHead + 1) % len(q.sq)
 		q.sqN--
+		q.sqPops++
 	}
 }
 
