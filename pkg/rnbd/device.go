@@ -135,14 +135,18 @@ func (d *Device) Remap(ctx context.Context) error {
 	case st == StateMapped:
 		return fmt.Errorf("rnbd: %q is open: %w", d.path, syscall.EALREADY)
 	case st == StateClosedByServer && !idClosed:
-		// The server keeps a force-closed id until its CLOSE, as for an unmap; once sent,
-		// an unmap after a failed open must not send it again (the id may be another's).
-		d.sendClose(ctx, id)
+		// The server keeps a force-closed id until its CLOSE, as for an unmap. Marked first,
+		// under the lock, so that an unmap or another remap meanwhile does not close it
+		// again (by then the server may have given the id to another device).
 		d.mu.Lock()
-		if d.id == id {
+		mine := d.id == id && !d.idClosed
+		if mine {
 			d.idClosed = true
 		}
 		d.mu.Unlock()
+		if mine {
+			d.sendClose(ctx, id)
+		}
 	}
 	if err := d.open(ctx); err != nil {
 		if errors.Is(err, errUnmappedMeanwhile) {

@@ -393,6 +393,18 @@ func (d *Device) async(ctx context.Context, op Op, flags uint32, off int64, p []
 		d.asyncOne(ctx, op, flags, off, p, done)
 		return
 	}
+	if (len(p)+max-1)/max > splitWindow {
+		// A server's limit of a block or two makes a large IO thousands of pieces: they go
+		// through the window of the synchronous path, from a goroutine of their own, not
+		// all at once.
+		go func() {
+			done(split(off, int64(len(p)), max, func(o int64, n int) error {
+				return d.submit(ctx, op, flags, o, n, p[o-off:o-off+int64(n)])
+			}))
+			d.sess.c.runHooks()
+		}()
+		return
+	}
 	// Split at the max IO size; the last piece to complete reports the first error.
 	var left atomic.Int32
 	var first atomic.Pointer[error]
