@@ -1102,8 +1102,9 @@ func (p *Path) Reconnect(ctx context.Context) error {
 		return fmt.Errorf("%w: path is %v", ErrBusy, st)
 	}
 	p.attempts = 0
-	// The next attempt to begin is this write's: one under way now began before it.
-	want := p.tryStarts + 1
+	// The next attempt to end is this write's (one in its backoff now is it: it has not
+	// connected yet; one connecting would have made the state CONNECTING, EBUSY above).
+	want := p.tryEnds + 1
 	p.mu.Unlock()
 	select {
 	case p.trigger <- struct{}{}:

@@ -46,7 +46,8 @@ type cltReq struct {
 	// expiries counts the paths its waiter recovered for it (Do past its deadline and
 	// grace): the first failover sends it again, on another path; after the second it ends
 	// with ETIMEDOUT, since with a path always back in time it bounced between them for ever.
-	expiries atomic.Uint32
+	// One word, gen<<2 | count, so that a count never lands on the permit's next request.
+	expiries atomic.Uint64
 	start    time.Time
 	cpu      int
 	wrs      [2]rdma.SendWR // the request chain, reused: posting copies it
@@ -115,7 +116,7 @@ func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool)
 		// itself before it is posted.
 		if c := r.owner.Load(); c != nil && r.gen.Load() == gen {
 			if p := s.pathOf(c); p != nil {
-				r.expiries.Add(1)
+				r.expire(gen)
 				p.errRecovery(fmt.Errorf("a request unanswered past its caller's deadline (%v): %w", ctx.Err(), syscall.ETIMEDOUT))
 			}
 		}
@@ -127,6 +128,29 @@ func (s *Session) do(ctx context.Context, dir Dir, usr, data []byte, admin bool)
 		case <-t.C:
 		}
 	}
+}
+
+// expire counts one recovery of a path for request gen of the permit (nothing if the permit
+// has moved on to another request).
+func (r *cltReq) expire(gen uint64) {
+	for {
+		v := r.expiries.Load()
+		n := uint64(0)
+		if v>>2 == gen {
+			n = min(v&3+1, 3)
+		} else {
+			n = 1
+		}
+		if r.gen.Load() != gen || r.expiries.CompareAndSwap(v, gen<<2|n) {
+			return
+		}
+	}
+}
+
+// expired says whether the permit's current request was recovered for twice.
+func (r *cltReq) expired() bool {
+	v := r.expiries.Load()
+	return v>>2 == r.gen.Load() && v&3 >= 2
 }
 
 // pathOf is the path connection c belongs to, if it is still one of the session's.
@@ -198,7 +222,6 @@ func (s *Session) start(permit int, dir Dir, usr, data []byte, done func(error),
 	r := &s.reqs[permit]
 	r.dir, r.usr, r.data, r.done, r.admin = dir, usr, data, done, admin
 	r.start, r.cpu = time.Now(), stats.CPU()
-	r.expiries.Store(0)
 	gen := r.gen.Add(1)
 	if err := s.issue(r, nil, false); err != nil {
 		s.failNoPath.Inc()
@@ -702,7 +725,7 @@ func (p *Path) failover(cons []*con) {
 		if r.countedMI {
 			p.Stats.Inflight.Add(-1)
 		}
-		if r.expiries.Load() >= 2 {
+		if r.expired() {
 			s.finish(r, fmt.Errorf("rtrs: a request unanswered on two paths past its caller's deadline: %w", syscall.ETIMEDOUT))
 			failed = true
 			continue
