@@ -84,13 +84,13 @@ func (t *DevTree) ctl() []Entry {
 	}
 }
 
-// mapped lists a directory per mapped device, "<device file>@<session>" as the kernel names
-// its links in /sys/class/rnbd-client/ctl/devices/, holding what the kernel's
-// /sys/block/rnbdX/rnbd/ holds.
+// mapped lists a directory per mapped device, named as the kernel names its links in
+// /sys/class/rnbd-client/ctl/devices/ (the device path as mapped, every '/' a '!', then
+// "@<session>"), holding what the kernel's /sys/block/rnbdX/rnbd/ holds.
 func (t *DevTree) mapped() []Entry {
 	var out []Entry
 	for _, d := range t.Ctl.Mapped() {
-		name := control.DeviceFileName(d.Path()) + "@" + d.Session()
+		name := strings.ReplaceAll(d.Path(), "/", "!") + "@" + d.Session()
 		if !validEntry(name) {
 			continue
 		}

@@ -303,10 +303,11 @@ func TestDeviceViewPerDevice(t *testing.T) {
 	dev := tr.dev
 	mustSh(t, fmt.Sprintf("echo 'sessname=b device_path=/disk dest_port=%d path=ip:127.0.0.1@ip:127.0.0.1' > %s/ctl/map_device", tr.port, dev))
 	m := dev + "/ctl/mapped"
-	if got := mustSh(t, "ls "+m+" "+m+"/disk@b"); got != m+":\ndisk@b\n\n"+m+"/disk@b:\naccess_mode\nmapping_path\nnr_poll_queues\nremap_device\nresize\nsession\nstate\nunmap_device\n" {
+	if got := mustSh(t, "ls "+m+" "+m+"/!disk@b"); got != m+":\n!disk@b\n\n"+m+"/!disk@b:\naccess_mode\nmapping_path\nnr_poll_queues\nremap_device\nresize\nsession\nstate\nunmap_device\n" {
 		t.Fatalf("ctl/mapped: %q", got)
 	}
-	d := m + "/disk@b/"
+	d := m + "/!disk@b/" // the kernel's name: '/' as '!'
+
 	for f, want := range map[string]string{"state": "open\n", "session": "b\n", "mapping_path": "/disk\n", "access_mode": "rw\n",
 		"nr_poll_queues": "0\n", "remap_device": "Usage: echo <1> > remap_device\n", "resize": "Usage: echo <new size in sectors> > resize\n",
 		"unmap_device": "Usage: echo <normal|force> > unmap_device\n"} {
