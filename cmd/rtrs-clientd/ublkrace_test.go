@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/rtrs-go/rtrs/internal/lib/leakcheck"
+	"github.com/rtrs-go/rtrs/internal/lib/membudget"
 	"github.com/rtrs-go/rtrs/pkg/control"
 	"github.com/rtrs-go/rtrs/pkg/log"
 	"github.com/rtrs-go/rtrs/pkg/rdma/soft"
@@ -79,8 +80,8 @@ func TestUblkUnmapDuringAttach(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	u := &ublkAttacher{def: control.AttachNone, queues: "1", depth: 16, ctx: ctx, lg: log.L,
-		paths: func(*rnbd.Device) int { return 1 },
-		devs:  map[*rnbd.Device]*ublk.Device{}, failIO: map[*rnbd.Device]context.CancelFunc{},
+		paths: func(*rnbd.Device) int { return 1 }, regMem: membudget.New(0),
+		devs: map[*rnbd.Device]*ublk.Device{}, failIO: map[*rnbd.Device]context.CancelFunc{},
 		tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}}
 	defer u.detachAll()
 	atStart, goOn := make(chan *ublk.Device, 1), make(chan struct{})
