@@ -436,6 +436,19 @@ func startPlacing(t *testing.T, c net.Conn, s *end, key uint32, addr uint64, n, 
 	}
 }
 
+// restLandsNowhere sends, as the raw peer c, the rest (n bytes) of a write startPlacing began,
+// and fails the test if any of it lands in mem.
+func restLandsNowhere(t *testing.T, c net.Conn, mem []byte, n int, when string) {
+	t.Helper()
+	before := bytes.Clone(mem)
+	_ = c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	_, _ = c.Write(bytes.Repeat([]byte{0xbb}, n))
+	time.Sleep(200 * time.Millisecond)
+	if !bytes.Equal(mem, before) {
+		t.Fatal("the write went on landing in memory " + when)
+	}
+}
+
 // TestToErrorFencesRemoteWrite: once ToError has returned, a peer's RDMA WRITE no longer
 // lands in local memory, even one whose payload was being placed when it was called (as on a
 // real QP moved to error). RTRS fails a dead connection's requests over to another path
@@ -459,14 +472,8 @@ func TestToErrorFencesRemoteWrite(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("ToError waited for the peer to send the rest of the write")
 	}
-	before := bytes.Clone(mr.Bytes())
 	// The rest of the payload, as a dead path's server might still send it.
-	_ = c.SetWriteDeadline(time.Now().Add(5 * time.Second))
-	_, _ = c.Write(bytes.Repeat([]byte{0xbb}, n-4096))
-	time.Sleep(200 * time.Millisecond)
-	if !bytes.Equal(mr.Bytes(), before) {
-		t.Fatal("the write went on landing in memory after ToError returned")
-	}
+	restLandsNowhere(t, c, mr.Bytes(), n-4096, "after ToError returned")
 }
 
 // TestLocalInvFencesRemoteWrite: once a LOCAL_INV's post has returned, a peer's RDMA WRITE
@@ -508,13 +515,7 @@ func TestLocalInvFencesRemoteWrite(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("LOCAL_INV waited for the peer to send the rest of the write")
 	}
-	before := bytes.Clone(backing.Bytes())
-	_ = c.SetWriteDeadline(time.Now().Add(5 * time.Second))
-	_, _ = c.Write(bytes.Repeat([]byte{0xbb}, n-1024))
-	time.Sleep(200 * time.Millisecond)
-	if !bytes.Equal(backing.Bytes(), before) {
-		t.Fatal("the write went on landing in memory after its key was invalidated")
-	}
+	restLandsNowhere(t, c, backing.Bytes(), n-1024, "after its key was invalidated")
 	if st := s.qp.State(); st != rdma.QPSErr {
 		t.Fatalf("QP %v after a write cut by an invalidation, want error", st)
 	}
