@@ -162,6 +162,21 @@ func (n *nbdAttacher) Attached(d *rnbd.Device) string {
 	return ""
 }
 
+// Resize tells d's /dev/nbdX, if it has one, its new size.
+func (n *nbdAttacher) Resize(ctx context.Context, d *rnbd.Device, size int64) error {
+	n.mu.Lock()
+	a := n.devs[d]
+	n.mu.Unlock()
+	if a == nil {
+		return nil
+	}
+	if err := a.Resize(ctx, size); err != nil {
+		return err
+	}
+	n.lg.Infof("%s resized to %d bytes", a.Device(), size)
+	return nil
+}
+
 // Token is nbd= as map_device gave it for d (AttachDefault when it gave none).
 func (n *nbdAttacher) Token(d *rnbd.Device) control.Attach {
 	n.mu.Lock()

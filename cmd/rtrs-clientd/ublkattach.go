@@ -397,6 +397,22 @@ func (u *ublkAttacher) Attached(d *rnbd.Device) string {
 	return ""
 }
 
+// Resize tells d's /dev/ublkbN, if it has one, its new size: EOPNOTSUPP on a driver
+// without UPDATE_SIZE (6.12).
+func (u *ublkAttacher) Resize(_ context.Context, d *rnbd.Device, size int64) error {
+	u.mu.Lock()
+	dev := u.devs[d]
+	u.mu.Unlock()
+	if dev == nil {
+		return nil
+	}
+	if err := dev.Resize(uint64(size / rnbd.SectorSize)); err != nil {
+		return err
+	}
+	u.lg.Infof("%s resized to %d bytes", dev.BlockPath(), size)
+	return nil
+}
+
 // Token is the device's number once attached, whatever ublk= said: a restart must find
 // that device to recover it.
 func (u *ublkAttacher) Token(d *rnbd.Device) control.Attach {

@@ -67,6 +67,9 @@ type Attacher interface {
 	Detach(ctx context.Context, d *rnbd.Device, force bool) error
 	// Attached is d's kernel device ("/dev/nbd0", "/dev/ublkb0"), or "".
 	Attached(d *rnbd.Device) string
+	// Resize gives d's kernel device, if it has one, size bytes: an error (EOPNOTSUPP
+	// when the kernel's driver cannot) leaves it as it was.
+	Resize(ctx context.Context, d *rnbd.Device, size int64) error
 	// Token is what the write-back records for d: at as map_device gave it (AttachDefault
 	// when none), or the device it got where a restart must find that one again (ublk).
 	Token(d *rnbd.Device) Attach

@@ -158,7 +158,27 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 			return nil, err
 		}
 	}
+	d.OnResize(func(ctx context.Context, old, size int64) error { return resizeFrontEnds(ctx, d, fes, old, size) })
 	return d, nil
+}
+
+// resizeFrontEnds tells d's front ends its new size; when one cannot follow, those told
+// before it are given the old size back.
+func resizeFrontEnds(ctx context.Context, d *rnbd.Device, fes []frontEnd, old, size int64) error {
+	for i, fe := range fes {
+		if fe.a == nil {
+			continue
+		}
+		if err := fe.a.Resize(ctx, d, size); err != nil {
+			for _, prev := range fes[:i] {
+				if prev.a != nil {
+					_ = prev.a.Resize(ctx, d, old)
+				}
+			}
+			return err
+		}
+	}
+	return nil
 }
 
 // fileNameFree refuses (EEXIST) a mapping of path in session sess whose name in the device

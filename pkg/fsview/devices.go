@@ -136,15 +136,9 @@ func (t *DevTree) device(d *rnbd.Device) []Entry {
 			if err != nil || strings.Contains(v, "_") {
 				return fmt.Errorf("resize %q: a number of sectors: %w", v, syscall.EINVAL)
 			}
-			if d.State() != rnbd.StateMapped {
-				return fmt.Errorf("resize: the device is not open: %w", syscall.ENOENT)
-			}
-			if n*rnbd.SectorSize == uint64(d.Size()) {
-				return nil
-			}
-			// Its NBD clients were told the size at their handshake, and ublk's UPDATE_SIZE
-			// is 7.x's: unmap_device and map_device take a new size.
-			return fmt.Errorf("resize to %d sectors from %d: a mapped device keeps its size here (unmap and map it again): %w", n, d.Size()/rnbd.SectorSize, syscall.EOPNOTSUPP)
+			ctx, cancel := writeCtx(t.Timeout)
+			defer cancel()
+			return d.Resize(ctx, n)
 		}}},
 	}
 }

@@ -3,6 +3,8 @@ package fsview
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -76,6 +78,19 @@ func (f *fakeAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) err
 }
 
 func (f *fakeAttacher) Token(*rnbd.Device) control.Attach { return control.AttachDefault }
+
+func (f *fakeAttacher) Resize(_ context.Context, d *rnbd.Device, size int64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.devs[d] == "" {
+		return nil
+	}
+	if f.fail != nil {
+		return f.fail
+	}
+	f.actions = append(f.actions, fmt.Sprintf("resize %s %d", d.Path(), size))
+	return nil
+}
 
 func (f *fakeAttacher) Attached(d *rnbd.Device) string {
 	f.mu.Lock()
@@ -190,6 +205,22 @@ func TestDeviceViewTwoFrontEnds(t *testing.T) {
 	}
 	fa.log()
 	fu.log()
+	// resize reaches both front ends; when the second cannot follow, the first gets the
+	// old size back and the device keeps it.
+	if err := os.Truncate(filepath.Join(tr.exports, "disk"), 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	rs := dev + "/ctl/mapped/disk@n/resize"
+	fu.set(fmt.Errorf("no UPDATE_SIZE: %w", syscall.EOPNOTSUPP), false)
+	shErr(t, "echo 16384 > "+rs, "Operation not supported")
+	if got := fa.log() + " | " + fu.log(); got != "resize disk 8388608; resize disk 4194304 | " || tr.client.Devices()[0].Size() != 4<<20 {
+		t.Errorf("a resize the second front end refused: %s, size %d", got, tr.client.Devices()[0].Size())
+	}
+	fu.set(nil, false)
+	mustSh(t, "echo 16384 > "+rs)
+	if got := fa.log() + " | " + fu.log(); got != "resize disk 8388608 | resize disk 8388608" || tr.client.Devices()[0].Size() != 8<<20 {
+		t.Errorf("resize: %s, size %d", got, tr.client.Devices()[0].Size())
+	}
 	fu.set(nil, true)
 	shErr(t, "echo 'sessname=n device_path=disk' > "+dev+"/ctl/unmap_device", "Device or resource busy")
 	if got := fa.log() + " | " + fu.log(); got != " | busy disk" || len(tr.client.Devices()) != 1 {

@@ -295,8 +295,8 @@ func TestDeviceView(t *testing.T) {
 
 // TestDeviceViewPerDevice: ctl/mapped/<device>@<session>/ holds the kernel's rnbd-client
 // files for each mapped device, in its formats and with its errnos: remap_device of an open
-// device is EALREADY, resize keeps the size (another is EOPNOTSUPP: the front ends were told
-// it), unmap_device takes normal or force.
+// device is EALREADY, resize takes a new size (the export grown on the server), unmap_device
+// takes normal or force.
 func TestDeviceViewPerDevice(t *testing.T) {
 	leakcheck.Check(t)
 	tr := mountTrees(t)
@@ -319,8 +319,19 @@ func TestDeviceViewPerDevice(t *testing.T) {
 	shErr(t, "echo 2 > "+d+"remap_device", "Invalid argument")
 	mustSh(t, "echo 8192 > "+d+"resize") // 4 MiB: its size
 	mustSh(t, "echo 0x2000 > "+d+"resize")
-	shErr(t, "echo 16384 > "+d+"resize", "Operation not supported")
 	shErr(t, "echo 8_192 > "+d+"resize", "Invalid argument")
+	shErr(t, "echo 0 > "+d+"resize", "Invalid argument")
+	// The export grown on the server, then the device: its file shows the new size and
+	// takes IO past the old end.
+	mustSh(t, "truncate -s 8M "+tr.exports+"/disk")
+	mustSh(t, "echo 16384 > "+d+"resize")
+	if got := mustSh(t, "stat -c %s "+dev+"/b/disk"); got != "8388608\n" {
+		t.Fatalf("device file after resize: %q bytes", got)
+	}
+	mustSh(t, "printf resized | dd of="+dev+"/b/disk bs=512 seek=16000 conv=notrunc status=none")
+	if got := mustSh(t, "dd if="+dev+"/b/disk bs=512 skip=16000 count=1 status=none | head -c 7"); got != "resized" {
+		t.Fatalf("read past the old end: %q", got)
+	}
 	shErr(t, "echo later > "+d+"unmap_device", "Invalid argument")
 	mustSh(t, "echo normal > "+d+"unmap_device")
 	if got := mustSh(t, "ls "+m); got != "" {

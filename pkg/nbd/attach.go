@@ -321,6 +321,31 @@ func (a *Attachment) Detach(ctx context.Context) error {
 	return err
 }
 
+// Resize gives the kernel's device size bytes (NBD_CMD_RECONFIGURE): the export's device
+// has been resized, and the kernel would otherwise keep the size it was told at Attach.
+// size must be whole blocks of the export's block size.
+func (a *Attachment) Resize(ctx context.Context, size int64) error {
+	bs := int64(a.exp.Dev.BlockSize())
+	if size <= 0 || size%bs != 0 {
+		return fmt.Errorf("nbd: resize /dev/nbd%d to %d bytes: not whole %d-byte blocks: %w", a.index, size, bs, syscall.EINVAL)
+	}
+	a.mu.Lock()
+	detached := a.detached
+	a.mu.Unlock()
+	if detached || !a.owned() {
+		return fmt.Errorf("nbd: resize /dev/nbd%d: detached: %w", a.index, syscall.ENODEV)
+	}
+	k, err := openKernel(ctx, a.nlTO)
+	if err != nil {
+		return err
+	}
+	defer k.Close()
+	if err := k.resize(ctx, a.index, uint64(size), a.backend); err != nil {
+		return fmt.Errorf("nbd: NBD_CMD_RECONFIGURE of /dev/nbd%d to %d bytes: %w", a.index, size, err)
+	}
+	return nil
+}
+
 // findBackend lists the NBD devices whose backend name is b.
 func findBackend(b string) []int {
 	ms, _ := filepath.Glob(filepath.Join(sysBlock, "nbd*", "backend"))

@@ -87,6 +87,20 @@ func (k *fakeKernel) exchange(_ context.Context, req []byte) ([][]byte, error) {
 			os.RemoveAll(filepath.Join(k.sys, "nbd"+strconv.Itoa(int(idx))))
 		}
 		return nil, nil
+	case nbdCmdReconfigure:
+		// As nbd_genl_reconfigure: an index, and the backend the device was connected with.
+		idx, ok := attrU32(attrs, nbdAttrIndex)
+		d := k.devs[int(idx)]
+		if !ok || d == nil {
+			return nil, syscall.EINVAL
+		}
+		if b, _ := findAttr(attrs, nbdAttrBackend); d.backend != "" && strings.TrimRight(string(b), "\x00") != d.backend {
+			return nil, syscall.EINVAL
+		}
+		if b, ok := findAttr(attrs, nbdAttrSizeBytes); ok && len(b) == 8 {
+			d.size = nle.Uint64(b)
+		}
+		return nil, nil
 	}
 	return nil, syscall.EOPNOTSUPP
 }
@@ -237,8 +251,30 @@ func TestAttachFakeKernel(t *testing.T) {
 	if a.Busy() {
 		t.Error("busy without a device node")
 	}
+	// Resize: the kernel takes the new size with the backend name; part of a block, none
+	// at all, and a detached device are refused before the kernel is asked.
+	if err := a.Resize(ctx, 2<<20); err != nil || k.dev(0).size != 2<<20 {
+		t.Fatalf("resize: %v, kernel has %d", err, k.dev(0).size)
+	}
+	for _, bad := range []int64{0, -512, 2<<20 + 100} {
+		if err := a.Resize(ctx, bad); !errors.Is(err, syscall.EINVAL) || k.dev(0).size != 2<<20 {
+			t.Fatalf("resize to %d: %v, kernel has %d", bad, err, k.dev(0).size)
+		}
+	}
+	k.mu.Lock()
+	k.devs[0].backend = "someone else"
+	k.mu.Unlock()
+	if err := a.Resize(ctx, 4096); !errors.Is(err, syscall.EINVAL) || k.dev(0).size != 2<<20 {
+		t.Fatalf("resize of a device with another backend: %v", err)
+	}
+	k.mu.Lock()
+	k.devs[0].backend = "test s1/disk"
+	k.mu.Unlock()
 	if err := a.Detach(ctx); err != nil {
 		t.Fatal(err)
+	}
+	if err := a.Resize(ctx, 4096); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("resize after Detach: %v", err)
 	}
 	select {
 	case <-a.Done():

@@ -45,9 +45,10 @@ const (
 	nbdFamily  = "nbd"
 	nbdVersion = 1
 
-	nbdCmdConnect    = 1
-	nbdCmdDisconnect = 2
-	nbdCmdStatus     = 5
+	nbdCmdConnect     = 1
+	nbdCmdDisconnect  = 2
+	nbdCmdReconfigure = 3
+	nbdCmdStatus      = 5
 
 	nbdAttrIndex           = 1
 	nbdAttrSizeBytes       = 2
@@ -415,6 +416,18 @@ func encodeConnect(family uint16, r connectReq) []byte {
 	return m.bytes(0)
 }
 
+// encodeResize is NBD_CMD_RECONFIGURE of device index to size bytes. The kernel takes it
+// only with the backend name the device was connected with.
+func encodeResize(family uint16, index int, size uint64, backend string) []byte {
+	m := newGenlMsg(family, nbdCmdReconfigure, nbdVersion)
+	m.u32(nbdAttrIndex, uint32(index))
+	m.u64(nbdAttrSizeBytes, size)
+	if backend != "" {
+		m.str(nbdAttrBackend, backend)
+	}
+	return m.bytes(0)
+}
+
 // decodeConnectReply finds NBD_ATTR_INDEX in CONNECT's answer.
 func decodeConnectReply(replies [][]byte) (int, error) {
 	for _, p := range replies {
@@ -529,6 +542,11 @@ func (k *kernelNBD) connect(ctx context.Context, r connectReq) (int, error) {
 
 func (k *kernelNBD) disconnect(ctx context.Context, index int) error {
 	_, err := k.x.exchange(ctx, encodeIndexCmd(k.family, nbdCmdDisconnect, index))
+	return err
+}
+
+func (k *kernelNBD) resize(ctx context.Context, index int, size uint64, backend string) error {
+	_, err := k.x.exchange(ctx, encodeResize(k.family, index, size, backend))
 	return err
 }
 

@@ -70,6 +70,14 @@ func TestEncodeIndexCmds(t *testing.T) {
 		14000000 1a00 0500 00000000 00000000  05 01 0000`); !bytes.Equal(got, want) {
 		t.Errorf("STATUS\n got %x\nwant %x", got, want)
 	}
+	if got, want := encodeResize(0x1a, 2, 1<<30, "x"), golden(t, `
+		30000000 1a00 0500 00000000 00000000  03 01 0000   # length 48
+		0800 0100 02000000                     # INDEX 2
+		0c00 0200 0000004000000000             # SIZE_BYTES 1 GiB
+		0600 0a00 7800 0000                    # BACKEND_IDENTIFIER "x\0", padded
+	`); !bytes.Equal(got, want) {
+		t.Errorf("RECONFIGURE\n got %x\nwant %x", got, want)
+	}
 	m := newGenlMsg(genlIDCtrl, ctrlCmdGetFa, 2)
 	m.str(ctrlAFamName, "nbd")
 	if got, want := m.bytes(0), golden(t, `

@@ -21,10 +21,13 @@ import (
 
 // backing is an opened export: a regular file or a block device.
 type backing struct {
-	f        *os.File
-	fd       int
-	bdev     bool
-	size     int64
+	f    *os.File
+	fd   int
+	bdev bool
+	size int64 // at the open: what the write mapping and the zero-copy source cover
+	// end is the export's size as last seen: IO past it looks again (within), so that an
+	// export grown on the server is used up to its new end without a reopen.
+	end      atomic.Int64
 	lbs, pbs int
 	dev, ino uint64 // identity, so two names of one file are one device
 	rdev     uint64 // a block device's number
@@ -167,7 +170,42 @@ func (b *backing) probe() error {
 	}
 	// A file whose size is not a whole number of blocks exports the whole blocks.
 	b.size -= b.size % int64(b.lbs)
+	b.end.Store(b.size)
 	return nil
+}
+
+// within says whether n bytes at off lie inside the export. IO past the end it knows
+// looks at the export's size again, as the kernel's server checks IO against its block
+// device's size as it is now: an operator who grew the export (lvextend, truncate) and
+// then the client's device (its resize) needs no reopen. A shrunk export is seen the same
+// way, by the first IO past its new end.
+func (b *backing) within(off, n uint64) bool {
+	if end := uint64(b.end.Load()); off <= end && n <= end-off {
+		return true
+	}
+	sz, err := b.currentSize()
+	if err != nil {
+		return false
+	}
+	sz -= sz % int64(b.lbs)
+	b.end.Store(sz)
+	return off <= uint64(sz) && n <= uint64(sz)-off
+}
+
+// currentSize is the export's size now: the file's, or the block device's.
+func (b *backing) currentSize() (int64, error) {
+	if b.bdev {
+		var sz uint64
+		if err := ioctlPtr(b.fd, unix.BLKGETSIZE64, unsafe.Pointer(&sz)); err != nil {
+			return 0, err
+		}
+		return int64(min(sz, maxSectors*SectorSize)), nil
+	}
+	var st unix.Stat_t
+	if err := rawFstat(b.fd, &st); err != nil {
+		return 0, err
+	}
+	return st.Size, nil
 }
 
 // queueLimit reads a block device's queue attribute (a partition's is its disk's), -1 when it
@@ -283,7 +321,7 @@ func rawPreadv2(fd int, p []byte, off int64, flags int) (int, error) {
 // writeAt writes p at off; fua makes each write durable before it returns (RWF_DSYNC);
 // nowait gives up where the write would wait (RWF_NOWAIT).
 func (b *backing) writeAt(p []byte, off int64, fua, nowait bool) error {
-	if b.mem != nil {
+	if b.mem != nil && off <= int64(len(b.mem))-int64(len(p)) {
 		return b.writeMapped(p, off) // memfs: a write is as durable as it gets at once
 	}
 	var iov [1][]byte

@@ -54,6 +54,11 @@ type Device struct {
 	holders   map[*holder]struct{}
 	unmapping bool // an unmap has begun: no new holder
 
+	// resizeMu orders size changes (Resize, a remap's new size) and what their front ends
+	// are told; onResize tells them (nil: nothing shows the device but its own IO).
+	resizeMu sync.Mutex
+	onResize func(ctx context.Context, old, size int64) error
+
 	// noUnmapRefused: the server answered a WRITE_ZEROES with RNBD_F_NOUNMAP EOPNOTSUPP (ours
 	// before protocol 2.2 announced WRITE_ZEROES but refused flags it did not know). Zeroes
 	// that must stay allocated are then written as data, until the next open.
@@ -67,8 +72,12 @@ type Device struct {
 	gate sync.RWMutex
 }
 
-// open sends OPEN and takes the answer: id and geometry. A remapped device must keep its size.
+// open sends OPEN and takes the answer: id and geometry. A remapped device must keep its
+// block size; a new size it takes, as the kernel's client does (the export was grown or
+// shrunk on the server while the session was down), and tells its front ends.
 func (d *Device) open(ctx context.Context) error {
+	d.resizeMu.Lock()
+	defer d.resizeMu.Unlock()
 	var usr [OpenSize]byte
 	if err := (MsgOpen{AccessMode: d.mode, DevName: d.path}).Put(usr[:]); err != nil {
 		return err
@@ -98,13 +107,13 @@ func (d *Device) open(ctx context.Context) error {
 		d.sendClose(ctx, rsp.DeviceID)
 		return errUnmappedMeanwhile
 	}
-	if d.geo.LogicalBlockSize != 0 && (rsp.NSectors != d.geo.NSectors || rsp.LogicalBlockSize != d.geo.LogicalBlockSize) {
-		// The export is not the device that was mapped (replaced, or resized under it). It
-		// is closed on the server, which would otherwise hold it open for this session
-		// (rw: nobody else could open it), and stays closed here, not retried at every
-		// remap: unmap_device and map_device take it with its new size. (The kernel's
-		// client takes the new size; our front ends cannot all follow one.)
-		why := fmt.Sprintf("its geometry changed on the server (%d sectors of %d bytes, now %d of %d)", d.geo.NSectors, d.geo.LogicalBlockSize, rsp.NSectors, rsp.LogicalBlockSize)
+	if d.geo.LogicalBlockSize != 0 && rsp.LogicalBlockSize != d.geo.LogicalBlockSize {
+		// The export is not the device that was mapped (replaced by one of another block
+		// size, which a file system on it could not take). It is closed on the server,
+		// which would otherwise hold it open for this session (rw: nobody else could open
+		// it), and stays closed here, not retried at every remap: unmap_device and
+		// map_device take it as it now is.
+		why := fmt.Sprintf("its block size changed on the server (%d bytes, now %d)", d.geo.LogicalBlockSize, rsp.LogicalBlockSize)
 		d.closedWhy = "closed: " + why
 		d.id, d.idClosed = rsp.DeviceID, true
 		d.setStateLocked(StateClosedByServer)
@@ -114,10 +123,76 @@ func (d *Device) open(ctx context.Context) error {
 			Warnf("remap: %s: closed, its IO fails with EIO until it is unmapped and mapped again", why)
 		return fmt.Errorf("rnbd: %q: %s: %w", d.path, why, errClosedAtRemap)
 	}
-	defer d.mu.Unlock()
+	old := int64(d.geo.NSectors) * SectorSize
+	remap := d.geo.LogicalBlockSize != 0
 	d.id, d.geo, d.idClosed = rsp.DeviceID, rsp, false
 	d.noUnmapRefused.Store(false) // the server may have been upgraded under a remap
 	d.setStateLocked(StateMapped)
+	fe := d.onResize
+	d.mu.Unlock()
+	if size := int64(rsp.NSectors) * SectorSize; remap && size != old {
+		lg := d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path})
+		lg.Infof("remap: the device's size changed from %d to %d sectors", old/SectorSize, rsp.NSectors)
+		if fe != nil {
+			if err := fe(ctx, old, size); err != nil {
+				// IO past a smaller end fails here (EINVAL); a larger end is not seen.
+				lg.WithError(err).Warnf("remap: the device's front ends keep %d sectors", old/SectorSize)
+			}
+		}
+	}
+	return nil
+}
+
+// OnResize sets what tells the device's front ends (its kernel block devices) of a new
+// size, from Resize or from a remap that found the export resized: fn(ctx, old, size)
+// returns an error when one of them cannot follow, having put back those that did.
+func (d *Device) OnResize(fn func(ctx context.Context, old, size int64) error) {
+	d.resizeMu.Lock()
+	defer d.resizeMu.Unlock()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.onResize = fn
+}
+
+// Resize gives the device a new size in sectors (the kernel's resize): the operator grew
+// or shrank the export on the server, and IO up to the new end goes through. Only an open
+// device is resized (ENOENT otherwise); the size must be whole blocks and more than none
+// (EINVAL). When a front end cannot follow, nothing changes. A larger size is taken
+// before the front ends show it, a smaller one after they do, so that no IO they pass
+// falls outside it.
+func (d *Device) Resize(ctx context.Context, sectors uint64) error {
+	d.resizeMu.Lock()
+	defer d.resizeMu.Unlock()
+	d.mu.Lock()
+	st, geo, fe := d.state, d.geo, d.onResize
+	d.mu.Unlock()
+	if st != StateMapped {
+		return fmt.Errorf("rnbd: resize %q: the device is not open: %w", d.path, syscall.ENOENT)
+	}
+	size := int64(sectors) * SectorSize
+	if sectors == 0 || sectors > maxSectors || size%int64(geo.LogicalBlockSize) != 0 {
+		return fmt.Errorf("rnbd: resize %q to %d sectors: not whole %d-byte blocks of a device: %w", d.path, sectors, geo.LogicalBlockSize, syscall.EINVAL)
+	}
+	old := int64(geo.NSectors) * SectorSize
+	if size == old {
+		return nil
+	}
+	set := func(n uint64) {
+		d.mu.Lock()
+		d.geo.NSectors = n
+		d.mu.Unlock()
+	}
+	if size > old {
+		set(sectors)
+	}
+	if fe != nil {
+		if err := fe(ctx, old, size); err != nil {
+			set(geo.NSectors)
+			return fmt.Errorf("rnbd: resize %q to %d sectors: %w", d.path, sectors, err)
+		}
+	}
+	set(sectors)
+	d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).Infof("the device's size changed from %d to %d sectors", geo.NSectors, sectors)
 	return nil
 }
 

@@ -121,6 +121,10 @@ const (
 // SectorSize is the unit of sector numbers and sizes in sectors.
 const SectorSize = 512
 
+// maxSectors is the largest device size we take, in sectors: 2^63 bytes less one sector,
+// what an int64 offset reaches.
+const maxSectors = 1<<54 - 1
+
 func putHdr(b []byte, t MsgType) {
 	binary.LittleEndian.PutUint16(b[0:], uint16(t))
 	binary.LittleEndian.PutUint16(b[2:], 0)
@@ -257,7 +261,7 @@ func (m *MsgOpenRsp) Unmarshal(b []byte) error {
 	if !pow2(lbs) || (pbs != 0 && (!pow2(pbs) || pbs < lbs)) {
 		return fmt.Errorf("rnbd: block sizes %d/%d: %w", lbs, pbs, syscall.EBADMSG)
 	}
-	if m.NSectors >= 1<<54 || m.NSectors%uint64(lbs/SectorSize) != 0 { // 2^54 sectors: 2^63 bytes, past int64
+	if m.NSectors > maxSectors || m.NSectors%uint64(lbs/SectorSize) != 0 {
 		return fmt.Errorf("rnbd: %d sectors with %d-byte blocks: %w", m.NSectors, lbs, syscall.EBADMSG)
 	}
 	if m.MaxHWSectors != 0 && int(m.MaxHWSectors)*SectorSize < lbs {

@@ -1126,19 +1126,91 @@ func TestIOFailingForeverEnds(t *testing.T) {
 	}
 }
 
-// TestRemapChangedGeometry: an export whose size changed while its session was down is not
-// taken as the device that was mapped: the remap closes it on the server (which would
-// otherwise hold it open, rw, for this session) and the device turns closed, its IO failing
-// with EIO at once and no remap retrying it; unmap and map take it with its new size.
-func TestRemapChangedGeometry(t *testing.T) {
+// TestRemapResized: an export grown while its session was down is taken with its new size
+// at the remap, as the kernel's client takes it, and the front ends are told; IO reaches the
+// new end.
+func TestRemapResized(t *testing.T) {
 	leakcheck.Check(t)
 	e := newTestEnv(t)
 	e.file(t, "disk", 1<<20)
 	c := e.client(t, 10*time.Second)
 	d := mustMap(t, e, c, "geo", "disk", AccessRW)
+	told := make(chan [2]int64, 1)
+	d.OnResize(func(_ context.Context, old, size int64) error {
+		told <- [2]int64{old, size}
+		return nil
+	})
 	if err := os.Truncate(filepath.Join(e.dir, "disk"), 2<<20); err != nil {
 		t.Fatal(err)
 	}
+	id := d.ID()
+	for _, ts := range e.server().sessionsOf() {
+		for _, p := range ts.Paths() {
+			p.Disconnect()
+		}
+	}
+	testutil.WaitFor(t, 10*time.Second, "the device remapped", func() bool { return d.State() == StateMapped && d.ID() != id })
+	select {
+	case got := <-told:
+		if got != [2]int64{1 << 20, 2 << 20} {
+			t.Fatalf("front ends told %v, want 1 MiB to 2 MiB", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the front ends were not told the new size")
+	}
+	if d.Size() != 2<<20 {
+		t.Fatalf("size %d after the remap, want %d", d.Size(), 2<<20)
+	}
+	data := bytes.Repeat([]byte{0x5a}, 4096)
+	if _, err := d.WriteAt(data, 2<<20-4096); err != nil {
+		t.Fatalf("write at the new end: %v", err)
+	}
+	got := make([]byte, 4096)
+	if _, err := d.ReadAt(got, 2<<20-4096); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read at the new end: %v", err)
+	}
+}
+
+// TestRemapChangedBlockSize: an export whose block size changed while its session was down
+// is not taken as the device that was mapped: the remap closes it on the server (which
+// would otherwise hold it open, rw, for this session) and the device turns closed, its IO
+// failing with EIO at once and no remap retrying it; unmap and map take it as it is.
+func TestRemapChangedBlockSize(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "geo", "disk", AccessRW)
+	// The server's answer to the remap's OPEN, with 4 KiB blocks: it opened the device as
+	// usual (the answer's id is a real one, which the client must close).
+	var opened atomic.Uint32
+	var closes atomic.Int32
+	reblock := func(r *transport.SrvRequest) bool {
+		switch typ, _ := PeekType(r.Usr); typ {
+		case MsgTypeOpen:
+			rc, answered := e.server().process(r)
+			if answered || rc != 0 {
+				if !answered {
+					r.Respond(rc)
+				}
+				return true
+			}
+			var rsp MsgOpenRsp
+			if err := rsp.Unmarshal(r.Data); err != nil {
+				t.Error(err)
+			}
+			rsp.LogicalBlockSize, rsp.PhysicalBlockSize = 4096, 4096
+			rsp.Put(r.Data)
+			opened.Store(rsp.DeviceID + 1)
+			r.Respond(0)
+			return true
+		case MsgTypeClose:
+			closes.Add(1)
+		}
+		return false
+	}
+	e.intercept.Store(&reblock)
+	defer e.intercept.Store(nil)
 	for _, ts := range e.server().sessionsOf() {
 		for _, p := range ts.Paths() {
 			p.Disconnect()
@@ -1146,29 +1218,90 @@ func TestRemapChangedGeometry(t *testing.T) {
 	}
 	testutil.WaitFor(t, 10*time.Second, "the device closed at its remap", func() bool { return d.State() == StateClosedByServer })
 	testutil.WaitFor(t, 10*time.Second, "the server holding no device for the session", func() bool { return len(e.server().Devices()) == 0 })
-	if _, err := d.ReadAt(make([]byte, 4096), 0); !errors.Is(err, syscall.EIO) || !strings.Contains(err.Error(), "geometry changed") {
+	if opened.Load() == 0 || closes.Load() != 1 {
+		t.Fatalf("OPEN answered %v, CLOSEs %d: want the reopened id closed once", opened.Load() != 0, closes.Load())
+	}
+	if _, err := d.ReadAt(make([]byte, 4096), 0); !errors.Is(err, syscall.EIO) || !strings.Contains(err.Error(), "block size changed") {
 		t.Fatalf("IO to the closed device: %v, want EIO saying why", err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	// The unmap sends no second CLOSE of the id the remap closed: a server that gives the
 	// id to another device (the kernel's takes the lowest free) would close that one.
-	var closes atomic.Int32
-	count := func(r *transport.SrvRequest) bool {
-		if typ, _ := PeekType(r.Usr); typ == MsgTypeClose {
-			closes.Add(1)
-		}
-		return false
-	}
-	e.intercept.Store(&count)
-	defer e.intercept.Store(nil)
 	if err := d.Unmap(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n := closes.Load(); n != 0 {
-		t.Fatalf("the unmap of the device the remap closed sent %d CLOSEs", n)
+	if n := closes.Load(); n != 1 {
+		t.Fatalf("the unmap of the device the remap closed sent %d more CLOSEs", n-1)
 	}
-	if d2 := mustMap(t, e, c, "geo", "disk", AccessRW); d2.Size() != 2<<20 {
-		t.Fatalf("mapped again: %d bytes, want %d", d2.Size(), 2<<20)
+}
+
+// TestResize: the kernel's resize. The export is grown on the server under an open device
+// (no reopen) and the device after it: IO reaches the new end. A front end that cannot
+// follow leaves the size as it was; a larger size is taken before the front ends are told,
+// a smaller one after; bad sizes and a device not open are refused.
+func TestResize(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "rs", "disk", AccessRW)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var seen [][3]int64 // old, new, the device's size when told
+	var fail error
+	d.OnResize(func(_ context.Context, old, size int64) error {
+		seen = append(seen, [3]int64{old, size, d.Size()})
+		return fail
+	})
+	for _, bad := range []uint64{0, maxSectors + 1} {
+		if err := d.Resize(ctx, bad); !errors.Is(err, syscall.EINVAL) || d.Size() != 1<<20 {
+			t.Fatalf("resize to %d sectors: %v, size %d", bad, err, d.Size())
+		}
+	}
+	if err := d.Resize(ctx, 2048); err != nil || len(seen) != 0 {
+		t.Fatalf("resize to its own size: %v, front ends told %v", err, seen)
+	}
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	fail = syscall.EOPNOTSUPP
+	if err := d.Resize(ctx, 4096); !errors.Is(err, syscall.EOPNOTSUPP) || d.Size() != 1<<20 {
+		t.Fatalf("resize a front end refused: %v, size %d", err, d.Size())
+	}
+	if _, err := d.ReadAt(make([]byte, 4096), 1<<20); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("read past the end kept: %v", err)
+	}
+	fail, seen = nil, nil
+	if err := d.Resize(ctx, 4096); err != nil || d.Size() != 2<<20 {
+		t.Fatalf("resize to 2 MiB: %v, size %d", err, d.Size())
+	}
+	if len(seen) != 1 || seen[0] != [3]int64{1 << 20, 2 << 20, 2 << 20} {
+		t.Fatalf("front ends told %v, want 1 MiB to 2 MiB with the device at 2 MiB", seen)
+	}
+	// Past the old end, through the server's write mapping of the old size and beyond it.
+	data := bytes.Repeat([]byte{0xc3}, 8192)
+	if _, err := d.WriteAt(data, 1<<20-4096); err != nil {
+		t.Fatalf("write across the old end: %v", err)
+	}
+	got := make([]byte, 8192)
+	if _, err := d.ReadAt(got, 1<<20-4096); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read across the old end: %v", err)
+	}
+	seen = nil
+	if err := d.Resize(ctx, 1024); err != nil || d.Size() != 512<<10 {
+		t.Fatalf("resize to 512 KiB: %v, size %d", err, d.Size())
+	}
+	if len(seen) != 1 || seen[0] != [3]int64{2 << 20, 512 << 10, 2 << 20} {
+		t.Fatalf("front ends told %v, want 2 MiB to 512 KiB with the device still at 2 MiB", seen)
+	}
+	if _, err := d.ReadAt(make([]byte, 4096), 512<<10); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("read past the new end: %v", err)
+	}
+	if err := d.Unmap(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Resize(ctx, 4096); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("resize after unmap: %v, want ENOENT", err)
 	}
 }

@@ -667,7 +667,7 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 	maxSect := uint32(s.opts.MaxIOSize / SectorSize)
 	rsp := MsgOpenRsp{
 		DeviceID:          d.id,
-		NSectors:          uint64(b.size / SectorSize),
+		NSectors:          uint64(b.end.Load() / SectorSize),
 		MaxHWSectors:      maxSect,
 		PhysicalBlockSize: uint16(b.pbs),
 		LogicalBlockSize:  uint16(b.lbs),
@@ -847,9 +847,9 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	}
 	lbs := uint64(b.lbs)
 	off, n := m.Sector*SectorSize, uint64(m.BiSize)
-	if m.Sector > 1<<54 || off%lbs != 0 || n%lbs != 0 || off+n > uint64(b.size) {
+	if m.Sector > maxSectors || off%lbs != 0 || n%lbs != 0 || !b.within(off, n) {
 		return fmt.Errorf("rnbd: %v of %d bytes at sector %d on a %d-byte device with %d-byte blocks: %w",
-			op, n, m.Sector, b.size, lbs, syscall.EINVAL)
+			op, n, m.Sector, b.end.Load(), lbs, syscall.EINVAL)
 	}
 	fua, preflush := m.RW&FlagFUA != 0, m.RW&FlagPreflush != 0
 	// Direct IO never blocks the caller, a FUA write included.

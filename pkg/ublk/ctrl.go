@@ -409,6 +409,16 @@ const delDevGrace = time.Second
 // noDelDevAsync makes DelDev use DEL_DEV alone, as on kernels before 6.11 (a test switch).
 var noDelDevAsync = false
 
+// UpdateSize gives a started device sectors sectors (UPDATE_SIZE): the disk's capacity
+// changes at once and the block layer tells its users. EOPNOTSUPP on drivers without
+// FlagUpdateSize (6.12 among them).
+func (c *Ctrl) UpdateSize(id uint32, sectors uint64) error {
+	if c.features&FlagUpdateSize == 0 {
+		return syscall.EOPNOTSUPP
+	}
+	return c.do(cmdUpdateSize, id, func(*ctrlBuf) CtrlCmd { return CtrlCmd{DevID: id, QueueID: 0xffff, Data: sectors} }, nil)
+}
+
 // StartUserRecovery begins taking over a device whose server died (state quiesced).
 func (c *Ctrl) StartUserRecovery(id uint32) error { return c.simple(cmdStartUserRecovery, id) }
 

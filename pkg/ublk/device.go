@@ -302,6 +302,14 @@ func (d *Device) delete() { _ = d.ctrl.DelDev(d.id) }
 // ID is the device number.
 func (d *Device) ID() int { return int(d.id) }
 
+// Resize gives the started device sectors sectors (Ctrl.UpdateSize).
+func (d *Device) Resize(sectors uint64) error {
+	if err := d.ctrl.UpdateSize(d.id, sectors); err != nil {
+		return fmt.Errorf("ublk: resize %s to %d sectors: %w", d.BlockPath(), sectors, err)
+	}
+	return nil
+}
+
 // BlockPath is the block device, /dev/ublkb<ID>.
 func (d *Device) BlockPath() string { return "/dev/ublkb" + strconv.Itoa(int(d.id)) }
 

@@ -26,6 +26,7 @@ const (
 	cmdEndUserRecovery         = 0x11
 	cmdGetFeatures             = 0x13
 	cmdDelDevAsync             = 0x14 // Linux 6.11 and later
+	cmdUpdateSize              = 0x15 // with FlagUpdateSize (6.14 and later)
 	cmdTryStopDev              = 0x17 // with FlagSafeStopDev (7.x)
 	ioFetchReq                 = 0x20 // UBLK_IO_FETCH_REQ
 	ioCommitAndFetchReq        = 0x21 // UBLK_IO_COMMIT_AND_FETCH_REQ
@@ -60,6 +61,7 @@ const (
 	FlagUserRecoveryReissue  = 1 << 4  // UBLK_F_USER_RECOVERY_REISSUE: requests in flight at the crash are issued again
 	FlagCmdIoctlEncode       = 1 << 6  // UBLK_F_CMD_IOCTL_ENCODE
 	FlagUserRecoveryFailIO   = 1 << 9  // UBLK_F_USER_RECOVERY_FAIL_IO
+	FlagUpdateSize           = 1 << 10 // UBLK_F_UPDATE_SIZE: UPDATE_SIZE resizes a started device
 	FlagSafeStopDev          = 1 << 17 // UBLK_F_SAFE_STOP_DEV: TRY_STOP_DEV, a stop refused while the disk is open
 	featuresNeeded           = FlagUserRecovery | FlagUserRecoveryReissue | FlagCmdIoctlEncode
 	stateDead, stateLive     = 0, 1 // UBLK_S_DEV_*

@@ -6,7 +6,9 @@
 # - rtrs-clientd attaching it itself (map_device nbd=auto, the kernel's NBD netlink family);
 # each time: ext4 made, mounted, files read back after a remount; fio with verify=crc32c
 # (random 4 KiB writes, then sequential 1 MiB) while one of the two paths is disconnected and
-# reconnected: no IO error, verify passes, the path comes back. Then: unmap while nbd-client
+# reconnected: no IO error, verify passes, the path comes back; the attached device resized
+# after its export grew on the server (/sys/block/nbdX/size follows, IO past the old end reads
+# back). Then: unmap while nbd-client
 # or a loop device holds the device, or of a mounted attachment, is EBUSY, unmap detaches (/sys/block/nbdX/pid gone, size 0), losetup over the
 # device file in the device view, a daemon killed with an attachment is cleaned up after by the
 # next one (which attaches again from its written-back declarations), and a daemon that stops
@@ -129,6 +131,17 @@ suite_body() {
 	grep -q "nbd=auto" $T/clientd.conf # written back
 	fs_check "$nbd" b
 	fio_check "$nbd" attached
+	echo "-- resize: s1/disk2 grown on the server, then the device (NBD_CMD_RECONFIGURE)"
+	truncate -s 512M $T/exports/disk2
+	echo $((512 << 11)) >$T/dev/ctl/mapped/disk2@s1/resize
+	[ "$(cat /sys/block/nbd"$idx"/size)" = $((512 << 11)) ]
+	[ "$(blockdev --getsize64 "$nbd")" = $((512 << 20)) ]
+	head -c 1M /dev/urandom >$T/mb
+	dd if=$T/mb of="$nbd" bs=1M seek=400 oflag=direct status=none
+	dd if="$nbd" of=$T/mb.back bs=1M skip=400 count=1 iflag=direct status=none
+	cmp $T/mb $T/mb.back
+	grep -q "resized to $((512 << 20)) bytes" $T/clientd.log
+	echo "$nbd: $(blockdev --getsize64 "$nbd") bytes after resize, 1 MiB at 400 MiB read back"
 	# Mounted: unmap refuses (EBUSY) and leaves it attached. (fio overwrote the file system.)
 	mkfs.ext4 -q -F "$nbd"
 	mount "$nbd" $T/mnt

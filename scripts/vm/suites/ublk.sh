@@ -13,7 +13,10 @@
 # - a force unmap under fio with the server killed: done at once, fio fails, nothing left;
 # - rtrs-clientd killed with SIGKILL under fio verify and started again: it takes its
 #   /dev/ublkbN back (user recovery), the IO that waited resumes, fio finds no error;
-# - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same.
+# - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same;
+# - the export grown on the server (our file, the kernel's loop device), then the device's
+#   resize: on 7.2 /dev/ublkbN takes the new size (UPDATE_SIZE) and IO past the old end reads
+#   back; on 6.12, whose driver cannot resize, it is EOPNOTSUPP and the size stays.
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio util-linux curl"
@@ -188,6 +191,35 @@ ext4_on() {
 	echo "ext4 on $B: made, fsck clean, read back"
 }
 
+# resize_check T NAME B GROW: the export grown (GROW, a command) and NAME's resize written
+# to 512 MiB. A driver with UPDATE_SIZE (6.14 and later) gives B the new size and IO past the
+# old 256 MiB end reads back; 6.12's refuses it (EOPNOTSUPP) and B keeps 256 MiB.
+resize_check() {
+	local T=$1 name=$2 B=$3 grow=$4 sb=/sys/block/${3#/dev/} err
+	eval "$grow"
+	case $(uname -r) in
+	6.1[0-3].* | 6.[0-9].*)
+		if err=$({ echo $((512 << 11)) >"$T/dev/ctl/mapped/$name/resize"; } 2>&1); then
+			echo "resize of $B succeeded on $(uname -r), whose ublk has no UPDATE_SIZE"
+			return 1
+		fi
+		echo "resize of $B on $(uname -r): $err"
+		case $err in *"Operation not supported"*) ;; *) return 1 ;; esac
+		[ "$(cat "$sb"/size)" = $((256 << 11)) ]
+		;;
+	*)
+		echo $((512 << 11)) >"$T/dev/ctl/mapped/$name/resize"
+		[ "$(cat "$sb"/size)" = $((512 << 11)) ]
+		[ "$(blockdev --getsize64 "$B")" = $((512 << 20)) ]
+		head -c 1M /dev/urandom >/tmp/mb
+		dd if=/tmp/mb of="$B" bs=1M seek=400 oflag=direct status=none
+		dd if="$B" of=/tmp/mb.back bs=1M skip=400 count=1 iflag=direct status=none
+		cmp /tmp/mb /tmp/mb.back
+		echo "$B: $(blockdev --getsize64 "$B") bytes after resize, 1 MiB at 400 MiB read back"
+		;;
+	esac
+}
+
 # ublk_count: how many ublk devices the driver has.
 ublk_count() { find /dev -maxdepth 1 -name 'ublkc*' | wc -l; }
 
@@ -341,6 +373,9 @@ ours() {
 	wait "$fpid"
 	fio_job ub-after "$B" --rw=randwrite --bs=64k --iodepth=8 --size=32m
 
+	echo "-- resize after the export grew on our server"
+	resize_check "$T" disk@u "$B" "truncate -s 512M $T/exports/disk"
+
 	echo "-- SIGTERM with ext4 mounted on $B: the daemon stops its ublk device all the same"
 	mkfs.ext4 -q -F "$B"
 	mkdir -p /tmp/mnt
@@ -375,6 +410,8 @@ kernel_server() {
 	fio_job ubk-seq "$B" --rw=write --bs=1m --iodepth=8 --size=32m
 	# The queues' buffers are registered: nothing is copied through the stage.
 	vm_not_staged "fio on $B" "$CLIENT_METRICS_ADDR" k "$st0"
+	echo "-- resize after the kernel's server's loop device grew"
+	resize_check "$T" "${loop//\//!}@k" "$B" "truncate -s 512M $T/disk && losetup -c $loop"
 	echo "sessname=k device_path=$loop" >"$T"/dev/ctl/unmap_device
 	[ ! -e "$B" ]
 	vm_no_leaks "$DAEMON_LOGS"
