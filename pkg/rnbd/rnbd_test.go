@@ -121,6 +121,15 @@ func (e *testEnv) stop() {
 
 func (e *testEnv) server() *Server { e.mu.Lock(); defer e.mu.Unlock(); return e.rs }
 
+// dropPaths disconnects every path of every session from the server's side.
+func (e *testEnv) dropPaths() {
+	for _, ts := range e.server().sessionsOf() {
+		for _, p := range ts.Paths() {
+			p.Disconnect()
+		}
+	}
+}
+
 func (e *testEnv) file(t testing.TB, name string, size int) []byte {
 	t.Helper()
 	data := make([]byte, size)
@@ -348,11 +357,7 @@ func TestSessionDownShort(t *testing.T) {
 	model := e.file(t, "disk", 1<<20)
 	c := e.client(t, 10*time.Second)
 	d := mustMap(t, e, c, "short", "disk", AccessRW)
-	for _, ts := range e.server().sessionsOf() {
-		for _, p := range ts.Paths() {
-			p.Disconnect()
-		}
-	}
+	e.dropPaths()
 	testutil.WaitFor(t, 5*time.Second, "device disconnected", func() bool { return d.State() == StateDisconnected })
 	buf := bytes.Repeat([]byte{0x5a}, 64<<10)
 	if _, err := d.WriteAt(buf, 4096); err != nil {
@@ -1144,11 +1149,7 @@ func TestRemapResized(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := d.ID()
-	for _, ts := range e.server().sessionsOf() {
-		for _, p := range ts.Paths() {
-			p.Disconnect()
-		}
-	}
+	e.dropPaths()
 	testutil.WaitFor(t, 10*time.Second, "the device remapped", func() bool { return d.State() == StateMapped && d.ID() != id })
 	select {
 	case got := <-told:
@@ -1211,11 +1212,7 @@ func TestRemapChangedBlockSize(t *testing.T) {
 	}
 	e.intercept.Store(&reblock)
 	defer e.intercept.Store(nil)
-	for _, ts := range e.server().sessionsOf() {
-		for _, p := range ts.Paths() {
-			p.Disconnect()
-		}
-	}
+	e.dropPaths()
 	testutil.WaitFor(t, 10*time.Second, "the device closed at its remap", func() bool { return d.State() == StateClosedByServer })
 	testutil.WaitFor(t, 10*time.Second, "the server holding no device for the session", func() bool { return len(e.server().Devices()) == 0 })
 	if opened.Load() == 0 || closes.Load() != 1 {
