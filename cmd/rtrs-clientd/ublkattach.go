@@ -271,7 +271,19 @@ func (u *ublkAttacher) recoverOwn(c *ublk.Ctrl, d *rnbd.Device, id int, h ublk.H
 		return nil, false, nil
 	}
 	dev, err := ublk.Recover(c, id, h, ublkRecoverWait)
-	return dev, err == nil, err
+	if err != nil {
+		return nil, false, err
+	}
+	if have, want := p.Basic.DevSectors, uint64(d.Size()/rnbd.SectorSize); have != want {
+		// Resized on the server meanwhile. A driver that cannot follow (6.12) keeps the
+		// old size: IO past a smaller end fails, a larger end is not seen.
+		if err := dev.Resize(want); err != nil {
+			u.lg.WithError(err).Warnf("/dev/ublkb%d keeps %d sectors; %s %s now has %d", id, have, d.Session(), d.Path(), want)
+		} else {
+			u.lg.Infof("/dev/ublkb%d resized from %d to %d sectors, as %s %s now is", id, have, want, d.Session(), d.Path())
+		}
+	}
+	return dev, true, nil
 }
 
 // claim is what an attach does with an existing ublk device it was told to take.
@@ -312,7 +324,10 @@ func ublkClaim(info ublk.DevInfo, p ublk.Params, sess, path string, want ublk.Pa
 		// before SET_PARAMS), nothing can resume against it.
 		return claimDelete, nil
 	}
-	if p.Basic.DevSectors != want.Basic.DevSectors {
+	// The mark names the mapping; an older daemon's names none, and the size is all that
+	// says the device is this volume's. A marked device may have another size: the export
+	// was resized on the server while no daemon served it (recoverOwn resizes it after).
+	if act == claimLegacy && p.Basic.DevSectors != want.Basic.DevSectors {
 		return claimRefuse, fmt.Errorf("%d sectors, the device %d: not its device: %w", p.Basic.DevSectors, want.Basic.DevSectors, syscall.EEXIST)
 	}
 	if p.Basic.LogicalBSShift != want.Basic.LogicalBSShift {

@@ -9,7 +9,8 @@ import (
 )
 
 // TestUblkClaim: an attach told ublk=N takes device N over only when it is the same mapping's
-// (its mark, its size, logical block and read-only mode), or an older daemon's of that size; it deletes one of its own left
+// (its mark, logical block and read-only mode, whatever its size: the export may have been
+// resized meanwhile), or an older daemon's of the mapping's size; it deletes one of its own left
 // added but never started, whatever its size, and refuses anything else, so that waiting IO and mounted file
 // systems never resume against another volume.
 func TestUblkClaim(t *testing.T) {
@@ -44,7 +45,7 @@ func TestUblkClaim(t *testing.T) {
 		{"another mapping's of the same size", live(ublkOwner("store2", path)), sized(size >> 9), claimRefuse},
 		{"another mapping's, never started", ublk.DevInfo{SrvFlags: ublkOwner("store2", path), State: ublk.StateDead}, sized(size >> 9), claimRefuse},
 		{"another program's", live(0), sized(size >> 9), claimRefuse},
-		{"its mark, another size", live(own), sized(size>>9 + 8), claimRefuse},
+		{"its own, another size (resized on the server meanwhile)", live(own), sized(size>>9 + 8), claimRecover},
 		{"an older daemon's, another size", live(ublkMark), sized(size >> 10), claimRefuse},
 		{"its own, another logical block", live(own), bigBlocks, claimRefuse},
 		{"its own, read-only where the mapping is not", live(own), ro, claimRefuse},

@@ -16,7 +16,9 @@
 # - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same;
 # - the export grown on the server (our file, the kernel's loop device), then the device's
 #   resize: on 7.2 /dev/ublkbN takes the new size (UPDATE_SIZE) and IO past the old end reads
-#   back; on 6.12, whose driver cannot resize, it is EOPNOTSUPP and the size stays.
+#   back; on 6.12, whose driver cannot resize, it is EOPNOTSUPP and the size stays; an export
+#   grown while the daemon was dead: the restarted daemon takes the device back and resizes
+#   it (7.2) or keeps its size (6.12).
 
 # shellcheck disable=SC2034 # read by vmtest.sh
 SUITE_PACKAGES="libibverbs-dev librdmacm-dev e2fsprogs fio util-linux curl"
@@ -193,21 +195,20 @@ ext4_on() {
 
 # resize_check T NAME B GROW: the export grown (GROW, a command) and NAME's resize written
 # to 512 MiB. A driver with UPDATE_SIZE (6.14 and later) gives B the new size and IO past the
-# old 256 MiB end reads back; 6.12's refuses it (EOPNOTSUPP) and B keeps 256 MiB.
+# old end (256 or 384 MiB) reads back; 6.12's refuses it (EOPNOTSUPP) and B keeps its size.
 resize_check() {
-	local T=$1 name=$2 B=$3 grow=$4 sb=/sys/block/${3#/dev/} err
+	local T=$1 name=$2 B=$3 grow=$4 sb=/sys/block/${3#/dev/} err before
+	before=$(cat "$sb"/size)
 	eval "$grow"
-	case $(uname -r) in
-	6.1[0-3].* | 6.[0-9].*)
+	if ! updates_size; then
 		if err=$({ echo $((512 << 11)) >"$T/dev/ctl/mapped/$name/resize"; } 2>&1); then
 			echo "resize of $B succeeded on $(uname -r), whose ublk has no UPDATE_SIZE"
 			return 1
 		fi
 		echo "resize of $B on $(uname -r): $err"
 		case $err in *"Operation not supported"*) ;; *) return 1 ;; esac
-		[ "$(cat "$sb"/size)" = $((256 << 11)) ]
-		;;
-	*)
+		[ "$(cat "$sb"/size)" = "$before" ]
+	else
 		echo $((512 << 11)) >"$T/dev/ctl/mapped/$name/resize"
 		[ "$(cat "$sb"/size)" = $((512 << 11)) ]
 		[ "$(blockdev --getsize64 "$B")" = $((512 << 20)) ]
@@ -216,8 +217,12 @@ resize_check() {
 		dd if="$B" of=/tmp/mb.back bs=1M skip=400 count=1 iflag=direct status=none
 		cmp /tmp/mb /tmp/mb.back
 		echo "$B: $(blockdev --getsize64 "$B") bytes after resize, 1 MiB at 400 MiB read back"
-		;;
-	esac
+	fi
+}
+
+# updates_size: this kernel's ublk driver has UPDATE_SIZE (6.14 and later).
+updates_size() {
+	case $(uname -r) in 6.1[0-3].* | 6.[0-9].*) return 1 ;; esac
 }
 
 # ublk_count: how many ublk devices the driver has.
@@ -365,11 +370,21 @@ ours() {
 	kill -9 "$CLI_PID"
 	wait "$CLI_PID" 2>/dev/null || true
 	umount "$T"/cli "$T"/dev 2>/dev/null || rtrs-clientd -cleanup -mount "$T"/cli -dev-mount "$T"/dev
+	# The export grows while no daemon serves the device: the restarted one takes it back all
+	# the same, and resizes it where the driver can.
+	truncate -s 384M "$T"/exports/disk
 	t0=$(vm_now)
 	start_client "$T"
 	vm_wait 60 grep -q "$B" "$T"/dev/ctl/ublk_devices
 	grep "recovered $B" "$DAEMON_LOGS"
 	echo "$B recovered $(vm_since "$t0") s after the restart"
+	if updates_size; then
+		grep "${B#/dev/} resized from $((256 << 11)) to $((384 << 11)) sectors" "$DAEMON_LOGS"
+		[ "$(cat "$sb"/size)" = $((384 << 11)) ]
+	else
+		grep "${B#/dev/} keeps $((256 << 11)) sectors" "$DAEMON_LOGS"
+		[ "$(cat "$sb"/size)" = $((256 << 11)) ]
+	fi
 	wait "$fpid"
 	fio_job ub-after "$B" --rw=randwrite --bs=64k --iodepth=8 --size=32m
 
