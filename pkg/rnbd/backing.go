@@ -34,7 +34,13 @@ type backing struct {
 	// discardMax and discardGran: a block device's discard limits from its queue, in
 	// bytes (discardMax 0: it cannot discard). A file's are maxRangeSectors and pbs.
 	discardMax, discardGran int64
-	writable                bool
+	// discardAlign is a partition's offset into its disk's discard granularity (0: none).
+	discardAlign int64
+	// cache is the OPEN_RSP's cache policy: a block device's queue says whether it has a
+	// volatile cache and FUA, as the kernel's server reads them; a file's writes go through
+	// the page cache, which a flush or FUA makes durable.
+	cache    uint8
+	writable bool
 	// memfs: a tmpfs or ramfs file, whose IO never waits for a device, so a nowait
 	// attempt just runs it. Otherwise noNowaitR/W record that the file system refused
 	// RWF_NOWAIT once, so that later attempts go straight to blocking.
@@ -57,26 +63,38 @@ type backing struct {
 // openBeneath opens name under the search path root without leaving it: leading slashes
 // are dropped (a client's "/disk" is root/disk, as RNBD joins dev_search_path and the name),
 // and ".." or symlinks that would climb out are refused by openat2's RESOLVE_BENEATH.
+// Only a block device or a regular file of a real file system is ever opened: the name is
+// resolved to an O_PATH descriptor and looked at first (the kernel's server looks a block
+// device up without opening it), so that a client cannot make the daemon open a character
+// device (a watchdog's open starts it), a FIFO, or a sysfs or proc attribute.
 func openBeneath(root *os.File, name string, writable bool) (*backing, error) {
 	rel := strings.TrimLeft(name, "/")
 	if rel == "" || strings.IndexByte(rel, 0) >= 0 {
 		return nil, fmt.Errorf("rnbd: device path %q: %w", name, syscall.EINVAL)
 	}
-	flags := unix.O_RDONLY
-	if writable {
-		flags = unix.O_RDWR
-	}
-	// O_NONBLOCK: a FIFO under the search path must not hang the open (probe refuses it
-	// after); it changes nothing for files and block devices.
-	how := unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC | unix.O_NOCTTY | unix.O_NONBLOCK), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
-	fd, err := unix.Openat2(int(root.Fd()), rel, &how)
+	how := unix.OpenHow{Flags: uint64(unix.O_PATH | unix.O_CLOEXEC), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
+	pfd, err := unix.Openat2(int(root.Fd()), rel, &how)
 	if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) {
-		fd, err = unix.Openat2(int(root.Fd()), rel, &how)
+		pfd, err = unix.Openat2(int(root.Fd()), rel, &how)
 	}
 	if err != nil {
 		if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ELOOP) {
 			return nil, fmt.Errorf("rnbd: device path %q leaves the export directory: %w", name, syscall.EACCES)
 		}
+		return nil, fmt.Errorf("rnbd: open %q: %w", name, err)
+	}
+	defer unix.Close(pfd)
+	if err := exportable(pfd); err != nil {
+		return nil, fmt.Errorf("rnbd: %q: %w", name, err)
+	}
+	flags := unix.O_RDONLY
+	if writable {
+		flags = unix.O_RDWR
+	}
+	// The inode just looked at, opened for IO through its O_PATH descriptor: a rename
+	// meanwhile cannot put another file in its place.
+	fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(pfd), flags|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	if err != nil {
 		return nil, fmt.Errorf("rnbd: open %q: %w", name, err)
 	}
 	b := &backing{f: os.NewFile(uintptr(fd), filepath.Join(root.Name(), rel)), fd: fd, writable: writable}
@@ -95,6 +113,50 @@ func openBeneath(root *os.File, name string, writable bool) (*backing, error) {
 		}
 	}
 	return b, nil
+}
+
+// Magic numbers of <linux/magic.h> that x/sys/unix lacks.
+const (
+	configfsMagic = 0x62656570
+	fusectlMagic  = 0x65735543
+	mqueueMagic   = 0x19800202
+)
+
+// pseudoFS are the file systems whose files are not storage: their "regular files" are a
+// kernel's attributes and controls, which an export must never reach.
+var pseudoFS = map[int64]string{
+	unix.PROC_SUPER_MAGIC: "proc", unix.SYSFS_MAGIC: "sysfs", unix.DEBUGFS_MAGIC: "debugfs",
+	unix.TRACEFS_MAGIC: "tracefs", unix.SECURITYFS_MAGIC: "securityfs", configfsMagic: "configfs",
+	unix.CGROUP_SUPER_MAGIC: "cgroup", unix.CGROUP2_SUPER_MAGIC: "cgroup2", unix.BPF_FS_MAGIC: "bpf",
+	unix.EFIVARFS_MAGIC: "efivarfs", unix.PSTOREFS_MAGIC: "pstore", unix.SELINUX_MAGIC: "selinuxfs",
+	unix.SMACK_MAGIC: "smackfs", unix.DEVPTS_SUPER_MAGIC: "devpts", unix.BINFMTFS_MAGIC: "binfmt_misc",
+	fusectlMagic: "fusectl", mqueueMagic: "mqueue", unix.NSFS_MAGIC: "nsfs",
+}
+
+// exportable refuses, from an O_PATH descriptor, what is no export: a directory (EISDIR),
+// anything but a block device or a regular file (ENODEV; the kernel's server says ENOTBLK
+// for all but block devices), and a pseudo file system's file (ENODEV).
+func exportable(pfd int) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(pfd, &st); err != nil {
+		return err
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFBLK:
+		return nil
+	case unix.S_IFREG:
+		var fs unix.Statfs_t
+		if err := unix.Fstatfs(pfd, &fs); err != nil {
+			return err
+		}
+		if name, ok := pseudoFS[int64(fs.Type)]; ok {
+			return fmt.Errorf("a file of %s, not storage: %w", name, syscall.ENODEV)
+		}
+		return nil
+	case unix.S_IFDIR:
+		return syscall.EISDIR
+	}
+	return fmt.Errorf("not a regular file or block device: %w", syscall.ENODEV)
 }
 
 // populateMax bounds how much of an export populate maps ahead: its page tables cost 2 MiB
@@ -143,6 +205,7 @@ func (b *backing) probe() error {
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		b.size, b.lbs, b.pbs = st.Size, SectorSize, 4096
+		b.cache = CacheWriteback | CacheFUA
 		var fs unix.Statfs_t
 		if unix.Fstatfs(b.fd, &fs) == nil {
 			b.memfs = fs.Type == unix.TMPFS_MAGIC || fs.Type == unix.RAMFS_MAGIC
@@ -160,8 +223,29 @@ func (b *backing) probe() error {
 		if err := ioctlPtr(b.fd, unix.BLKPBSZGET, unsafe.Pointer(&pbs)); err != nil {
 			pbs = lbs
 		}
+		if b.writable {
+			// The kernel's server refuses a read-only device (blockdev --setro, a read-only
+			// LV) for writing at the open; every write would fail after it.
+			var ro int32
+			if err := ioctlPtr(b.fd, unix.BLKROGET, unsafe.Pointer(&ro)); err != nil {
+				return err
+			}
+			if ro != 0 {
+				return fmt.Errorf("a read-only block device, opened for writing: %w", syscall.EACCES)
+			}
+		}
 		b.size, b.lbs, b.pbs = int64(sz), int(lbs), int(pbs)
 		b.discardMax, b.discardGran = queueLimit(st.Rdev, "discard_max_bytes"), queueLimit(st.Rdev, "discard_granularity")
+		if a, err := strconv.ParseInt(readDevAttr(st.Rdev, "discard_alignment"), 10, 64); err == nil && a > 0 {
+			b.discardAlign = a
+		}
+		b.cache = CacheWriteback | CacheFUA
+		if queueAttr(st.Rdev, "write_cache") == "write through" {
+			b.cache &^= CacheWriteback
+		}
+		if queueAttr(st.Rdev, "fua") == "0" {
+			b.cache &^= CacheFUA
+		}
 	default:
 		return fmt.Errorf("not a regular file or block device: %w", syscall.ENODEV)
 	}
@@ -208,18 +292,30 @@ func (b *backing) currentSize() (int64, error) {
 	return st.Size, nil
 }
 
-// queueLimit reads a block device's queue attribute (a partition's is its disk's), -1 when it
-// cannot be read.
+// queueLimit reads a block device's numeric queue attribute, -1 when it cannot be read.
 func queueLimit(rdev uint64, name string) int64 {
-	dir := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(rdev), unix.Minor(rdev))
-	for _, p := range []string{dir + "/queue/" + name, dir + "/../queue/" + name} {
-		if b, err := os.ReadFile(p); err == nil {
-			if v, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && v >= 0 {
-				return v
-			}
-		}
+	if v, err := strconv.ParseInt(queueAttr(rdev, name), 10, 64); err == nil && v >= 0 {
+		return v
 	}
 	return -1
+}
+
+// queueAttr reads a block device's queue attribute (a partition's is its disk's), "" when
+// it cannot be read.
+func queueAttr(rdev uint64, name string) string {
+	if v := readDevAttr(rdev, "queue/"+name); v != "" {
+		return v
+	}
+	return readDevAttr(rdev, "../queue/"+name)
+}
+
+// readDevAttr reads the block device's sysfs attribute name, "" when it cannot be read.
+func readDevAttr(rdev uint64, name string) string {
+	b, err := os.ReadFile(fmt.Sprintf("/sys/dev/block/%d:%d/%s", unix.Major(rdev), unix.Minor(rdev), name))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
 }
 
 func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
@@ -227,6 +323,15 @@ func ioctlPtr(fd int, req uint, p unsafe.Pointer) error {
 		return e
 	}
 	return nil
+}
+
+// key names the device for the access-mode rule: a block device by its number, whatever
+// node of it was opened (two nodes of one disk are one device), a file by its inode.
+func (b *backing) key() devKey {
+	if b.bdev {
+		return devKey{blk: true, dev: b.rdev}
+	}
+	return devKey{dev: b.dev, ino: b.ino}
 }
 
 // errResponded: the request has been answered (RespondFile); errFallback: it could not be,
@@ -436,16 +541,20 @@ func (b *backing) writeZeroes(off, n int64, noUnmap bool) error {
 			return err
 		}
 	}
-	zero := make([]byte, min(n, 1<<20))
 	for n > 0 {
-		k := min(n, int64(len(zero)))
-		if err := b.writeAt(zero[:k], off, false, false); err != nil {
+		k := min(n, int64(len(zeroes)))
+		if err := b.writeAt(zeroes[:k], off, false, false); err != nil {
 			return err
 		}
 		off, n = off+k, n-k
 	}
 	return nil
 }
+
+// zeroes is what zeroes are written from where the export cannot zero a range itself: one
+// buffer, only ever read, for every request (one each was up to 2 GiB of heap at the
+// server's blocking IO bound).
+var zeroes = make([]byte, 1<<20)
 
 // unsupported: the file system or device does not do this fallocate mode.
 func unsupported(err error) bool { return err == unix.EOPNOTSUPP || err == unix.EINVAL }

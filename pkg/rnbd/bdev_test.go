@@ -365,3 +365,112 @@ func openBeneathDev(t *testing.T, b *backing) *backing {
 	t.Cleanup(func() { again.close() })
 	return again
 }
+
+// TestOpenLooksFirst: the server opens only block devices and regular files of real file
+// systems, and looks before it opens (inotify sees no open of a FIFO or a character device a
+// client named); a read-only block device is refused for writing (EACCES), as the kernel's
+// server refuses it; two nodes of one block device are one device for the access-mode rule.
+func TestOpenLooksFirst(t *testing.T) {
+	requireRoot(t)
+	leakcheck.Check(t)
+	dir := t.TempDir()
+	if err := unix.Mkfifo(filepath.Join(dir, "fifo"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mknod(filepath.Join(dir, "null"), unix.S_IFCHR|0o600, int(unix.Mkdev(1, 3))); err != nil {
+		t.Fatal(err)
+	}
+	ifd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(ifd)
+	for _, n := range []string{"fifo", "null"} {
+		if _, err := unix.InotifyAddWatch(ifd, filepath.Join(dir, n), unix.IN_OPEN); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Mkdir(filepath.Join(dir, "proc"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("proc", filepath.Join(dir, "proc"), "proc", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Unmount(filepath.Join(dir, "proc"), unix.MNT_DETACH)
+	root, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	for _, n := range []string{"fifo", "null", "proc/sys/kernel/hostname"} {
+		for _, rw := range []bool{false, true} {
+			if b, err := openBeneath(root, n, rw); !errors.Is(err, syscall.ENODEV) {
+				if err == nil {
+					b.close()
+				}
+				t.Errorf("open %s (rw %v): %v, want ENODEV", n, rw, err)
+			}
+		}
+	}
+	var ev [4096]byte
+	if n, err := unix.Read(ifd, ev[:]); n > 0 || !errors.Is(err, unix.EAGAIN) {
+		t.Errorf("inotify saw %d bytes of open events (%v): the server opened what it refused", n, err)
+	}
+
+	// A read-only block device: refused for writing, taken for reading.
+	writePattern(t, filepath.Join(dir, "ro"))
+	name := attachLoop(t, filepath.Join(dir, "ro"))
+	dev, err := os.OpenFile("/dev/"+name, os.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	if err := unix.IoctlSetPointerInt(int(dev.Fd()), unix.BLKROSET, 1); err != nil {
+		t.Fatal(err)
+	}
+	// The flag outlives the loop device's file: the next test to take this loop device
+	// must find it writable.
+	defer func() {
+		if err := unix.IoctlSetPointerInt(int(dev.Fd()), unix.BLKROSET, 0); err != nil {
+			t.Error(err)
+		}
+	}()
+	devRoot, err := os.Open("/dev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer devRoot.Close()
+	if b, err := openBeneath(devRoot, name, true); !errors.Is(err, syscall.EACCES) {
+		if err == nil {
+			b.close()
+		}
+		t.Fatalf("open read-only %s for writing: %v, want EACCES", name, err)
+	}
+	b, err := openBeneath(devRoot, name, false)
+	if err != nil {
+		t.Fatalf("open read-only %s for reading: %v", name, err)
+	}
+	b.close()
+
+	// A second node of the device, in another directory: the same key.
+	var st unix.Stat_t
+	if err := unix.Stat("/dev/"+name, &st); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mknod(filepath.Join(dir, "other"), unix.S_IFBLK|0o600, int(st.Rdev)); err != nil {
+		t.Fatal(err)
+	}
+	b1, err := openBeneath(devRoot, name, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b1.close()
+	b2, err := openBeneath(root, "other", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b2.close()
+	if b1.ino == b2.ino || b1.key() != b2.key() {
+		t.Fatalf("two nodes of %s: keys %+v and %+v", name, b1.key(), b2.key())
+	}
+}

@@ -135,7 +135,7 @@ func TestBlockingBoundedPerExport(t *testing.T) {
 	if err := unix.Stat(filepath.Join(mnt, "disk"), &st); err != nil {
 		t.Fatal(err)
 	}
-	key := devKey{st.Dev, st.Ino}
+	key := devKey{dev: st.Dev, ino: st.Ino}
 	e := &testEnv{prov: soft.New(soft.Options{}), dir: mnt}
 	e.start(t, 0)
 	t.Cleanup(e.stop)

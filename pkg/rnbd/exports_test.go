@@ -272,11 +272,11 @@ func TestExportNameBlockDevice(t *testing.T) {
 // TestExportNameUnique: two devices that would get one name get distinct ones.
 func TestExportNameUnique(t *testing.T) {
 	s := &Server{devs: map[devKey]*srvDev{}}
-	s.devs[devKey{1, 1}] = &srvDev{dir: "srv!a!b"}
+	s.devs[devKey{dev: 1, ino: 1}] = &srvDev{dir: "srv!a!b"}
 	if got := s.uniqueDirLocked("srv!a!b"); got != "srv!a!b~2" {
 		t.Fatalf("%q", got)
 	}
-	s.devs[devKey{1, 2}] = &srvDev{dir: "srv!a!b~2"}
+	s.devs[devKey{dev: 1, ino: 2}] = &srvDev{dir: "srv!a!b~2"}
 	if got := s.uniqueDirLocked("srv!a!b"); got != "srv!a!b~3" {
 		t.Fatalf("%q", got)
 	}

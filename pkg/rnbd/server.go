@@ -141,7 +141,10 @@ type ioKey struct {
 	id   uint32
 }
 
-type devKey struct{ dev, ino uint64 }
+type devKey struct {
+	blk      bool
+	dev, ino uint64
+}
 
 // srvDev is one exported device open in at least one session (rnbd_srv_dev).
 type srvDev struct {
@@ -192,7 +195,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if opts.ZeroCopyReadMin == 0 {
 		opts.ZeroCopyReadMin = DefaultZeroCopyReadMin
 	}
-	return &Server{
+	s := &Server{
 		opts:     opts,
 		log:      log.G(context.Background()).WithField("component", "rnbd-srv"),
 		sessions: map[*transport.SrvSess]*srvSess{},
@@ -201,7 +204,17 @@ func NewServer(opts ServerOptions) (*Server, error) {
 		// Ids are never reused within a server's life, and a restarted server starts
 		// elsewhere, so a client's stale id names no device rather than another one.
 		nextID: rand.Uint32(),
-	}, nil
+	}
+	s.noteSearchPath(opts.SearchPath)
+	return s, nil
+}
+
+// noteSearchPath warns of a search path with text after %SESSNAME%: it is kept here (the
+// directory is <before><session><after>), where the kernel's server drops it.
+func (s *Server) noteSearchPath(p string) {
+	if _, after, ok := strings.Cut(p, SessNamePlaceholder); ok && after != "" && after != "/" {
+		s.log.Warnf("dev_search_path %q: %q after %s is kept here; the kernel's server would drop it", p, after, SessNamePlaceholder)
+	}
 }
 
 // DeviceInfo describes an open device of a server session.
@@ -486,7 +499,8 @@ func (s *Server) processSessInfo(r *transport.SrvRequest) error {
 		s.sess(r.Session()).ver = min(m.Ver, ProtoVerMajor)
 	}
 	s.mu.Unlock()
-	MsgSessInfo{Ver: ProtoVerMajor}.Put(r.Data, MsgTypeSessInfoRsp)
+	// As the kernel's server: the lower of the two versions.
+	MsgSessInfo{Ver: min(m.Ver, ProtoVerMajor)}.Put(r.Data, MsgTypeSessInfoRsp)
 	return nil
 }
 
@@ -512,6 +526,7 @@ func (s *Server) SetSearchPath(p string) error {
 	s.mu.Lock()
 	s.opts.SearchPath = p
 	s.mu.Unlock()
+	s.noteSearchPath(p)
 	return nil
 }
 
@@ -564,7 +579,7 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 	if err != nil {
 		return err
 	}
-	d := &sessDev{name: m.DevName, mode: m.AccessMode, key: devKey{b.dev, b.ino}, b: b}
+	d := &sessDev{name: m.DevName, mode: m.AccessMode, key: b.key(), b: b}
 	dir, link := exportName(b)
 	// The access mode is taken before direct IO's probe reads the device: an open refused
 	// for it touches nothing, and does not wait behind IO another session has there.
@@ -608,8 +623,16 @@ func (s *Server) processOpen(r *transport.SrvRequest) error {
 		return err
 	}
 	ss := s.sess(ts)
-	d.id = s.nextID
-	s.nextID++
+	// Ids are never reused while the server runs, but a counter of 32 bits wraps: past a
+	// wrap, one the session still holds (open, or force-closed and not yet closed by the
+	// client) is skipped.
+	for {
+		d.id = s.nextID
+		s.nextID++
+		if ss.devs[d.id] == nil && ss.forced[d.id] == nil {
+			break
+		}
+	}
 	ss.devs[d.id] = d
 	s.publishLocked()
 	s.mu.Unlock()
@@ -672,7 +695,7 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 		PhysicalBlockSize: uint16(b.pbs),
 		LogicalBlockSize:  uint16(b.lbs),
 		MaxSegments:       128,
-		CachePolicy:       CacheFUA | CacheWriteback,
+		CachePolicy:       b.cache,
 	}
 	// A client of 6.12 or later sends WRITE_ZEROES only when max_write_zeroes_sectors is not 0,
 	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0. Zeroes
@@ -686,6 +709,9 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 			rsp.MaxDiscardSectors = uint32(min(b.discardMax/SectorSize, maxRangeSectors))
 			if b.discardGran > 0 {
 				rsp.DiscardGranularity = uint32(b.discardGran)
+			}
+			if b.discardAlign > 0 && b.discardAlign < int64(rsp.DiscardGranularity) {
+				rsp.DiscardAlignment = uint32(b.discardAlign)
 			}
 		}
 	}
@@ -836,7 +862,9 @@ func (s *Server) processIO(r *transport.SrvRequest, nowait bool) error {
 	}
 	b := d.b
 	op := m.Op()
-	if op != OpRead && d.mode == AccessRO {
+	// A FLUSH carries no data: the kernel's block layer lets it through to a read-only
+	// device, and its client sends one for an fsync of a read-only mapping.
+	if op != OpRead && op != OpFlush && d.mode == AccessRO {
 		return fmt.Errorf("rnbd: %v on %q mapped ro: %w", op, d.name, syscall.EPERM)
 	}
 	if op == OpFlush {

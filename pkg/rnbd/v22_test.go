@@ -50,6 +50,23 @@ func TestProtocol22Server(t *testing.T) {
 		return s.Blocks
 	}
 
+	// SESS_INFO is answered with the lower of the two versions, as the kernel's server does.
+	for _, v := range []struct{ ask, want uint8 }{{1, 1}, {2, 2}, {3, 2}} {
+		var usr [SessInfoSize]byte
+		var rsp [SessInfoRspSize]byte
+		MsgSessInfo{Ver: v.ask}.Put(usr[:], MsgTypeSessInfo)
+		var m MsgSessInfo
+		if err := s.Do(ctx, transport.Read, usr[:], rsp[:]); err != nil || m.Unmarshal(rsp[:], MsgTypeSessInfoRsp) != nil || m.Ver != v.want {
+			t.Fatalf("SESS_INFO of version %d: %v, answered %d, want %d", v.ask, err, m.Ver, v.want)
+		}
+	}
+	// Back to 2 for what follows.
+	var usr [SessInfoSize]byte
+	MsgSessInfo{Ver: 2}.Put(usr[:], MsgTypeSessInfo)
+	if err := s.Do(ctx, transport.Read, usr[:], make([]byte, SessInfoRspSize)); err != nil {
+		t.Fatal(err)
+	}
+
 	pattern := bytes.Repeat([]byte("2.2!"), 1024)
 	if err := send(MsgIO{Sector: 16, RW: uint32(OpWrite) | FlagSync | FlagPreflush, BiSize: 4096}, transport.Write, pattern); err != nil {
 		t.Fatal(err)
