@@ -154,19 +154,31 @@ func TestAttrRules(t *testing.T) {
 	if _, err := os.OpenFile(filepath.Join(dir, "ro"), os.O_WRONLY, 0); !errors.Is(err, syscall.EACCES) {
 		t.Errorf("write open of a read-only file: %v", err)
 	}
-	// Each open renders anew; an open file keeps its snapshot.
+	// Every read at offset 0 renders anew, as sysfs's seq_file does: a file kept open and
+	// read again from the start (pread at 0) shows the value of now; a read further on
+	// continues what the read at 0 rendered.
 	f, err := os.Open(v)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := sh(t, "echo 5 > "+v); err != nil {
+	defer f.Close()
+	b := make([]byte, 16)
+	for _, want := range []string{"5", "63"} {
+		if _, err := sh(t, "echo "+want+" > "+v); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := f.ReadAt(b, 0); string(b[:n]) != want+"\n" {
+			t.Errorf("pread at 0 after writing %s: %q %v", want, b[:n], err)
+		}
+	}
+	if n, _ := f.ReadAt(b[:1], 0); n != 1 || b[0] != '6' {
+		t.Fatalf("first byte %q", b[:n])
+	}
+	if _, err := sh(t, "echo 7 > "+v); err != nil {
 		t.Fatal(err)
 	}
-	b := make([]byte, 16)
-	n, _ := f.Read(b)
-	f.Close()
-	if string(b[:n]) != "8\n" {
-		t.Errorf("snapshot %q", b[:n])
+	if n, _ := f.ReadAt(b, 1); string(b[:n]) != "3\n" {
+		t.Errorf("a read past 0 after a change: %q, want the rest of the render at 0", b[:n])
 	}
 	// An action removes its own directory: it is gone at once.
 	if out, err := sh(t, "echo 1 > "+filepath.Join(dir, "sub", "remove")); err != nil {
@@ -377,8 +389,8 @@ func TestPermissions(t *testing.T) {
 	}
 }
 
-// TestRemoveRefused: rm, rmdir, mkdir and mv in a tree fail with EPERM, as in sysfs, and
-// change nothing: what a file or directory shows goes only through the control files.
+// TestRemoveRefused: rm, rmdir, mkdir, mv, ln, mknod, chmod and chown in a tree fail with
+// EPERM (creating a file: EACCES), as in sysfs, and change nothing: what a file or directory shows goes only through the control files.
 func TestRemoveRefused(t *testing.T) {
 	leakcheck.Check(t)
 	tt := &testTree{}
@@ -396,6 +408,31 @@ func TestRemoveRefused(t *testing.T) {
 	}
 	if err := syscall.Rename(dir+"/value", dir+"/other"); err != syscall.EPERM {
 		t.Errorf("rename: %v, want EPERM", err)
+	}
+	// A name the tree lacks (a typo) is EACCES, as sysfs says, not "read-only file system";
+	// links and nodes are EPERM; a chmod or chown fails visibly instead of changing nothing.
+	if err := os.WriteFile(dir+"/valeu", []byte("1"), 0o644); !errors.Is(err, syscall.EACCES) {
+		t.Errorf("create: %v, want EACCES", err)
+	}
+	if err := syscall.Symlink("value", dir+"/link"); err != syscall.EPERM {
+		t.Errorf("symlink: %v, want EPERM", err)
+	}
+	if err := syscall.Link(dir+"/value", dir+"/hard"); err != syscall.EPERM {
+		t.Errorf("link: %v, want EPERM", err)
+	}
+	if err := syscall.Mknod(dir+"/node", syscall.S_IFIFO|0o600, 0); err != syscall.EPERM {
+		t.Errorf("mknod: %v, want EPERM", err)
+	}
+	for _, name := range []string{"value", "sub"} {
+		if err := syscall.Chmod(dir+"/"+name, 0o666); err != syscall.EPERM {
+			t.Errorf("chmod %s: %v, want EPERM", name, err)
+		}
+		if err := syscall.Chown(dir+"/"+name, 65534, 65534); err != syscall.EPERM {
+			t.Errorf("chown %s: %v, want EPERM", name, err)
+		}
+	}
+	if out, err := sh(t, "stat -c %a "+dir+"/value"); err != nil || out != "644\n" {
+		t.Errorf("mode after a refused chmod: %q %v", out, err)
 	}
 	if out, err := sh(t, "rm -rf "+dir+"/sub"); err == nil || !strings.Contains(out, "Operation not permitted") {
 		t.Fatalf("rm -rf sub: %q %v", out, err)

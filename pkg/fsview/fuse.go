@@ -242,6 +242,11 @@ var (
 	_ fs.NodeRmdirer   = (*dirNode)(nil)
 	_ fs.NodeMkdirer   = (*dirNode)(nil)
 	_ fs.NodeRenamer   = (*dirNode)(nil)
+	_ fs.NodeCreater   = (*dirNode)(nil)
+	_ fs.NodeSymlinker = (*dirNode)(nil)
+	_ fs.NodeMknoder   = (*dirNode)(nil)
+	_ fs.NodeLinker    = (*dirNode)(nil)
+	_ fs.NodeSetattrer = (*dirNode)(nil)
 )
 
 // Unlink refuses, as sysfs does: a tree's files go with what they show, through its
@@ -255,6 +260,45 @@ func (n *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno { return
 // Mkdir refuses, as sysfs does (go-fuse would say EOPNOTSUPP).
 func (n *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
 	return nil, syscall.EPERM
+}
+
+// Create refuses with EACCES, as sysfs does for a name it does not have (go-fuse would say
+// EROFS, as if the whole tree had gone read-only): `echo 1 > mpath_polcy` is a typo.
+func (n *dirNode) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*fs.Inode, fs.FileHandle, uint32, syscall.Errno) {
+	return nil, nil, 0, syscall.EACCES
+}
+
+// Symlink, Mknod and Link refuse, as sysfs does.
+func (n *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	return nil, syscall.EPERM
+}
+
+// Mknod refuses, as Symlink does.
+func (n *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint32, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	return nil, syscall.EPERM
+}
+
+// Link refuses, as Symlink does.
+func (n *dirNode) Link(ctx context.Context, target fs.InodeEmbedder, name string, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	return nil, syscall.EPERM
+}
+
+// Setattr refuses a change of mode or owner (noAttrChange).
+func (n *dirNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	if en := noAttrChange(in); en != 0 {
+		return en
+	}
+	return n.Getattr(ctx, f, out)
+}
+
+// noAttrChange is EPERM for a chmod or chown: the tree's modes and owners are its tables',
+// and a change that reported success and changed nothing would leave a delegated group's
+// writes failing with no word why (sysfs keeps such a change; this tree cannot).
+func noAttrChange(in *fuse.SetAttrIn) syscall.Errno {
+	if in.Valid&(fuse.FATTR_MODE|fuse.FATTR_UID|fuse.FATTR_GID) != 0 {
+		return syscall.EPERM
+	}
+	return 0
 }
 
 // Rename refuses, as sysfs does.
@@ -397,7 +441,7 @@ func (n *attrNode) get() *Attr  { n.mu.Lock(); defer n.mu.Unlock(); return n.att
 
 func (n *attrNode) fill(a *fuse.Attr) {
 	a.Mode = syscall.S_IFREG | n.get().Mode
-	a.Size = 4096 // as sysfs: the content is rendered at open
+	a.Size = 4096 // as sysfs: the content is rendered when read
 	a.Nlink = 1
 	setTimes(a)
 }
@@ -407,16 +451,21 @@ func (n *attrNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrO
 	return 0
 }
 
-// Setattr accepts the truncate that `echo x > file` sends before its write.
+// Setattr accepts the truncate that `echo x > file` sends before its write (and refuses
+// a chmod or chown: noAttrChange).
 func (n *attrNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	if en := noAttrChange(in); en != 0 {
+		return en
+	}
 	n.fill(&out.Attr)
 	return 0
 }
 
 // attrHandle is one open: the attribute it was opened on (a later lookup may give the name
-// another object's) and the content rendered at open.
+// another object's) and the content its last read at offset 0 rendered.
 type attrHandle struct {
 	attr *Attr
+	mu   sync.Mutex
 	data []byte
 }
 
@@ -426,16 +475,23 @@ func (n *attrNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 	if acc != syscall.O_RDONLY && a.Store == nil {
 		return nil, 0, syscall.EACCES
 	}
-	h := &attrHandle{attr: a}
-	if acc != syscall.O_WRONLY && a.Show != nil {
-		h.data = []byte(a.Show())
-	}
-	return h, fuse.FOPEN_DIRECT_IO, 0
+	return &attrHandle{attr: a}, fuse.FOPEN_DIRECT_IO, 0
 }
 
+// Read renders the content at every read at offset 0, as sysfs's seq_file does: a monitor
+// that keeps the file open and reads it again from the start (pread at 0, or lseek and
+// read) sees the value of now. Reads further on continue what that read rendered.
 func (n *attrNode) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	h, _ := f.(*attrHandle)
-	if h == nil || off >= int64(len(h.data)) {
+	if h == nil || h.attr.Show == nil {
+		return fuse.ReadResultData(nil), 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if off == 0 {
+		h.data = []byte(h.attr.Show())
+	}
+	if off >= int64(len(h.data)) {
 		return fuse.ReadResultData(nil), 0
 	}
 	end := min(int64(len(h.data)), off+int64(len(dest)))
@@ -518,8 +574,12 @@ func (n *blockNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.Attr
 	return 0
 }
 
-// Setattr ignores size changes, as a block device ignores O_TRUNC.
+// Setattr ignores size changes, as a block device ignores O_TRUNC (and refuses a chmod or
+// chown: noAttrChange).
 func (n *blockNode) Setattr(ctx context.Context, f fs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	if en := noAttrChange(in); en != 0 {
+		return en
+	}
 	n.fill(&out.Attr)
 	return 0
 }
