@@ -494,6 +494,15 @@ func TestNotifyAndSignals(t *testing.T) {
 		t.Errorf("ready message %q", m)
 	}
 	testutil.WaitFor(t, 10*time.Second, "the unreachable declaration tried", func() bool { return strings.Contains(cat(cli.log), "sessname=ghost") })
+	// A file that would not start the daemon (a mistyped token) is refused whole at the
+	// reload: nothing changes, the log says so, and the ghost is still retried.
+	if err := os.WriteFile(conf, []byte("log-level = info\nmap_device sessname=hup device_path=d acess_mode=ro\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_ = cli.cmd.Process.Signal(syscall.SIGHUP)
+	testutil.WaitFor(t, 10*time.Second, "the bad reload refused", func() bool { return strings.Contains(cat(cli.log), "reload refused, nothing changed") })
+	ghosts := strings.Count(cat(cli.log), "sessname=ghost")
+	testutil.WaitFor(t, 10*time.Second, "the ghost retried after the refused reload", func() bool { return strings.Count(cat(cli.log), "sessname=ghost") > ghosts })
 	// The operator replaces it: the reload drops the old line and applies the new one.
 	if err := os.WriteFile(conf, []byte("log-level = info\nopen_session sessname=hup path=ip:10.77.1.1@ip:10.77.1.2\n"), 0o644); err != nil {
 		t.Fatal(err)
@@ -506,6 +515,22 @@ func TestNotifyAndSignals(t *testing.T) {
 	testutil.WaitFor(t, 10*time.Second, "the config written back", func() bool { return strings.Contains(cat(conf), "written back") })
 	if c := cat(conf); strings.Contains(c, "ghost") {
 		t.Fatalf("a declaration deleted before the reload written back:\n%s", c)
+	}
+	// A line the operator adds and mistypes without a reload survives the next write-back
+	// as it stands, for the next reload to refuse by name.
+	bad := "map_device sessname=hup device_path=d acess_mode=ro"
+	f, err := os.OpenFile(conf, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = f.WriteString(bad + "\n")
+	f.Close()
+	if err := os.WriteFile(dir+"/cli/hup/mpath_policy", []byte("round-robin"), 0); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 10*time.Second, "the policy written back", func() bool { return strings.Contains(cat(conf), "mp_policy=round-robin") || strings.Contains(cat(conf), "mpath_policy=round-robin") })
+	if c := cat(conf); !strings.Contains(c, bad) {
+		t.Fatalf("a declaration that does not parse was dropped by the write-back:\n%s", c)
 	}
 	tried := strings.Count(cat(cli.log), "sessname=ghost")
 	time.Sleep(3 * time.Second) // the old retries came every 1, 2, 4 s
@@ -595,6 +620,15 @@ func TestServerReload(t *testing.T) {
 	mapIt := "echo 'sessname=r device_path=only-in-b path=ip:10.77.1.1@ip:10.77.1.2' > " + dir + "/dev/ctl/map_device"
 	if out, err := bash(t, mapIt); err == nil || !strings.Contains(out, "No such file or directory") {
 		t.Fatalf("map before the reload: %q %v", out, err)
+	}
+	// A file that would not start the server is refused whole: the search path stays.
+	if err := os.WriteFile(conf, []byte("dev-search-path = "+b+"\nmax-sessions = 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_ = srv.cmd.Process.Signal(syscall.SIGHUP)
+	testutil.WaitFor(t, 10*time.Second, "the bad reload refused", func() bool { return strings.Contains(cat(srv.log), "reload refused, nothing changed") })
+	if out, err := bash(t, mapIt); err == nil || !strings.Contains(out, "No such file or directory") {
+		t.Fatalf("map after a refused reload: %q %v", out, err)
 	}
 	if err := os.WriteFile(conf, []byte("dev-search-path = "+b+"\n"), 0o644); err != nil {
 		t.Fatal(err)

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
@@ -115,13 +116,32 @@ func (d *clientd) apply(gen int, stop <-chan struct{}, decls []string) {
 	}
 }
 
+// checkDecls parses every declaration of a config file: the first that does not parse is
+// the file's error, before any is carried out (the server refuses such a file too). A line
+// that only failed at its run would be dropped by the next write-back.
+func checkDecls(decls []string) error {
+	for _, l := range decls {
+		if err := control.CheckDeclaration(l); err != nil {
+			return fmt.Errorf("declaration %q: %w", l, err)
+		}
+	}
+	return nil
+}
+
 // reload is SIGHUP: the settings are loaded again as at start (the file's, the command
 // line's winning); the log level follows them, and the file's declarations the daemon does
-// not have yet are applied with the same retries.
+// not have yet are applied with the same retries. A file that would not start the daemon
+// (a bad value, a declaration that does not parse) is refused whole: nothing changes.
 func (d *clientd) reload() {
 	c, cfg, err := daemon.Load("rtrs-clientd", usage, d.args, newConfig)
+	if err == nil {
+		_, err = c.resolve()
+	}
+	if err == nil {
+		err = checkDecls(cfg.Decls)
+	}
 	if err != nil {
-		d.lg.WithError(err).Warn("reload")
+		d.lg.WithError(err).Error("reload refused, nothing changed: the file would not start the daemon")
 		return
 	}
 	if err := daemon.SetupLog(c.LogLevel, c.LogJSON); err != nil {
@@ -184,6 +204,12 @@ func (d *clientd) writeBack() {
 			line := sc.Text()
 			t := strings.TrimSpace(line)
 			if strings.HasPrefix(t, control.VerbOpenSession+" ") || strings.HasPrefix(t, control.VerbMapDevice+" ") {
+				if control.CheckDeclaration(t) != nil {
+					// Written since the last reload, and not the daemon's to judge: kept as
+					// it stands, for the operator's next reload to refuse by name.
+					keep = append(keep, line)
+					continue
+				}
 				prev = append(prev, t)
 				continue
 			}
@@ -213,7 +239,7 @@ func (d *clientd) writeBack() {
 		d.lg.WithError(err).Warn("write-back")
 		return
 	}
-	if err := atomicfile.Write(d.cfgPath, []byte(b.String()), 0o644); err != nil {
+	if err := atomicfile.Replace(d.cfgPath, []byte(b.String()), 0o644); err != nil {
 		d.lg.WithError(err).Warn("write-back")
 	}
 }

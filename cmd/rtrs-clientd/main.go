@@ -90,13 +90,18 @@ func run(parent context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if c.Cleanup {
+		// Before the settings are checked: a stale mount is cleared even when the file
+		// that caused the crash has a bad value too.
+		disconnectStale(lg)
+		return daemon.CleanupMounts(c.Mount, c.DevMount)
+	}
 	r, err := c.resolve()
 	if err != nil {
 		return err
 	}
-	if c.Cleanup {
-		disconnectStale(lg)
-		return daemon.CleanupMounts(c.Mount, c.DevMount)
+	if err := checkDecls(cfg.Decls); err != nil {
+		return err
 	}
 	nbdGID, err := lookupGroup(c.NBDSocketGroup)
 	if err != nil {

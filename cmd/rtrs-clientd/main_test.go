@@ -12,12 +12,25 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/control"
 )
 
+// checkArgs is what a start checks before it does anything: the settings (file, then flags)
+// resolved, and the declarations parsed.
+func checkArgs(args []string) error {
+	c, cfg, err := daemon.Load("rtrs-clientd", usage, args, newConfig)
+	if err == nil {
+		_, err = c.resolve()
+	}
+	if err == nil {
+		err = checkDecls(cfg.Decls)
+	}
+	return err
+}
+
 // TestDeployConfig: the example config's settings are flags of this daemon and its
 // declarations, commented out so that a fresh install connects nowhere, parse.
 func TestDeployConfig(t *testing.T) {
 	conf := "../../deploy/config/rtrs-clientd.conf"
 	dir := t.TempDir()
-	if err := run(context.Background(), []string{"-config", conf, "-cleanup", "-mount", dir + "/a", "-dev-mount", dir + "/b"}); err != nil {
+	if err := checkArgs([]string{"-config", conf, "-mount", dir + "/a", "-dev-mount", dir + "/b"}); err != nil {
 		t.Fatal(err)
 	}
 	cfg, err := daemon.ReadConfig(conf, false)
@@ -73,6 +86,32 @@ func TestBadConfig(t *testing.T) {
 	}
 	if err := run(context.Background(), []string{"-config", filepath.Join(t.TempDir(), "missing"), "-cleanup"}); err == nil {
 		t.Fatal("a config file named on the command line must exist")
+	}
+	// A declaration that does not parse stops the start, before anything is mounted or
+	// carried out (a later write-back would have dropped it).
+	for _, decl := range []string{"map_device sessname=a device_path=d acess_mode=ro", "open_session sessname=a path=ip:127.0.0.1 dest_port=99999"} {
+		if err := os.WriteFile(p, []byte("open_session sessname=ok path=ip:127.0.0.1\n"+decl+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		dir := t.TempDir()
+		// Bounded: a daemon that took the file would run until its context ends.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err := run(ctx, []string{"-config", p, "-mount", dir + "/cli", "-dev-mount", dir + "/dev", "-nbd-socket="})
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), decl) {
+			t.Fatalf("%q: %v, want an error naming it", decl, err)
+		}
+		if _, err := os.Stat(dir + "/cli"); !os.IsNotExist(err) {
+			t.Fatalf("%q: the tree was mounted (%v)", decl, err)
+		}
+	}
+	// -cleanup needs only the mount points: a bad value elsewhere does not stop it.
+	if err := os.WriteFile(p, []byte("ublk-depth = 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := run(context.Background(), []string{"-config", p, "-cleanup", "-mount", dir + "/cli", "-dev-mount", dir + "/dev"}); err != nil {
+		t.Fatalf("-cleanup with a bad -ublk-depth: %v", err)
 	}
 }
 

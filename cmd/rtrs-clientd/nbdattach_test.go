@@ -42,11 +42,11 @@ func TestParseNBDDefault(t *testing.T) {
 func TestNBDFlags(t *testing.T) {
 	for _, args := range [][]string{{"-nbd-attach", "3"}, {"-nbd-attach", "yes"}, {"-nbd-conns", "65"}, {"-nbd-conns", "-1"}, {"-nbd-timeout", "-1s"},
 		{"-nbd-registered-memory", "0"}, {"-nbd-registered-memory", "lots"}, {"-nbd-registered-memory", "-1M"}} {
-		if err := run(t.Context(), append([]string{"-config", "/dev/null", "-cleanup"}, args...)); err == nil {
+		if err := checkArgs(append([]string{"-config", "/dev/null"}, args...)); err == nil {
 			t.Errorf("%q accepted", args)
 		}
 	}
-	if err := run(t.Context(), []string{"-config", "/dev/null", "-cleanup", "-nbd-attach", "auto", "-nbd-conns", "2", "-nbd-timeout", "2m", "-nbd-registered-memory", "off",
+	if err := checkArgs([]string{"-config", "/dev/null", "-nbd-attach", "auto", "-nbd-conns", "2", "-nbd-timeout", "2m", "-nbd-registered-memory", "off",
 		"-mount", t.TempDir() + "/a", "-dev-mount", t.TempDir() + "/b"}); err != nil {
 		t.Errorf("good NBD flags: %v", err)
 	}

@@ -109,14 +109,26 @@ func noDecls(cfg *daemon.Config) error {
 
 // reloadSettings is SIGHUP: the settings are loaded again as at start (the file's, the
 // command line's winning), and the export search path, the ACL and the log level follow
-// them; the rest needs a restart, which the log says for each that changed.
+// them; the rest needs a restart, which the log says for each that changed. A file that
+// would not start the daemon (a bad value, a bad ACL) is refused whole: nothing changes,
+// and the log says why, so that the next restart does not find it first.
 func reloadSettings(lg *log.Entry, args []string, running *config, rs *rnbd.Server) {
 	c, cfg, err := daemon.Load("rtrs-serverd", usage, args, newConfig)
 	if err == nil {
 		err = noDecls(cfg)
 	}
+	if err == nil {
+		_, err = c.resolve()
+	}
+	var acl *rnbd.ACL
+	if err == nil {
+		acl, err = loadACL(c.ACL)
+	}
+	if err == nil && c.SearchPath == "" {
+		err = fmt.Errorf("-dev-search-path: empty")
+	}
 	if err != nil {
-		lg.WithError(err).Warn("reload")
+		lg.WithError(err).Error("reload refused, nothing changed: the file would not start the daemon")
 		return
 	}
 	for _, ch := range daemon.Unapplied(running, c, "dev-search-path", "acl", "log-level", "log-json") {
@@ -127,12 +139,8 @@ func reloadSettings(lg *log.Entry, args []string, running *config, rs *rnbd.Serv
 	} else {
 		lg.Infof("reload: exports under %s", c.SearchPath)
 	}
-	if acl, err := loadACL(c.ACL); err != nil {
-		lg.WithError(err).Warn("reload: ACL kept as it was")
-	} else {
-		rs.SetACL(acl)
-		lg.Infof("reload: ACL from %q", c.ACL)
-	}
+	rs.SetACL(acl)
+	lg.Infof("reload: ACL from %q", c.ACL)
 	if err := daemon.SetupLog(c.LogLevel, c.LogJSON); err != nil {
 		lg.WithError(err).Warn("reload")
 	}

@@ -47,10 +47,7 @@ func ReadConfig(path string, optional bool) (*Config, error) {
 	sc := bufio.NewScanner(f)
 	setAt := map[string]int{}
 	for n := 1; sc.Scan(); n++ {
-		line := strings.TrimSpace(sc.Text())
-		if i := strings.IndexByte(line, '#'); i >= 0 {
-			line = strings.TrimSpace(line[:i])
-		}
+		line := stripComment(strings.TrimSpace(sc.Text()))
 		if line == "" {
 			continue
 		}
@@ -71,6 +68,17 @@ func ReadConfig(path string, optional bool) (*Config, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return c, nil
+}
+
+// stripComment cuts a comment off a line: from a '#' that starts the line or follows a
+// blank. A '#' inside a value ("allow-subject = CN=rack#3") is the value's.
+func stripComment(line string) string {
+	for i := 0; i < len(line); i++ {
+		if line[i] == '#' && (i == 0 || line[i-1] == ' ' || line[i-1] == '\t') {
+			return strings.TrimSpace(line[:i])
+		}
+	}
+	return line
 }
 
 // SetupLog configures logging: text, or JSON; no timestamps when journald is the output

@@ -49,13 +49,14 @@ func TestLoadSteps(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	write("listen = 10.0.0.1:99 # a comment\nqueue-depth = 64\nprovider = soft\ntls-cert = c.pem\nopen_session sessname=a path=ip:1.2.3.4\n")
+	write("# leading\nlisten = 10.0.0.1:99 # a comment\nqueue-depth = 64\t# another\nprovider = soft\ntls-cert = c#1.pem\nopen_session sessname=a path=ip:1.2.3.4\n")
 	args := []string{"-config", conf}
 	s, cfg, err = Load("toy", "toy", args, newToy)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Listen != "10.0.0.1:99" || s.Depth != 64 || s.Provider != "soft" || s.TLS.Cert != "c.pem" || s.Wait != time.Second {
+	// A '#' inside a value is the value's; one after a blank starts a comment.
+	if s.Listen != "10.0.0.1:99" || s.Depth != 64 || s.Provider != "soft" || s.TLS.Cert != "c#1.pem" || s.Wait != time.Second {
 		t.Fatalf("file: %+v", s)
 	}
 	if len(cfg.Decls) != 1 || cfg.Decls[0] != "open_session sessname=a path=ip:1.2.3.4" {

@@ -281,6 +281,22 @@ const (
 	VerbMapDevice   = "map_device"
 )
 
+// CheckDeclaration parses a declaration line (open_session or map_device) as Apply would,
+// and changes nothing: a config file is checked whole before any of it is carried out.
+func CheckDeclaration(line string) error {
+	verb, rest, _ := strings.Cut(line, " ")
+	var err error
+	switch verb {
+	case VerbOpenSession:
+		_, err = ParseOpenSession(rest)
+	case VerbMapDevice:
+		_, err = ParseMapRequest(rest)
+	default:
+		err = fmt.Errorf("unknown declaration %q: %w", verb, syscall.EINVAL)
+	}
+	return err
+}
+
 // Apply carries out one declaration of the config file: "open_session <tokens>" or
 // "map_device <tokens>", as written to those control files. What exists already is left as
 // it is, but for an open_session's paths the session lacks, which are added. done says the
