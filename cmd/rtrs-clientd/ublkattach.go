@@ -123,7 +123,11 @@ func (u *ublkAttacher) control() (*ublk.Ctrl, error) {
 
 // ublkParams are d's limits as the server gave them in OPEN_RSP, for the ublk device.
 func ublkParams(d *rnbd.Device, maxIO int) ublk.Params {
-	g := d.Geometry()
+	return ublkParamsOf(d.Geometry(), d.AccessMode() == rnbd.AccessRO, maxIO)
+}
+
+// ublkParamsOf is ublkParams of an OPEN_RSP g, a read-only mapping or not.
+func ublkParamsOf(g rnbd.MsgOpenRsp, ro bool, maxIO int) ublk.Params {
 	shift := func(n uint16) uint8 {
 		if n < 512 {
 			n = 512
@@ -132,25 +136,31 @@ func ublkParams(d *rnbd.Device, maxIO int) ublk.Params {
 	}
 	lbs := shift(g.LogicalBlockSize)
 	pbs := max(shift(g.PhysicalBlockSize), lbs)
+	// io_opt is the largest IO a request carries, as the kernel's client sets it (ublk takes
+	// a power of two: the largest not above it).
+	opt := max(uint8(bits.Len(uint(maxIO))-1), pbs)
 	p := ublk.Params{Types: ublk.ParamTypeBasic, Basic: ublk.ParamBasic{LogicalBSShift: lbs, PhysicalBSShift: pbs,
-		IOMinShift: pbs, IOOptShift: pbs, MaxSectors: uint32(maxIO >> 9), DevSectors: g.NSectors}}
+		IOMinShift: pbs, IOOptShift: opt, MaxSectors: uint32(maxIO >> 9), DevSectors: g.NSectors}}
 	if g.CachePolicy&rnbd.CacheWriteback != 0 {
 		p.Basic.Attrs |= ublk.AttrVolatileCache
 		if g.CachePolicy&rnbd.CacheFUA != 0 {
 			p.Basic.Attrs |= ublk.AttrFUA
 		}
 	}
-	if d.AccessMode() == rnbd.AccessRO {
+	if ro {
 		p.Basic.Attrs |= ublk.AttrReadOnly
 	}
-	if g.MaxDiscardSectors != 0 || g.MaxWriteZeroesSectors != 0 {
+	// Limits in whole blocks: one of less than a block is none (no request could keep to it).
+	per := uint32(1) << lbs >> 9
+	disc, wz := g.MaxDiscardSectors-g.MaxDiscardSectors%per, g.MaxWriteZeroesSectors-g.MaxWriteZeroesSectors%per
+	if disc != 0 || wz != 0 {
 		p.Types |= ublk.ParamTypeDiscard
 		p.Discard = ublk.ParamDiscard{DiscardGranularity: max(g.DiscardGranularity, uint32(1)<<lbs),
-			MaxDiscardSectors: g.MaxDiscardSectors, MaxWriteZeroesSectors: g.MaxWriteZeroesSectors}
+			MaxDiscardSectors: disc, MaxWriteZeroesSectors: wz}
 		if g.DiscardAlignment < p.Discard.DiscardGranularity {
 			p.Discard.DiscardAlignment = g.DiscardAlignment
 		}
-		if g.MaxDiscardSectors != 0 {
+		if disc != 0 {
 			p.Discard.MaxDiscardSegments = 1
 		}
 	}

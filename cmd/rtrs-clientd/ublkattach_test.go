@@ -5,6 +5,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/rtrs-go/rtrs/pkg/rnbd"
 	"github.com/rtrs-go/rtrs/pkg/ublk"
 )
 
@@ -57,5 +58,27 @@ func TestUblkClaim(t *testing.T) {
 		if (got == claimRefuse) != (err != nil) || got == claimRefuse && !errors.Is(err, syscall.EEXIST) {
 			t.Errorf("%s: error %v with claim %d", c.name, err, got)
 		}
+	}
+}
+
+// TestUblkParams: the device's limits as the server gave them, in whole blocks: a discard or
+// write-zeroes limit of less than one block is none (no request could keep to it); io_opt is
+// the largest IO, as the kernel's client gives it, in the power of two ublk takes.
+func TestUblkParams(t *testing.T) {
+	g := rnbd.MsgOpenRsp{NSectors: 1 << 20, LogicalBlockSize: 4096, PhysicalBlockSize: 4096, MaxDiscardSectors: 1,
+		MaxWriteZeroesSectors: 15, DiscardGranularity: 4096, CachePolicy: rnbd.CacheWriteback}
+	p := ublkParamsOf(g, false, 124<<10)
+	if p.Types&ublk.ParamTypeDiscard == 0 || p.Discard.MaxDiscardSectors != 0 || p.Discard.MaxDiscardSegments != 0 || p.Discard.MaxWriteZeroesSectors != 8 {
+		t.Fatalf("a discard limit of one sector and zeroes of 15, with 4 KiB blocks: %+v", p.Discard)
+	}
+	if p.Basic.IOOptShift != 16 || p.Basic.IOMinShift != 12 || p.Basic.MaxSectors != 248 {
+		t.Fatalf("io_opt 2^%d, io_min 2^%d, max %d sectors: want 2^16 (64 KiB, under 124), 2^12, 248", p.Basic.IOOptShift, p.Basic.IOMinShift, p.Basic.MaxSectors)
+	}
+	if p.Basic.Attrs&ublk.AttrVolatileCache == 0 || p.Basic.Attrs&ublk.AttrFUA != 0 {
+		t.Fatalf("attrs %#x: a volatile cache without FUA", p.Basic.Attrs)
+	}
+	g.MaxWriteZeroesSectors = 7
+	if p := ublkParamsOf(g, true, 1<<20); p.Types&ublk.ParamTypeDiscard != 0 || p.Basic.Attrs&ublk.AttrReadOnly == 0 || p.Basic.IOOptShift != 20 {
+		t.Fatalf("both limits under a block, read-only: types %#x attrs %#x io_opt 2^%d", p.Types, p.Basic.Attrs, p.Basic.IOOptShift)
 	}
 }

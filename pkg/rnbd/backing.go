@@ -551,9 +551,10 @@ func (b *backing) writeZeroes(off, n int64, noUnmap bool) error {
 	return nil
 }
 
-// zeroes is what zeroes are written from where the export cannot zero a range itself: one
-// buffer, only ever read, for every request (one each was up to 2 GiB of heap at the
-// server's blocking IO bound).
+// zeroes is what zeroes are written from where a range cannot be zeroed otherwise (the
+// server's export without fallocate, the client's fallback for a server that refuses
+// NOUNMAP): one buffer, only ever read, for every request (one each was up to 2 GiB of heap
+// at the server's blocking IO bound).
 var zeroes = make([]byte, 1<<20)
 
 // unsupported: the file system or device does not do this fallocate mode.

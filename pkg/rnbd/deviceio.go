@@ -151,6 +151,9 @@ func (d *Device) check(off int64, n int64) error {
 // bounds what one IO can make the client hold: a server may announce limits of one block,
 // which made a 4 GiB discard eight million goroutines at once.
 func split(off, n int64, max int, fn func(off int64, n int) error) error {
+	if max <= 0 {
+		return fmt.Errorf("rnbd: pieces of %d bytes: %w", max, syscall.EINVAL)
+	}
 	if n <= int64(max) {
 		return fn(off, int(n))
 	}
@@ -254,7 +257,9 @@ func (d *Device) WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) er
 	if err := d.check(off, n); err != nil {
 		return err
 	}
-	zero := make([]byte, min(n, int64(d.MaxIO())))
+	// The server's fallback buffer serves here too: one, only ever read (a buffer each was up
+	// to a megabyte of heap per request in flight).
+	zero := zeroes[:min(n, int64(d.MaxIO()), int64(len(zeroes)))]
 	// At most zeroWindow requests at once, however long the range (NBD's may be 4 GiB).
 	for n > 0 {
 		w := min(n, int64(len(zero))*zeroWindow)
@@ -272,23 +277,34 @@ func (d *Device) WriteZeroes(ctx context.Context, off, n int64, noUnmap bool) er
 const zeroWindow = 32
 
 // CanDiscard says whether the server takes DISCARD on this device (its open response
-// announced a discard limit; not on an ro mapping).
-func (d *Device) CanDiscard() bool { return d.Geometry().MaxDiscardSectors != 0 }
+// announced a discard limit of a block or more; not on an ro mapping).
+func (d *Device) CanDiscard() bool { return d.rangeMax(d.Geometry().MaxDiscardSectors) > 0 }
 
 // CanWriteZeroes says whether the server takes WRITE_ZEROES on this device: a server of
 // Linux 6.12 or later, or ours, on a writable mapping.
-func (d *Device) CanWriteZeroes() bool { return d.Geometry().MaxWriteZeroesSectors != 0 }
+func (d *Device) CanWriteZeroes() bool { return d.rangeMax(d.Geometry().MaxWriteZeroesSectors) > 0 }
+
+// rangeMax is the most one DISCARD or WRITE_ZEROES of a server's limit of maxSect sectors
+// carries, in whole blocks (at most 1 GiB); 0 when the limit is less than one block, which
+// no request can keep to (a broken or hostile server's one sector with 4 KiB blocks: split
+// would make pieces of nothing, for ever).
+func (d *Device) rangeMax(maxSect uint32) int {
+	lbs := d.BlockSize()
+	if lbs <= 0 {
+		return 0
+	}
+	max := int(min(int64(maxSect)*SectorSize, 1<<30))
+	return max - max%lbs
+}
 
 func (d *Device) rangeOp(ctx context.Context, op Op, flags uint32, off, n int64, maxSect uint32) error {
-	if maxSect == 0 {
-		return fmt.Errorf("rnbd: %v not supported on %q: %w", op, d.path, syscall.EOPNOTSUPP)
+	max := d.rangeMax(maxSect)
+	if max == 0 {
+		return fmt.Errorf("rnbd: %v not supported on %q (the server's limit is %d sectors, less than a block): %w", op, d.path, maxSect, syscall.EOPNOTSUPP)
 	}
 	if err := d.check(off, n); err != nil {
 		return err
 	}
-	lbs := d.BlockSize()
-	max := int(min(int64(maxSect)*SectorSize, 1<<30))
-	max -= max % lbs
 	return split(off, n, max, func(o int64, k int) error {
 		return d.submit(ctx, op, flags, o, k, nil)
 	})

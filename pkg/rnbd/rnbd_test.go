@@ -1339,3 +1339,48 @@ func TestDeviceIDWrap(t *testing.T) {
 		t.Fatalf("the write to the first device reached the second: %v", err)
 	}
 }
+
+// TestRangeLimitUnderABlock: a server that announces a DISCARD and WRITE_ZEROES limit of less
+// than one block (one sector, with 4 KiB blocks) gets neither: EOPNOTSUPP at once, where the
+// split made pieces of nothing for ever.
+func TestRangeLimitUnderABlock(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, time.Second)
+	lie := func(r *transport.SrvRequest) bool {
+		if typ, _ := PeekType(r.Usr); typ != MsgTypeOpen {
+			return false
+		}
+		rc, answered := e.server().process(r)
+		if answered || rc != 0 {
+			if !answered {
+				r.Respond(rc)
+			}
+			return true
+		}
+		var rsp MsgOpenRsp
+		if err := rsp.Unmarshal(r.Data); err != nil {
+			t.Error(err)
+		}
+		rsp.LogicalBlockSize, rsp.PhysicalBlockSize = 4096, 4096
+		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = 1, 7
+		rsp.Put(r.Data)
+		r.Respond(0)
+		return true
+	}
+	e.intercept.Store(&lie)
+	defer e.intercept.Store(nil)
+	d := mustMap(t, e, c, "lim", "disk", AccessRW)
+	if d.CanDiscard() || d.CanWriteZeroes() {
+		t.Fatalf("discard %v, write-zeroes %v with limits under a block", d.CanDiscard(), d.CanWriteZeroes())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := d.Discard(ctx, 0, 4096); !errors.Is(err, syscall.EOPNOTSUPP) {
+		t.Fatalf("discard: %v, want EOPNOTSUPP", err)
+	}
+	if err := d.WriteZeroes(ctx, 0, 8192, false); !errors.Is(err, syscall.EOPNOTSUPP) {
+		t.Fatalf("write-zeroes: %v, want EOPNOTSUPP", err)
+	}
+}
