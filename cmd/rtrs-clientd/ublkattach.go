@@ -38,8 +38,9 @@ func ublkOwner(sess, path string) uint64 {
 }
 
 // ublkRecoverWait bounds how long an attach waits for the driver to quiesce a device whose
-// server died (it notices at once when the process exits; this covers a slow exit).
-const ublkRecoverWait = 30 * time.Second
+// server died: at once when the process exits, but on 6.12 a queue whose every tag the dead
+// server held waits for the block layer's request timeout (30 s), which this outlasts.
+const ublkRecoverWait = time.Minute
 
 // ublkAttacher attaches mapped devices to /dev/ublkbN (map_device's ublk= token,
 // -ublk-attach its default): the second control.Attacher of the daemon. Its devices have
@@ -506,7 +507,7 @@ type ublkHandler struct {
 
 // QueueFailed logs a queue loop that ended on an error (ublk.FailureReporter).
 func (h *ublkHandler) QueueFailed(q int, err error) {
-	h.lg.WithError(err).Errorf("%s: ublk queue %d stopped; its requests wait until the device is unmapped", h.name, q)
+	h.lg.WithError(err).Errorf("%s: ublk queue %d stopped; the device's requests wait until it is unmapped (force)", h.name, q)
 }
 
 // QueueBuffers gives a queue memory registered on the session's paths where they stage data

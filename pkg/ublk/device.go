@@ -98,7 +98,7 @@ func Recover(ctrl *Ctrl, id int, h Handler, wait time.Duration) (*Device, error)
 			d.unprepare()
 			return nil, fmt.Errorf("ublk device %d: %w", id, err)
 		}
-		if info.State == stateLive && info.SrvPID > 0 && !processGone(int(info.SrvPID)) {
+		if info.State == stateLive && info.SrvPID > 0 && servedBy(int(info.SrvPID), id) {
 			d.unprepare()
 			return nil, fmt.Errorf("ublk device %d is served by live process %d: %w", id, info.SrvPID, syscall.EBUSY)
 		}
@@ -148,6 +148,29 @@ func maxSectors(want uint32, maxIO int, granted uint32) (uint32, bool) {
 func processGone(pid int) bool {
 	_, err := os.Stat("/proc/" + strconv.Itoa(pid))
 	return errors.Is(err, os.ErrNotExist)
+}
+
+// servedBy says whether process pid serves device id: it lives and holds /dev/ublkc<id>
+// open. The pid the driver recorded is the dead server's number (6.12 records it as given,
+// in that server's pid namespace): a new process may have it since (a daemon restarted in a
+// new container is pid 1 again, as its predecessor was), and this one never serves a
+// device it is recovering. Its descriptors unreadable, a live process is taken to serve it.
+func servedBy(pid, id int) bool {
+	if pid == os.Getpid() || processGone(pid) {
+		return false
+	}
+	dir := "/proc/" + strconv.Itoa(pid) + "/fd"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return !errors.Is(err, os.ErrNotExist)
+	}
+	char := "/dev/ublkc" + strconv.Itoa(id)
+	for _, e := range ents {
+		if l, err := os.Readlink(dir + "/" + e.Name()); err == nil && l == char {
+			return true
+		}
+	}
+	return false
 }
 
 // start sets the queues up and begins them (see prepare and begin).
@@ -232,7 +255,9 @@ func (d *Device) begin(final func(uint32) error, scans bool) error {
 		}
 	}
 	if err := final(d.id); err != nil {
-		if scans && errors.Is(err, syscall.ETIMEDOUT) {
+		// 7.2 scans after START_DEV: a start that timed out there waits for something
+		// else, and the device counts as started only once the driver says it is live.
+		if scans && errors.Is(err, syscall.ETIMEDOUT) && d.live() {
 			// Every queue has fetched, so what the command still waits for is the new
 			// disk's partition scan, whose reads the queues serve (each bounded by the
 			// mapping's IO timeout): the device is served and finishes starting when they
@@ -245,6 +270,12 @@ func (d *Device) begin(final func(uint32) error, scans bool) error {
 		return err
 	}
 	return nil
+}
+
+// live says whether the driver has the device live (it sets that before adding the disk).
+func (d *Device) live() bool {
+	info, err := d.ctrl.DevInfo(d.id)
+	return err == nil && info.State == stateLive
 }
 
 // abort ends the queue loops without the driver's help (closing a ring cancels its

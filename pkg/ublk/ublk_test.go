@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand"
 	"os"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -805,6 +806,45 @@ func TestProvidedBuffers(t *testing.T) {
 		}
 		if h.freed != 2 {
 			t.Fatalf("short %v: provided buffers freed %d times for 2 queues", short, h.freed)
+		}
+	}
+}
+
+// TestServedBy: a device's recorded server counts only while it lives and holds the device's
+// char device open; the recovering process itself and a process that merely has the number
+// (a restarted container's pid 1, a reused pid) do not.
+func TestServedBy(t *testing.T) {
+	if servedBy(os.Getpid(), 1) {
+		t.Fatal("this process taken as the server of a device it recovers")
+	}
+	id := 3000 + rand.Intn(1000)
+	char := "/dev/ublkc" + strconv.Itoa(id) // no driver of this number: a plain file stands in
+	if err := os.WriteFile(char, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(char)
+	for _, holds := range []bool{false, true} {
+		args := []string{"-c", "exec sleep 30"}
+		if holds {
+			args = []string{"-c", "exec sleep 30 3<" + char}
+		}
+		cmd := exec.Command("bash", args...)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		pid := cmd.Process.Pid
+		testutil.WaitFor(t, 5*time.Second, "the child's exec", func() bool {
+			l, _ := os.Readlink("/proc/" + strconv.Itoa(pid) + "/exe")
+			return strings.HasSuffix(l, "/sleep")
+		})
+		got := servedBy(pid, id)
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if got != holds {
+			t.Errorf("a live process holding /dev/ublkc%d %v: served %v", id, holds, got)
+		}
+		if servedBy(pid, id) {
+			t.Errorf("a process gone taken as the server")
 		}
 	}
 }
