@@ -28,6 +28,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/rtrs-go/rtrs/internal/daemon"
 	"github.com/rtrs-go/rtrs/internal/daemon/metrics"
 	"github.com/rtrs-go/rtrs/pkg/control"
@@ -148,7 +150,11 @@ func run(parent context.Context, args []string) error {
 		devs: map[*rnbd.Device]*nbd.Attachment{}, tokens: map[*rnbd.Device]control.Attach{}}
 	// Before the NBD server closes (defers run last first): the kernel is told first.
 	defer d.nbd.detachAll()
-	d.ublk = newUblkAttacher(ctx, c, r, rc, lg)
+	// The devices' IO outlives the signal until what file systems on them hold dirty is
+	// written back (syncInUse), then ends before their teardown.
+	ioCtx, ioStop := context.WithCancel(context.WithoutCancel(ctx))
+	defer ioStop()
+	d.ublk = newUblkAttacher(ioCtx, c, r, rc, lg)
 	defer d.ublk.detachAll()
 	d.ctl = &control.Client{RNBD: rc, Attacher: d.nbd, Ublk: d.ublk, OnChange: d.writeBack}
 	for _, m := range []struct {
@@ -176,7 +182,38 @@ func run(parent context.Context, args []string) error {
 	// Declarations are applied after READY: a server that is down must not hold up boot.
 	d.startApply(cfg.Decls)
 	daemon.Serve(ctx, d.status)
+	d.syncInUse(stopSyncWait)
+	ioStop()
 	return nil
+}
+
+// stopSyncWait bounds the write-back of dirty data at a stop (syncInUse).
+const stopSyncWait = 30 * time.Second
+
+// syncInUse writes back, before the daemon stops its block devices, what file systems
+// mounted on them hold dirty: a stop under a mounted file system (a planned restart, SIGTERM)
+// would otherwise lose what the page cache held, the stop failing its final writes. sync(2)
+// is bounded by wait: a device whose server is gone cannot take the writes, and the stop
+// must not hang on it.
+func (d *clientd) syncInUse(wait time.Duration) {
+	n := d.nbd.inUse() + d.ublk.inUse()
+	if n == 0 {
+		return
+	}
+	d.lg.Infof("stopping: writing back what file systems on %d devices in use hold dirty", n)
+	done := make(chan struct{})
+	go func() {
+		unix.Sync()
+		close(done)
+	}()
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-done:
+		d.lg.Info("stopping: written back")
+	case <-t.C:
+		d.lg.Warnf("stopping: the write-back did not end within %v; the devices stop all the same", wait)
+	}
 }
 
 // serveNBD serves the NBD server on the unix socket at sock (group gid may use it too; ""

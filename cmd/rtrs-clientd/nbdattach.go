@@ -187,6 +187,23 @@ func (n *nbdAttacher) Token(d *rnbd.Device) control.Attach {
 	return control.AttachDefault
 }
 
+// inUse counts the attached devices something holds (a mounted file system).
+func (n *nbdAttacher) inUse() int {
+	n.mu.Lock()
+	var all []*nbd.Attachment
+	for _, a := range n.devs {
+		all = append(all, a)
+	}
+	n.mu.Unlock()
+	k := 0
+	for _, a := range all {
+		if a.Busy() {
+			k++
+		}
+	}
+	return k
+}
+
 func (n *nbdAttacher) count() int {
 	n.mu.Lock()
 	defer n.mu.Unlock()

@@ -453,6 +453,23 @@ func (u *ublkAttacher) Token(d *rnbd.Device) control.Attach {
 	return control.AttachDefault
 }
 
+// inUse counts the attached devices something holds (a mounted file system, an opener).
+func (u *ublkAttacher) inUse() int {
+	u.mu.Lock()
+	var all []*ublk.Device
+	for _, dev := range u.devs {
+		all = append(all, dev)
+	}
+	u.mu.Unlock()
+	k := 0
+	for _, dev := range all {
+		if dev.Busy() {
+			k++
+		}
+	}
+	return k
+}
+
 func (u *ublkAttacher) count() int {
 	u.mu.Lock()
 	defer u.mu.Unlock()

@@ -13,7 +13,9 @@
 # - a force unmap under fio with the server killed: done at once, fio fails, nothing left;
 # - rtrs-clientd killed with SIGKILL under fio verify and started again: it takes its
 #   /dev/ublkbN back (user recovery), the IO that waited resumes, fio finds no error;
-# - SIGTERM with ext4 mounted on the device: the daemon stops and deletes it all the same;
+# - SIGTERM with ext4 mounted on the device: what the file system held dirty is written back
+#   first (a file copied in and never synced reads back after a restart; fsck clean), then
+#   the daemon stops and deletes the device all the same;
 # - the export grown on the server (our file, the kernel's loop device), then the device's
 #   resize: on 7.2 /dev/ublkbN takes the new size (UPDATE_SIZE) and IO past the old end reads
 #   back; on 6.12, whose driver cannot resize, it is EOPNOTSUPP and the size stays; an export
@@ -391,18 +393,34 @@ ours() {
 	echo "-- resize after the export grew on our server"
 	resize_check "$T" disk@u "$B" "truncate -s 512M $T/exports/disk"
 
-	echo "-- SIGTERM with ext4 mounted on $B: the daemon stops its ublk device all the same"
+	echo "-- SIGTERM with ext4 mounted on $B: what it held dirty is written back, then the device stops"
 	mkfs.ext4 -q -F "$B"
 	mkdir -p /tmp/mnt
 	mount "$B" /tmp/mnt
+	# Written, never synced: only the page cache holds it when the signal comes.
+	head -c 4M /dev/urandom >/tmp/dirty
+	cp /tmp/dirty /tmp/mnt/dirty
 	t0=$(vm_now)
 	kill "$CLI_PID"
 	vm_wait 60 gone "$CLI_PID"
 	wait "$CLI_PID"
 	echo "rtrs-clientd exited $(vm_since "$t0") s after SIGTERM"
+	grep "stopping: written back" "$DAEMON_LOGS"
 	[ ! -e "$B" ] && [ ! -e "/dev/ublkc$id" ]
 	umount /tmp/mnt 2>/dev/null || umount -l /tmp/mnt
 	echo "$B and /dev/ublkc$id gone after SIGTERM, the mount left behind unmounted"
+	# Started again from its written-back declarations: the volume's file system is clean
+	# and holds the file.
+	start_client "$T"
+	vm_wait 60 grep -q "$B" "$T"/dev/ctl/ublk_devices
+	# The mount replays the journal the stop left (it was never unmounted cleanly).
+	mount "$B" /tmp/mnt
+	cmp /tmp/dirty /tmp/mnt/dirty
+	umount /tmp/mnt
+	fsck.ext4 -f -n "$B"
+	echo "after the restart: the file written before SIGTERM read back from $B, fsck clean"
+	kill "$CLI_PID"
+	wait "$CLI_PID"
 	kill "$SRV_PID"
 	wait "$SRV_PID"
 }
