@@ -150,7 +150,7 @@ func Mount(lg *log.Entry, dir, name string, tree fsview.Dir) (unmount func(), er
 	}
 	return func() {
 		if err := srv.Unmount(); err != nil {
-			lg.WithError(err).Warnf("unmount %s", dir)
+			lg.WithError(err).Warnf("unmount %s (a file open in it, or a shell's working directory?): detached lazily", dir)
 			_, _ = fsview.Cleanup(dir)
 		}
 	}, nil

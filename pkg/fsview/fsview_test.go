@@ -573,3 +573,30 @@ func TestClipped(t *testing.T) {
 		t.Errorf("cut inside a character: %q", got)
 	}
 }
+
+// TestUnmountBusy: an unmount while a process works inside the tree fails with EBUSY itself
+// (no fusermount fallback whose "not found" would hide why), and succeeds once it has gone.
+func TestUnmountBusy(t *testing.T) {
+	requireFUSE(t)
+	leakcheck.Check(t)
+	dir := t.TempDir()
+	srv, err := Mount(dir, &testTree{}, MountOptions{Name: "fsview-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sleep", "30")
+	cmd.Dir = dir
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	err = srv.Unmount()
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	if !errors.Is(err, syscall.EBUSY) {
+		t.Errorf("unmount with a process inside: %v, want EBUSY", err)
+	}
+	if err := srv.Unmount(); err != nil {
+		t.Fatalf("unmount once it left: %v", err)
+	}
+	srv.Wait()
+}

@@ -48,13 +48,16 @@ func Mount(dir string, root Dir, o MountOptions) (*Mounted, error) {
 		MountOptions: fuse.MountOptions{
 			AllowOther: true, // readable by all; the modes keep control files root's
 			// The kernel checks the modes (without it, anyone could write a 0644 file).
-			Options:      []string{"default_permissions"},
-			DirectMount:  true,
-			FsName:       o.Name,
-			Name:         o.Name,
-			Debug:        o.Debug,
-			Logger:       log.StdLogger(log.G(context.Background()).WithField("component", "fuse"), "debug"),
-			MaxReadAhead: 0,
+			Options:     []string{"default_permissions"},
+			DirectMount: true,
+			// Never fusermount: mount(2) and umount(2) themselves, whose errors say what
+			// happened (EBUSY: a file open in the tree), not that fusermount is missing.
+			DirectMountStrict: true,
+			FsName:            o.Name,
+			Name:              o.Name,
+			Debug:             o.Debug,
+			Logger:            log.StdLogger(log.G(context.Background()).WithField("component", "fuse"), "debug"),
+			MaxReadAhead:      0,
 			// A device file's asynchronous O_DIRECT requests (libaio) go out as
 			// concurrent FUSE requests (FUSE_ASYNC_DIO): without it the kernel runs each
 			// in the submitting thread, one after another, and a job was QD1 whatever
