@@ -33,9 +33,20 @@ type memHandler struct {
 	mem []byte
 	ops map[uint8]int
 	fua int
+	// failAt, when not negative, fails every request that covers it with failErr.
+	failAt  int64
+	failErr error
+	// holdAt, when not negative, holds the first request that starts there: never done,
+	// it goes to held (a server that dies with it).
+	holdAt int64
+	held   chan *Request
 }
 
-func newMem(size int) *memHandler { return &memHandler{mem: make([]byte, size), ops: map[uint8]int{}} }
+func newMem(size int) *memHandler {
+	return &memHandler{mem: make([]byte, size), ops: map[uint8]int{}, failAt: -1, holdAt: -1, held: make(chan *Request, 1)}
+}
+
+func (m *memHandler) set(f func(m *memHandler)) { m.mu.Lock(); f(m); m.mu.Unlock() }
 
 func (m *memHandler) Serve(r *Request) {
 	go func() {
@@ -47,6 +58,15 @@ func (m *memHandler) Serve(r *Request) {
 		}
 		if r.Off < 0 || r.Off+int64(r.Len) > int64(len(m.mem)) || (r.Op == OpFlush && (r.Off != 0 || r.Len != 0)) {
 			r.Done(syscall.EIO)
+			return
+		}
+		if m.holdAt >= 0 && r.Off == m.holdAt {
+			m.holdAt = -1
+			m.held <- r
+			return
+		}
+		if m.failAt >= r.Off && m.failAt < r.Off+int64(r.Len) {
+			r.Done(m.failErr)
 			return
 		}
 		switch r.Op {
@@ -191,7 +211,22 @@ func TestDeviceIO(t *testing.T) {
 	if !bytes.Equal(m.mem[4<<20:5<<20], make([]byte, 1<<20)) {
 		t.Error("BLKZEROOUT left data")
 	}
-	// A write past the end is refused by the block layer; one the handler fails gives EIO.
+	// A write past the end is refused by the block layer, the handler never asked; an error
+	// the handler gives reaches the caller as its errno (the driver's commit of a negative
+	// result: EIO, and ENOSPC kept as itself).
+	writes := m.count(OpWrite)
+	if _, err := f.WriteAt(aligned(4096), testSize); !errors.Is(err, syscall.ENOSPC) || m.count(OpWrite) != writes {
+		t.Errorf("write past the end: %v, %d writes reached the handler", err, m.count(OpWrite)-writes)
+	}
+	m.set(func(m *memHandler) { m.failAt, m.failErr = 32<<20, syscall.EIO })
+	if _, err := f.ReadAt(aligned(8192), 32<<20-4096); !errors.Is(err, syscall.EIO) {
+		t.Errorf("a read the handler failed with EIO: %v", err)
+	}
+	m.set(func(m *memHandler) { m.failErr = syscall.ENOSPC })
+	if _, err := f.WriteAt(aligned(4096), 32<<20); !errors.Is(err, syscall.ENOSPC) {
+		t.Errorf("a write the handler failed with ENOSPC: %v", err)
+	}
+	m.set(func(m *memHandler) { m.failAt = -1 })
 	g, err := os.OpenFile(d.BlockPath(), os.O_RDWR|syscall.O_DIRECT|syscall.O_DSYNC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -236,8 +271,8 @@ func newRecoverable(t *testing.T, c *Ctrl) (*memHandler, *Device) {
 }
 
 // TestRecover: a device whose server went away (its rings and char device closed, as at a
-// crash) keeps its data path waiting; Recover takes it over, and a read that waited meanwhile
-// completes with the right data. The recovered device then stops while the test still has
+// crash) keeps its data path waiting; Recover takes it over, a read that waited meanwhile
+// completes with the right data, and a write the dead server had taken is issued again. The recovered device then stops while the test still has
 // it open (DEL_DEV would wait for that close; Stop must not).
 func TestRecover(t *testing.T) {
 	leakcheck.Check(t)
@@ -249,6 +284,21 @@ func TestRecover(t *testing.T) {
 	rand.New(rand.NewSource(2)).Read(p)
 	if _, err := f.WriteAt(p, 8<<20); err != nil {
 		t.Fatal(err)
+	}
+	// A write the server has taken and not answered when it "dies": issued again to the
+	// recovered server (UBLK_F_USER_RECOVERY_REISSUE), not failed.
+	p2 := aligned(64 << 10)
+	rand.New(rand.NewSource(5)).Read(p2)
+	m.set(func(m *memHandler) { m.holdAt = 16 << 20 })
+	heldDone := make(chan error, 1)
+	go func() {
+		_, err := f.WriteAt(p2, 16<<20)
+		heldDone <- err
+	}()
+	select {
+	case <-m.held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the write to hold never reached the server")
 	}
 	d.abort() // the server "dies"
 	done := make(chan error, 1)
@@ -285,6 +335,17 @@ func TestRecover(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the waiting read never completed")
 	}
+	select {
+	case err := <-heldDone:
+		m.mu.Lock()
+		landed := bytes.Equal(m.mem[16<<20:16<<20+len(p2)], p2)
+		m.mu.Unlock()
+		if err != nil || !landed {
+			t.Fatalf("the write the dead server held: %v, landed %v", err, landed)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the write the dead server held never completed")
+	}
 	if _, err := Recover(c, d2.ID(), m, time.Second); !errors.Is(err, syscall.EBUSY) {
 		t.Errorf("recovering a live device: %v", err)
 	}
@@ -299,9 +360,12 @@ func waitQuiesced(t *testing.T, c *Ctrl, d *Device) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if info.State == stateQuiesced || time.Since(t0) > 30*time.Second {
+		if info.State == stateQuiesced {
 			t.Logf("%v after %v", info.State, time.Since(t0))
 			return
+		}
+		if time.Since(t0) > 30*time.Second {
+			t.Fatalf("still %v after 30 s: never quiesced", info.State)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -797,15 +861,17 @@ func TestProvidedBuffers(t *testing.T) {
 					t.Fatal("provided buffers given back while idle")
 				}
 			}
-		} else if outside == 0 || freed != 2 {
-			t.Fatalf("buffers of the wrong size: %d requests outside them (want all), %d freed (want 2)", outside, freed)
+		} else if nq := int(d.Info().NrHWQueues); outside == 0 || freed != nq {
+			t.Fatalf("buffers of the wrong size: %d requests outside them (want all), %d freed (want %d)", outside, freed, nq)
 		}
 		f.Close()
+		// The driver gives at most a queue per CPU, whatever was asked.
+		nq := int(d.Info().NrHWQueues)
 		if err := d.Stop(); err != nil {
 			t.Fatal(err)
 		}
-		if h.freed != 2 {
-			t.Fatalf("short %v: provided buffers freed %d times for 2 queues", short, h.freed)
+		if h.freed != nq {
+			t.Fatalf("short %v: provided buffers freed %d times for %d queues", short, h.freed, nq)
 		}
 	}
 }
