@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"syscall"
 	"time"
@@ -102,8 +103,23 @@ func (r *ctrlRing) close() {
 	_ = r.f.Close()
 }
 
+// ioctlArch says whether this architecture encodes ioctl numbers as ioc does (the
+// generic _IOC: 2 direction bits, 14 size bits) and is little-endian, as the command
+// encoding here assumes: ppc64, mips and sparc lay _IOC out otherwise, and s390x would store
+// the command's opcode in the wrong half of its field.
+func ioctlArch(arch string) bool {
+	switch arch {
+	case "amd64", "386", "arm", "arm64", "riscv64", "loong64":
+		return true
+	}
+	return false
+}
+
 // OpenCtrl opens the control device and reads the driver's features.
 func OpenCtrl() (*Ctrl, error) {
+	if !ioctlArch(runtime.GOARCH) {
+		return nil, fmt.Errorf("ublk on %s: its ioctl encoding or byte order is not this package's: %w", runtime.GOARCH, syscall.EOPNOTSUPP)
+	}
 	r, err := newCtrlRing()
 	if err != nil {
 		return nil, err

@@ -914,3 +914,22 @@ func TestServedBy(t *testing.T) {
 		}
 	}
 }
+
+// TestIoctlEncoding: control opcodes as <linux/ublk_cmd.h> builds them with the generic
+// _IOC (_IOR('u', 0x13, 32 bytes) is 0x80207513), and the architectures whose _IOC or byte
+// order differ refused rather than sent wrong numbers.
+func TestIoctlEncoding(t *testing.T) {
+	for nr, want := range map[uint32]uint32{cmdGetFeatures: 0x80207513, cmdGetDevInfo: 0x80207502, cmdAddDev: 0xc0207504, cmdUpdateSize: 0xc0207515, cmdTryStopDev: 0xc0207517} {
+		if got := ctrlOp(nr); got != want {
+			t.Errorf("command %#x: %#x, want %#x", nr, got, want)
+		}
+	}
+	if got := ioOp(ioCommitAndFetchReq); got != 0xc0107521 {
+		t.Errorf("COMMIT_AND_FETCH: %#x, want 0xc0107521", got)
+	}
+	for arch, ok := range map[string]bool{"amd64": true, "arm64": true, "ppc64le": false, "mips64le": false, "s390x": false, "sparc64": false} {
+		if ioctlArch(arch) != ok {
+			t.Errorf("%s: taken %v, want %v", arch, !ok, ok)
+		}
+	}
+}
