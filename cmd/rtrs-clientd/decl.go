@@ -135,10 +135,7 @@ func checkDecls(decls []string) error {
 func (d *clientd) reload() {
 	c, cfg, err := daemon.Load("rtrs-clientd", usage, d.args, newConfig)
 	if err == nil {
-		_, err = c.resolve()
-	}
-	if err == nil {
-		err = checkDecls(cfg.Decls)
+		_, err = c.check(cfg)
 	}
 	if err != nil {
 		d.lg.WithError(err).Error("reload refused, nothing changed: the file would not start the daemon")
@@ -202,7 +199,10 @@ func (d *clientd) writeBack() {
 		sc := bufio.NewScanner(f)
 		for sc.Scan() {
 			line := sc.Text()
-			t := strings.TrimSpace(line)
+			if strings.TrimSpace(line) == writtenBack {
+				continue
+			}
+			t := daemon.StripComment(strings.TrimSpace(line))
 			if strings.HasPrefix(t, control.VerbOpenSession+" ") || strings.HasPrefix(t, control.VerbMapDevice+" ") {
 				if control.CheckDeclaration(t) != nil {
 					// Written since the last reload, and not the daemon's to judge: kept as
@@ -211,9 +211,6 @@ func (d *clientd) writeBack() {
 					continue
 				}
 				prev = append(prev, t)
-				continue
-			}
-			if t == writtenBack {
 				continue
 			}
 			keep = append(keep, line)

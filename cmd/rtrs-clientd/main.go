@@ -28,8 +28,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/rtrs-go/rtrs/internal/daemon"
 	"github.com/rtrs-go/rtrs/internal/daemon/metrics"
 	"github.com/rtrs-go/rtrs/pkg/control"
@@ -98,26 +96,11 @@ func run(parent context.Context, args []string) error {
 		disconnectStale(lg)
 		return daemon.CleanupMounts(c.Mount, c.DevMount)
 	}
-	r, err := c.resolve()
+	st, err := c.check(cfg)
 	if err != nil {
 		return err
 	}
-	if err := checkDecls(cfg.Decls); err != nil {
-		return err
-	}
-	nbdGID, err := lookupGroup(c.NBDSocketGroup)
-	if err != nil {
-		return fmt.Errorf("-nbd-socket-group: %w", err)
-	}
-	nbdTLS, err := c.NBDTLS.Config()
-	if err != nil {
-		return fmt.Errorf("NBD TLS: %w", err)
-	}
-	if c.NBDTCP != "" {
-		if err := checkNBDTCP(c.NBDTCP, nbdTLS); err != nil {
-			return err
-		}
-	}
+	r, nbdGID, nbdTLS := st.r, st.nbdGID, st.nbdTLS
 	prov, _, err := c.OpenProvider(lg, soft.Options{})
 	if err != nil {
 		return err
@@ -187,30 +170,73 @@ func run(parent context.Context, args []string) error {
 	return nil
 }
 
+// checked is what check gives a start.
+type checked struct {
+	r      *resolved
+	nbdGID int
+	nbdTLS *tls.Config
+}
+
+// check is everything a start checks before it does anything, in one place for the start
+// and the reload (which refuses a file a start would): the settings resolved, the
+// declarations parsed, the NBD listeners' group and TLS, the TLS files.
+func (c *config) check(cfg *daemon.Config) (checked, error) {
+	r, err := c.resolve()
+	if err != nil {
+		return checked{}, err
+	}
+	if err := checkDecls(cfg.Decls); err != nil {
+		return checked{}, err
+	}
+	gid, tlsCfg, err := c.nbdListen()
+	if err != nil {
+		return checked{}, err
+	}
+	if err := c.CheckFiles(); err != nil {
+		return checked{}, err
+	}
+	return checked{r, gid, tlsCfg}, nil
+}
+
+// nbdListen resolves what the NBD listeners need: the socket's group, the TCP listener's
+// TLS, and that a TCP listener has it.
+func (c *config) nbdListen() (gid int, tlsCfg *tls.Config, err error) {
+	if gid, err = lookupGroup(c.NBDSocketGroup); err != nil {
+		return 0, nil, fmt.Errorf("-nbd-socket-group: %w", err)
+	}
+	if tlsCfg, err = c.NBDTLS.Config(); err != nil {
+		return 0, nil, fmt.Errorf("NBD TLS: %w", err)
+	}
+	if c.NBDTCP != "" {
+		if err := checkNBDTCP(c.NBDTCP, tlsCfg); err != nil {
+			return 0, nil, err
+		}
+	}
+	return gid, tlsCfg, nil
+}
+
 // stopSyncWait bounds the write-back of dirty data at a stop (syncInUse).
 const stopSyncWait = 30 * time.Second
 
 // syncInUse writes back, before the daemon stops its block devices, what file systems
-// mounted on them hold dirty: a stop under a mounted file system (a planned restart, SIGTERM)
-// would otherwise lose what the page cache held, the stop failing its final writes. sync(2)
-// is bounded by wait: a device whose server is gone cannot take the writes, and the stop
-// must not hang on it.
+// mounted on them (or on devices stacked over them: LVM, md) hold dirty, and what their
+// openers left in their page cache: a stop under a mounted file system (a planned
+// restart, SIGTERM) would otherwise lose it, the stop failing its final writes. Only those
+// file systems (syncfs), not the host's every one; bounded by wait: a device whose server
+// is gone cannot take the writes, and the stop must not hang on it.
 func (d *clientd) syncInUse(wait time.Duration) {
-	n := d.nbd.inUse() + d.ublk.inUse()
-	if n == 0 {
+	devs := append(d.nbd.inUse(), d.ublk.inUse()...)
+	if len(devs) == 0 {
 		return
 	}
-	d.lg.Infof("stopping: writing back what file systems on %d devices in use hold dirty", n)
-	done := make(chan struct{})
-	go func() {
-		unix.Sync()
-		close(done)
-	}()
+	d.lg.Infof("stopping: writing back what is dirty on %d devices in use (%v)", len(devs), devs)
+	done := make(chan int, 1)
+	go func() { done <- syncDevices(devs) }()
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {
-	case <-done:
-		d.lg.Info("stopping: written back")
+	case n := <-done:
+		d.lg.Infof("stopping: written back (%d file systems)", n)
 	case <-t.C:
 		d.lg.Warnf("stopping: the write-back did not end within %v; the devices stop all the same", wait)
 	}

@@ -12,15 +12,12 @@ import (
 	"github.com/rtrs-go/rtrs/pkg/control"
 )
 
-// checkArgs is what a start checks before it does anything: the settings (file, then flags)
-// resolved, and the declarations parsed.
+// checkArgs is what a start with args checks before it does anything (config.check, which
+// run and the reload call).
 func checkArgs(args []string) error {
 	c, cfg, err := daemon.Load("rtrs-clientd", usage, args, newConfig)
 	if err == nil {
-		_, err = c.resolve()
-	}
-	if err == nil {
-		err = checkDecls(cfg.Decls)
+		_, err = c.check(cfg)
 	}
 	return err
 }

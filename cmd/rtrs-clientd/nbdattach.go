@@ -187,21 +187,21 @@ func (n *nbdAttacher) Token(d *rnbd.Device) control.Attach {
 	return control.AttachDefault
 }
 
-// inUse counts the attached devices something holds (a mounted file system).
-func (n *nbdAttacher) inUse() int {
+// inUse lists the attached devices something holds (a mounted file system).
+func (n *nbdAttacher) inUse() []string {
 	n.mu.Lock()
 	var all []*nbd.Attachment
 	for _, a := range n.devs {
 		all = append(all, a)
 	}
 	n.mu.Unlock()
-	k := 0
+	var out []string
 	for _, a := range all {
 		if a.Busy() {
-			k++
+			out = append(out, a.Device())
 		}
 	}
-	return k
+	return out
 }
 
 func (n *nbdAttacher) count() int {

@@ -65,6 +65,8 @@ type ublkAttacher struct {
 	failIO  map[*rnbd.Device]context.CancelFunc // ends the context of a device's IO (force)
 	tokens  map[*rnbd.Device]control.Attach
 	pending map[int]bool // device numbers an attach is taking
+	// stopping are the devices a detach is stopping: their numbers are not to be used.
+	stopping map[*ublk.Device]bool
 
 	// started, set by a test, is called with each device an attach has started, before the
 	// attach looks for an unmap begun meanwhile: the window that check closes.
@@ -82,7 +84,7 @@ func newUblkAttacher(ctx context.Context, c *config, r *resolved, rc *rnbd.Clien
 			return 1
 		},
 		devs: map[*rnbd.Device]*ublk.Device{}, failIO: map[*rnbd.Device]context.CancelFunc{},
-		tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}}
+		tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}, stopping: map[*ublk.Device]bool{}}
 }
 
 func parseUblkQueues(v string) error {
@@ -381,6 +383,12 @@ func (u *ublkAttacher) Detach(_ context.Context, d *rnbd.Device, force bool) err
 	failIO := u.failIO[d]
 	u.busy.Add(1)
 	defer u.busy.Done()
+	u.stopping[dev] = true
+	defer func() {
+		u.mu.Lock()
+		delete(u.stopping, dev)
+		u.mu.Unlock()
+	}()
 	u.mu.Unlock()
 	if force && failIO != nil {
 		// STOP_DEV waits for the requests this daemon holds, and one waiting for a session
@@ -426,11 +434,15 @@ func (u *ublkAttacher) Attached(d *rnbd.Device) string {
 // Resize tells d's /dev/ublkbN, if it has one, its new size: EOPNOTSUPP on a driver
 // without UPDATE_SIZE (6.12).
 func (u *ublkAttacher) Resize(_ context.Context, d *rnbd.Device, size int64) error {
+	// Not a device being stopped: the command goes by number, which its delete hands on.
 	u.mu.Lock()
+	defer u.mu.Unlock()
 	dev := u.devs[d]
-	u.mu.Unlock()
 	if dev == nil {
 		return nil
+	}
+	if u.stopping[dev] {
+		return fmt.Errorf("%s is being detached: %w", dev.BlockPath(), syscall.EBUSY)
 	}
 	if err := dev.Resize(uint64(size / rnbd.SectorSize)); err != nil {
 		return err
@@ -453,21 +465,21 @@ func (u *ublkAttacher) Token(d *rnbd.Device) control.Attach {
 	return control.AttachDefault
 }
 
-// inUse counts the attached devices something holds (a mounted file system, an opener).
-func (u *ublkAttacher) inUse() int {
+// inUse lists the attached devices something holds (a mounted file system, an opener).
+func (u *ublkAttacher) inUse() []string {
 	u.mu.Lock()
 	var all []*ublk.Device
 	for _, dev := range u.devs {
 		all = append(all, dev)
 	}
 	u.mu.Unlock()
-	k := 0
+	var out []string
 	for _, dev := range all {
 		if dev.Busy() {
-			k++
+			out = append(out, dev.BlockPath())
 		}
 	}
-	return k
+	return out
 }
 
 func (u *ublkAttacher) count() int {

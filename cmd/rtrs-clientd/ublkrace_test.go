@@ -82,7 +82,7 @@ func TestUblkUnmapDuringAttach(t *testing.T) {
 	u := &ublkAttacher{def: control.AttachNone, queues: "1", depth: 16, ctx: ctx, lg: log.L,
 		paths: func(*rnbd.Device) int { return 1 }, regMem: membudget.New(0),
 		devs: map[*rnbd.Device]*ublk.Device{}, failIO: map[*rnbd.Device]context.CancelFunc{},
-		tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}}
+		tokens: map[*rnbd.Device]control.Attach{}, pending: map[int]bool{}, stopping: map[*ublk.Device]bool{}}
 	defer u.detachAll()
 	atStart, goOn := make(chan *ublk.Device, 1), make(chan struct{})
 	u.started = func(dev *ublk.Device) {

@@ -120,6 +120,9 @@ func reloadSettings(lg *log.Entry, args []string, running *config, rs *rnbd.Serv
 	if err == nil {
 		_, err = c.resolve()
 	}
+	if err == nil {
+		err = c.CheckFiles()
+	}
 	var acl *rnbd.ACL
 	if err == nil {
 		acl, err = loadACL(c.ACL)

@@ -47,7 +47,7 @@ func ReadConfig(path string, optional bool) (*Config, error) {
 	sc := bufio.NewScanner(f)
 	setAt := map[string]int{}
 	for n := 1; sc.Scan(); n++ {
-		line := stripComment(strings.TrimSpace(sc.Text()))
+		line := StripComment(strings.TrimSpace(sc.Text()))
 		if line == "" {
 			continue
 		}
@@ -70,9 +70,9 @@ func ReadConfig(path string, optional bool) (*Config, error) {
 	return c, nil
 }
 
-// stripComment cuts a comment off a line: from a '#' that starts the line or follows a
-// blank. A '#' inside a value ("allow-subject = CN=rack#3") is the value's.
-func stripComment(line string) string {
+// StripComment cuts a comment off a config line: from a '#' that starts the line or follows
+// a blank. A '#' inside a value ("allow-subject = CN=rack#3") is the value's.
+func StripComment(line string) string {
 	for i := 0; i < len(line); i++ {
 		if line[i] == '#' && (i == 0 || line[i-1] == ' ' || line[i-1] == '\t') {
 			return strings.TrimSpace(line[:i])

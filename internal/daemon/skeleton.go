@@ -107,6 +107,13 @@ func (c *Common) Start(ctx context.Context, component string) (*log.Entry, error
 	return log.G(ctx).WithField("component", component), nil
 }
 
+// CheckFiles reads the files the settings name (the TLS certificate, key and CA) as a start
+// would: a reload checks them before it takes a file a restart would refuse.
+func (c *Common) CheckFiles() error {
+	_, err := c.TLS.Config()
+	return err
+}
+
 // OpenProvider opens the RDMA provider -provider names (pick.OpenWith, so with the soft
 // provider's TLS from -tls-*) and logs why it was chosen. TLS is the soft provider's: with
 // another one it would authenticate nothing, so that is refused. addrs are the local

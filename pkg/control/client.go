@@ -140,6 +140,9 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 		}
 		return nil, err
 	}
+	// Before the attaches: a resize that comes while one attaches reaches those attached
+	// already (a front end not attached yet takes the size of the moment it attaches).
+	d.OnResize(func(ctx context.Context, old, size int64) error { return resizeFrontEnds(ctx, d, fes, old, size) })
 	for i, fe := range fes {
 		if fe.a == nil {
 			continue
@@ -158,7 +161,6 @@ func (c *Client) mapAttach(ctx context.Context, r MapRequest) (*rnbd.Device, err
 			return nil, err
 		}
 	}
-	d.OnResize(func(ctx context.Context, old, size int64) error { return resizeFrontEnds(ctx, d, fes, old, size) })
 	return d, nil
 }
 
@@ -170,9 +172,15 @@ func resizeFrontEnds(ctx context.Context, d *rnbd.Device, fes []frontEnd, old, s
 			continue
 		}
 		if err := fe.a.Resize(ctx, d, size); err != nil {
+			// Put back with a context of its own: the resize's may be what ran out.
+			bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			defer cancel()
 			for _, prev := range fes[:i] {
-				if prev.a != nil {
-					_ = prev.a.Resize(ctx, d, old)
+				if prev.a == nil {
+					continue
+				}
+				if berr := prev.a.Resize(bctx, d, old); berr != nil {
+					err = fmt.Errorf("%w (and %s kept %d bytes, not put back to %d: %v)", err, prev.name, size, old, berr)
 				}
 			}
 			return err

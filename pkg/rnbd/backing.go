@@ -36,11 +36,7 @@ type backing struct {
 	discardMax, discardGran int64
 	// discardAlign is a partition's offset into its disk's discard granularity (0: none).
 	discardAlign int64
-	// cache is the OPEN_RSP's cache policy: a block device's queue says whether it has a
-	// volatile cache and FUA, as the kernel's server reads them; a file's writes go through
-	// the page cache, which a flush or FUA makes durable.
-	cache    uint8
-	writable bool
+	writable     bool
 	// memfs: a tmpfs or ramfs file, whose IO never waits for a device, so a nowait
 	// attempt just runs it. Otherwise noNowaitR/W record that the file system refused
 	// RWF_NOWAIT once, so that later attempts go straight to blocking.
@@ -205,7 +201,6 @@ func (b *backing) probe() error {
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		b.size, b.lbs, b.pbs = st.Size, SectorSize, 4096
-		b.cache = CacheWriteback | CacheFUA
 		var fs unix.Statfs_t
 		if unix.Fstatfs(b.fd, &fs) == nil {
 			b.memfs = fs.Type == unix.TMPFS_MAGIC || fs.Type == unix.RAMFS_MAGIC
@@ -239,13 +234,7 @@ func (b *backing) probe() error {
 		if a, err := strconv.ParseInt(readDevAttr(st.Rdev, "discard_alignment"), 10, 64); err == nil && a > 0 {
 			b.discardAlign = a
 		}
-		b.cache = CacheWriteback | CacheFUA
-		if queueAttr(st.Rdev, "write_cache") == "write through" {
-			b.cache &^= CacheWriteback
-		}
-		if queueAttr(st.Rdev, "fua") == "0" {
-			b.cache &^= CacheFUA
-		}
+
 	default:
 		return fmt.Errorf("not a regular file or block device: %w", syscall.ENODEV)
 	}
@@ -258,22 +247,30 @@ func (b *backing) probe() error {
 	return nil
 }
 
-// within says whether n bytes at off lie inside the export. IO past the end it knows
+// within says whether n bytes at off lie inside the export. IO past the end last seen
 // looks at the export's size again, as the kernel's server checks IO against its block
-// device's size as it is now: an operator who grew the export (lvextend, truncate) and
-// then the client's device (its resize) needs no reopen. A shrunk export is seen the same
-// way, by the first IO past its new end.
+// device's size as it is now: an operator who grew the export (lvextend, truncate) and then
+// the client's device (its resize) needs no reopen. A shrunk export is seen at the next
+// OPEN or IO past the end last seen; IO between its new and its old end is not checked
+// here (a file's write then grows it again; a read past its end fails with EIO).
 func (b *backing) within(off, n uint64) bool {
 	if end := uint64(b.end.Load()); off <= end && n <= end-off {
 		return true
 	}
+	sz := b.sizeNow()
+	return off <= uint64(sz) && n <= uint64(sz)-off
+}
+
+// sizeNow reads the export's size again, in whole blocks, and keeps it as the end last
+// seen; the end last seen when it cannot be read.
+func (b *backing) sizeNow() int64 {
 	sz, err := b.currentSize()
 	if err != nil {
-		return false
+		return b.end.Load()
 	}
 	sz -= sz % int64(b.lbs)
 	b.end.Store(sz)
-	return off <= uint64(sz) && n <= uint64(sz)-off
+	return sz
 }
 
 // currentSize is the export's size now: the file's, or the block device's.

@@ -54,10 +54,14 @@ type Device struct {
 	holders   map[*holder]struct{}
 	unmapping bool // an unmap has begun: no new holder
 
-	// resizeMu orders size changes (Resize, a remap's new size) and what their front ends
-	// are told; onResize tells them (nil: nothing shows the device but its own IO).
+	// resizeMu orders what the front ends are told of size changes (Resize, a remap's new
+	// size); onResize tells them (nil: nothing shows the device but its own IO). shown
+	// (under mu) is the size they were last told or attached with. A remap's OPEN is never
+	// made under resizeMu: a resize telling /dev/nbdX its size waits for the IO in flight,
+	// which may wait for that remap.
 	resizeMu sync.Mutex
 	onResize func(ctx context.Context, old, size int64) error
+	shown    int64
 
 	// noUnmapRefused: the server answered a WRITE_ZEROES with RNBD_F_NOUNMAP EOPNOTSUPP (ours
 	// before protocol 2.2 announced WRITE_ZEROES but refused flags it did not know). Zeroes
@@ -76,8 +80,6 @@ type Device struct {
 // block size; a new size it takes, as the kernel's client does (the export was grown or
 // shrunk on the server while the session was down), and tells its front ends.
 func (d *Device) open(ctx context.Context) error {
-	d.resizeMu.Lock()
-	defer d.resizeMu.Unlock()
 	var usr [OpenSize]byte
 	if err := (MsgOpen{AccessMode: d.mode, DevName: d.path}).Put(usr[:]); err != nil {
 		return err
@@ -128,19 +130,40 @@ func (d *Device) open(ctx context.Context) error {
 	d.id, d.geo, d.idClosed = rsp.DeviceID, rsp, false
 	d.noUnmapRefused.Store(false) // the server may have been upgraded under a remap
 	d.setStateLocked(StateMapped)
-	fe := d.onResize
+	if !remap {
+		d.shown = int64(rsp.NSectors) * SectorSize
+	}
 	d.mu.Unlock()
 	if size := int64(rsp.NSectors) * SectorSize; remap && size != old {
-		lg := d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path})
-		lg.Infof("remap: the device's size changed from %d to %d sectors", old/SectorSize, rsp.NSectors)
-		if fe != nil {
-			if err := fe(ctx, old, size); err != nil {
-				// IO past a smaller end fails here (EINVAL); a larger end is not seen.
-				lg.WithError(err).Warnf("remap: the device's front ends keep %d sectors", old/SectorSize)
-			}
-		}
+		d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).
+			Infof("remap: the device's size changed from %d to %d sectors", old/SectorSize, rsp.NSectors)
+		d.showSize(ctx)
 	}
 	return nil
+}
+
+// showSize tells the front ends the device's size if it is not the one they show (a remap
+// took the server's). One that cannot follow keeps its size: IO past a smaller end fails
+// here (EINVAL), a larger end is not seen; the log says so.
+func (d *Device) showSize(ctx context.Context) {
+	d.resizeMu.Lock()
+	defer d.resizeMu.Unlock()
+	d.mu.Lock()
+	fe, shown, cur := d.onResize, d.shown, int64(d.geo.NSectors)*SectorSize
+	d.mu.Unlock()
+	if cur == shown {
+		return
+	}
+	if fe != nil {
+		if err := fe(ctx, shown, cur); err != nil {
+			d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).WithError(err).
+				Warnf("remap: the device's front ends keep %d sectors", shown/SectorSize)
+			return
+		}
+	}
+	d.mu.Lock()
+	d.shown = cur
+	d.mu.Unlock()
 }
 
 // OnResize sets what tells the device's front ends (its kernel block devices) of a new
@@ -177,21 +200,32 @@ func (d *Device) Resize(ctx context.Context, sectors uint64) error {
 	if size == old {
 		return nil
 	}
-	set := func(n uint64) {
+	// set changes the size from one value to another, unless a remap has taken the
+	// server's meanwhile.
+	set := func(from, to uint64) {
 		d.mu.Lock()
-		d.geo.NSectors = n
+		if d.geo.NSectors == from {
+			d.geo.NSectors = to
+		}
 		d.mu.Unlock()
 	}
 	if size > old {
-		set(sectors)
+		set(geo.NSectors, sectors)
 	}
 	if fe != nil {
 		if err := fe(ctx, old, size); err != nil {
-			set(geo.NSectors)
+			if size > old {
+				set(sectors, geo.NSectors)
+			}
 			return fmt.Errorf("rnbd: resize %q to %d sectors: %w", d.path, sectors, err)
 		}
 	}
-	set(sectors)
+	if size < old {
+		set(geo.NSectors, sectors)
+	}
+	d.mu.Lock()
+	d.shown = size
+	d.mu.Unlock()
 	d.sess.c.log.WithFields(log.Fields{"session": d.sess.name, "device": d.path}).Infof("the device's size changed from %d to %d sectors", geo.NSectors, sectors)
 	return nil
 }

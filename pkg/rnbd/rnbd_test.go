@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -1382,5 +1383,82 @@ func TestRangeLimitUnderABlock(t *testing.T) {
 	}
 	if err := d.WriteZeroes(ctx, 0, 8192, false); !errors.Is(err, syscall.EOPNOTSUPP) {
 		t.Fatalf("write-zeroes: %v, want EOPNOTSUPP", err)
+	}
+}
+
+// TestReopenSeesSizeNow: an OPEN of a device the session still has open (a remap after a
+// reconnect the server did not notice) is answered with the export's size now: a device grown
+// on the server and by resize is not shrunk back by it, and a grow is seen.
+func TestReopenSeesSizeNow(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "now", "disk", AccessRW)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var told [][2]int64
+	d.OnResize(func(_ context.Context, old, size int64) error {
+		told = append(told, [2]int64{old, size})
+		return nil
+	})
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Resize(ctx, 4096); err != nil {
+		t.Fatal(err)
+	}
+	d.setDown() // as the remap after a path came back finds it
+	if err := d.open(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if d.Size() != 2<<20 || len(told) != 1 {
+		t.Fatalf("after a reopen in the same session: %d bytes, front ends told %v", d.Size(), told)
+	}
+	// Grown again on the server only: the reopen takes the new size.
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 3<<20); err != nil {
+		t.Fatal(err)
+	}
+	d.setDown()
+	if err := d.open(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if d.Size() != 3<<20 || len(told) != 2 || told[1] != [2]int64{2 << 20, 3 << 20} {
+		t.Fatalf("a grow seen at a reopen: %d bytes, front ends told %v", d.Size(), told)
+	}
+}
+
+// TestResizeDuringRemap: a front end told of a resize may wait for IO in flight (the kernel
+// freezes /dev/nbdX's queue to change its size), and that IO may wait for a remap: the
+// remap's OPEN must not wait for the resize, or neither ends.
+func TestResizeDuringRemap(t *testing.T) {
+	leakcheck.Check(t)
+	e := newTestEnv(t)
+	e.file(t, "disk", 1<<20)
+	c := e.client(t, 10*time.Second)
+	d := mustMap(t, e, c, "rr", "disk", AccessRW)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := os.Truncate(filepath.Join(e.dir, "disk"), 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	reopened := make(chan error, 1)
+	d.OnResize(func(ctx context.Context, old, size int64) error {
+		// The path dropped as the resize began: the remap runs while this waits for the
+		// device to take IO again, as a queue freeze waits for the IO in flight.
+		d.setDown()
+		go func() { reopened <- d.open(ctx) }()
+		for end := time.Now().Add(5 * time.Second); d.State() != StateMapped; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(end) {
+				return fmt.Errorf("the remap waited for the resize: %w", syscall.ETIMEDOUT)
+			}
+		}
+		return nil
+	})
+	if err := d.Resize(ctx, 4096); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-reopened; err != nil || d.Size() != 2<<20 {
+		t.Fatalf("the remap: %v, size %d", err, d.Size())
 	}
 }

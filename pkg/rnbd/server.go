@@ -689,13 +689,19 @@ func (s *Server) openRsp(buf []byte, d *sessDev) error {
 	b := d.b
 	maxSect := uint32(s.opts.MaxIOSize / SectorSize)
 	rsp := MsgOpenRsp{
-		DeviceID:          d.id,
-		NSectors:          uint64(b.end.Load() / SectorSize),
+		DeviceID: d.id,
+		// Read now, as the kernel's server reads its device's: a remap's OPEN answered
+		// from a device the session still has open must carry a size grown since.
+		NSectors:          uint64(b.sizeNow() / SectorSize),
 		MaxHWSectors:      maxSect,
 		PhysicalBlockSize: uint16(b.pbs),
 		LogicalBlockSize:  uint16(b.lbs),
 		MaxSegments:       128,
-		CachePolicy:       b.cache,
+		// Always a volatile cache with FUA, whatever the device's queue says (the kernel's
+		// server reports the device's, writing to it directly): writes may go through the
+		// page cache here (buffered export IO, a direct IO refused or past its bound), and
+		// only a client that sends flushes and FUA gets them made durable.
+		CachePolicy: CacheFUA | CacheWriteback,
 	}
 	// A client of 6.12 or later sends WRITE_ZEROES only when max_write_zeroes_sectors is not 0,
 	// and every kernel's client sends DISCARD only when max_discard_sectors is not 0. Zeroes
