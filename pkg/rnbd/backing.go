@@ -283,7 +283,15 @@ func (b *backing) currentSize() (int64, error) {
 		return int64(min(sz, maxSectors*SectorSize)), nil
 	}
 	var st unix.Stat_t
-	if err := rawFstat(b.fd, &st); err != nil {
+	// Raw only for a memory file system's file, which never waits: another file's fstat
+	// may wait for its file system (a FUSE export answered by a process that needs this
+	// one's threads, or by this process itself), and a raw system call holds its P the
+	// while, which stops the garbage collector for good.
+	fstat := unix.Fstat
+	if b.memfs {
+		fstat = rawFstat
+	}
+	if err := fstat(b.fd, &st); err != nil {
 		return 0, err
 	}
 	return st.Size, nil

@@ -97,7 +97,10 @@ func TestSplitWindow(t *testing.T) {
 		}
 		return nil
 	})
-	if !errors.Is(err, boom) || ran > 100+2*splitWindow {
-		t.Fatalf("after an error: %v, %d pieces run", err, ran)
+	// How many start between the failing piece's return and its error being seen is the
+	// scheduler's (two windows on a quiet machine, 1499 of 10000 seen under load): the
+	// split must stop well short of the whole range.
+	if !errors.Is(err, boom) || ran >= 5000 {
+		t.Fatalf("after an error: %v, %d pieces run of 10000", err, ran)
 	}
 }
