@@ -528,7 +528,9 @@ func TestNotifyAndSignals(t *testing.T) {
 	if err := os.WriteFile(dir+"/cli/hup/mpath_policy", []byte("round-robin"), 0); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 10*time.Second, "the policy written back", func() bool { return strings.Contains(cat(conf), "mp_policy=round-robin") || strings.Contains(cat(conf), "mpath_policy=round-robin") })
+	testutil.WaitFor(t, 10*time.Second, "the policy written back", func() bool {
+		return strings.Contains(cat(conf), "mp_policy=round-robin") || strings.Contains(cat(conf), "mpath_policy=round-robin")
+	})
 	if c := cat(conf); !strings.Contains(c, bad) || strings.Contains(c, "the operator's note") || strings.Count(c, "sessname=hup path=") != 1 || strings.Count(c, "written back by") != 1 {
 		// The declaration with a trailing comment is the daemon's (written back once, as
 		// it now is); the one that does not parse stays as it stands.
