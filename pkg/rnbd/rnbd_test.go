@@ -122,6 +122,26 @@ func (e *testEnv) stop() {
 
 func (e *testEnv) server() *Server { e.mu.Lock(); defer e.mu.Unlock(); return e.rs }
 
+// rewriteOpen serves OPEN request r as the server does and hands its answer to edit before
+// it goes back: a server that says what the test makes it say. For an intercept.
+func (e *testEnv) rewriteOpen(t testing.TB, r *transport.SrvRequest, edit func(*MsgOpenRsp)) bool {
+	rc, answered := e.server().process(r)
+	if answered || rc != 0 {
+		if !answered {
+			r.Respond(rc)
+		}
+		return true
+	}
+	var rsp MsgOpenRsp
+	if err := rsp.Unmarshal(r.Data); err != nil {
+		t.Error(err)
+	}
+	edit(&rsp)
+	rsp.Put(r.Data)
+	r.Respond(0)
+	return true
+}
+
 // dropPaths disconnects every path of every session from the server's side.
 func (e *testEnv) dropPaths() {
 	for _, ts := range e.server().sessionsOf() {
@@ -1200,22 +1220,10 @@ func TestRemapChangedBlockSize(t *testing.T) {
 	reblock := func(r *transport.SrvRequest) bool {
 		switch typ, _ := PeekType(r.Usr); typ {
 		case MsgTypeOpen:
-			rc, answered := e.server().process(r)
-			if answered || rc != 0 {
-				if !answered {
-					r.Respond(rc)
-				}
-				return true
-			}
-			var rsp MsgOpenRsp
-			if err := rsp.Unmarshal(r.Data); err != nil {
-				t.Error(err)
-			}
-			rsp.LogicalBlockSize, rsp.PhysicalBlockSize = 4096, 4096
-			rsp.Put(r.Data)
-			opened.Store(rsp.DeviceID + 1)
-			r.Respond(0)
-			return true
+			return e.rewriteOpen(t, r, func(rsp *MsgOpenRsp) {
+				rsp.LogicalBlockSize, rsp.PhysicalBlockSize = 4096, 4096
+				opened.Store(rsp.DeviceID + 1)
+			})
 		case MsgTypeClose:
 			closes.Add(1)
 		}
@@ -1353,22 +1361,10 @@ func TestRangeLimitUnderABlock(t *testing.T) {
 		if typ, _ := PeekType(r.Usr); typ != MsgTypeOpen {
 			return false
 		}
-		rc, answered := e.server().process(r)
-		if answered || rc != 0 {
-			if !answered {
-				r.Respond(rc)
-			}
-			return true
-		}
-		var rsp MsgOpenRsp
-		if err := rsp.Unmarshal(r.Data); err != nil {
-			t.Error(err)
-		}
-		rsp.LogicalBlockSize, rsp.PhysicalBlockSize = 4096, 4096
-		rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = 1, 7
-		rsp.Put(r.Data)
-		r.Respond(0)
-		return true
+		return e.rewriteOpen(t, r, func(rsp *MsgOpenRsp) {
+			rsp.LogicalBlockSize, rsp.PhysicalBlockSize = 4096, 4096
+			rsp.MaxDiscardSectors, rsp.MaxWriteZeroesSectors = 1, 7
+		})
 	}
 	e.intercept.Store(&lie)
 	defer e.intercept.Store(nil)
