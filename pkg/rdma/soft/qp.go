@@ -62,6 +62,9 @@ type qp struct {
 	sqN     int
 	sqPops  uint64 // entries drained from the send queue so far: a slot's position over time
 	nextSeq uint64 // next request sequence number (from 1)
+	// peerAck is an ack the peer sent for requests not yet written whole, held back until
+	// they are (ackLocked).
+	peerAck uint64
 	acked   uint64 // highest of our requests the peer has answered
 	ackReq  uint64 // seq of our last frame that asked for an ack
 	rq      []rqEntry
@@ -165,6 +168,7 @@ func (q *qp) start(conn net.Conn, br *sockread.Reader, rnrRetry uint8) {
 	q.conn, q.br = conn, br
 	q.rnrRetry = min(rnrRetry, 7)
 	q.w = newWriter(conn, &q.lastSeq, q.writeFailed)
+	q.w.onSent = q.sentMoved
 	if q.state == rdma.QPSInit {
 		q.state = rdma.QPSRTS
 	}
@@ -923,7 +927,13 @@ func (q *qp) place(segs [][]byte, n int) error {
 func (q *qp) readResponse(h *frameHdr) error {
 	q.mu.Lock()
 	if h.seq-1 > q.acked {
-		if err := q.ackLocked(h.seq - 1); err != nil {
+		// Checked against what was posted only: a response shows the peer had the read,
+		// and an answer to a read never sent writes only into that read's own buffer.
+		if h.seq-1 >= q.nextSeq {
+			q.mu.Unlock()
+			return q.fatal(0, 0, fmt.Errorf("%w: read response seq %d past what was sent (%d)", errPeer, h.seq, q.nextSeq-1))
+		}
+		if err := q.ackUpToLocked(h.seq - 1); err != nil {
 			q.mu.Unlock()
 			return q.fatal(0, 0, err)
 		}
@@ -953,11 +963,51 @@ func (q *qp) readResponse(h *frameHdr) error {
 	return nil
 }
 
-// ackLocked completes our requests up to seq, which the peer has executed.
+// ackLocked completes our requests up to seq, which the peer has executed. An ack of
+// requests posted but not yet written whole is held back (peerAck) and taken as they are
+// written (sentMoved): a peer that acks what it was never sent (it can count our requests:
+// each heartbeat it sends is answered by one) would otherwise free send queue slots while
+// reading nothing, and the frames queued for it would grow without bound. An honest peer's
+// ack can overtake our note of a write only by microseconds.
 func (q *qp) ackLocked(seq uint64) error {
 	if seq < q.acked || seq >= q.nextSeq {
 		return fmt.Errorf("%w: ack of seq %d (answered %d, sent %d)", errPeer, seq, q.acked, q.nextSeq-1)
 	}
+	if sent := q.w.sent.Load(); seq > sent {
+		q.peerAck = max(q.peerAck, seq)
+		q.w.ackWait.Store(true)
+		if sent <= q.acked {
+			return nil
+		}
+		seq = sent
+	}
+	return q.ackUpToLocked(seq)
+}
+
+// sentMoved takes the ack held back for requests that have now been written.
+func (q *qp) sentMoved() {
+	q.mu.Lock()
+	if q.peerAck <= q.acked || q.state == rdma.QPSErr {
+		q.w.ackWait.Store(q.peerAck > q.acked && q.state != rdma.QPSErr)
+		q.mu.Unlock()
+		return
+	}
+	seq := min(q.peerAck, q.w.sent.Load())
+	if seq >= q.peerAck {
+		q.w.ackWait.Store(false)
+	}
+	var err error
+	if seq > q.acked {
+		err = q.ackUpToLocked(seq)
+	}
+	q.mu.Unlock()
+	if err != nil {
+		_ = q.fatal(0, 0, err)
+	}
+}
+
+// ackUpToLocked completes our requests up to seq, all of which have been written.
+func (q *qp) ackUpToLocked(seq uint64) error {
 	for i := 0; i < q.sqN; i++ {
 		e := &q.sq[(q.sqHead+i)%len(q.sq)]
 		if !e.wire || e.done {

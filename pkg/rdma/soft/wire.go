@@ -43,6 +43,16 @@ const (
 	fDisc      frameOp = 19 // orderly disconnect
 )
 
+// isRequest says whether a frame of op is a request, which carries a sequence number of
+// the sender's and is acknowledged.
+func (op frameOp) isRequest() bool {
+	switch op {
+	case fSend, fSendImm, fSendInv, fWrite, fWriteImm, fReadReq:
+		return true
+	}
+	return false
+}
+
 // Frame flags.
 const (
 	flagSolicited uint8 = 1 << 0

@@ -27,6 +27,9 @@ type seg struct {
 	// cnt, when set, counts the frame this header begins until it has been written (the
 	// responder's READ responses: see writer.rsp).
 	cnt *atomic.Int32
+	// endSeq, when not 0, is the sequence number of the request frame this piece ends: once
+	// it is written, the peer may have the request (writer.sent).
+	endSeq uint64
 }
 
 func (s *seg) len() int {
@@ -113,6 +116,15 @@ type writer struct {
 	// peer holds (an HCA's max_dest_rd_atomic).
 	rsp atomic.Int32
 
+	// sent is the last request whose frame has been written whole: the most the peer can
+	// have executed, so the most it may acknowledge (qp.ackLocked). A peer that acked what
+	// it was never sent would free send queue slots while it reads nothing, and frames
+	// would pile up here without bound. ackWait, set by the QP when it held an ack back
+	// for that, has the writer call onSent when sent moves.
+	sent    atomic.Uint64
+	ackWait atomic.Bool
+	onSent  func()
+
 	raceAddr unsafe.Pointer // see race_on.go
 }
 
@@ -178,6 +190,25 @@ func (w *writer) addLocked(h *frameHdr, payload []seg, cnt *atomic.Int32) {
 		} else {
 			p.release()
 		}
+	}
+	if h.op.isRequest() {
+		w.pend[len(w.pend)-1].endSeq = h.seq
+	}
+}
+
+// noteSent records that the request frame ending with a piece of endSeq has been written.
+// Frames go out in the order of their sequence numbers.
+func (w *writer) noteSent(endSeq uint64) {
+	if endSeq != 0 {
+		w.sent.Store(endSeq)
+	}
+}
+
+// sentMoved calls onSent if the QP waits for sent to move and it has moved past before;
+// never with w.mu held (onSent takes the QP's lock, which is taken before w.mu).
+func (w *writer) sentMoved(before uint64) {
+	if w.ackWait.Load() && w.sent.Load() > before && w.onSent != nil {
+		w.onSent()
 	}
 }
 
@@ -269,6 +300,7 @@ func (w *writer) flush() {
 // writeNowUnlock writes what the socket takes now and leaves the rest to the flusher
 // goroutine; w.mu is held on entry and released.
 func (w *writer) writeNowUnlock() {
+	before := w.sent.Load()
 	err := w.tryWrite()
 	if err == nil && len(w.pend) > 0 {
 		select {
@@ -279,7 +311,9 @@ func (w *writer) writeNowUnlock() {
 	w.mu.Unlock()
 	if err != nil {
 		w.onFail(err)
+		return
 	}
+	w.sentMoved(before)
 }
 
 // tryWrite writes the head of pend until the socket would block and drops what was
@@ -306,24 +340,24 @@ func (w *writer) tryWrite() error {
 
 // rawWrite is tryWrite's callback: write what the socket takes now, never wait.
 func (w *writer) rawWrite(fd uintptr) bool {
-	w.pend, w.werr = writeSegs(int(fd), w.pend, &w.iov)
+	w.pend, w.werr = writeSegs(int(fd), w.pend, &w.iov, w.noteSent)
 	return true
 }
 
 // rawBatch is writeBatch's callback: write, and wait while the socket is full.
 func (w *writer) rawBatch(fd uintptr) bool {
-	w.batch, w.berr = writeSegs(int(fd), w.batch, &w.biov)
+	w.batch, w.berr = writeSegs(int(fd), w.batch, &w.biov, w.noteSent)
 	return w.berr != syscall.EAGAIN
 }
 
 // writeSegs writes segs to the non-blocking socket fd until they are all written, the socket
 // would block (EAGAIN) or a write fails, and returns the pieces not written, moved to the
-// front of the same array. iov is scratch.
+// front of the same array. iov is scratch; sent is told each request frame written whole.
 //
 // The system calls are raw (no entersyscall): they never wait, and a P seen in a system call
 // by the runtime's monitor is handed to another thread — at IO rates on a small machine a
 // stream of thread wake-ups and context switches for calls that take microseconds.
-func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
+func writeSegs(fd int, segs []seg, iov *[]unix.Iovec, sent func(uint64)) ([]seg, error) {
 	var err error
 	i := 0 // segs[:i] are written
 	for i < len(segs) && err == nil {
@@ -361,7 +395,7 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 		if n < 0 {
 			n = 0
 		}
-		i = consume(segs, i, n)
+		i = consume(segs, i, n, sent)
 		// A short write goes round again: only the system call's own EAGAIN says the socket
 		// is full (a wait for writability on a socket with room would never end), and a
 		// short sendfile may be the end of the file, which the next one reports.
@@ -371,11 +405,13 @@ func writeSegs(fd int, segs []seg, iov *[]unix.Iovec) ([]seg, error) {
 	return segs[:left], err
 }
 
-// consume marks n more bytes written from segs[i]: it releases the pieces that are whole and
-// returns the index of the first one that is not.
-func consume(segs []seg, i, n int) int {
+// consume marks n more bytes written from segs[i]: it releases the pieces that are whole,
+// telling sent of each request frame they end, and returns the index of the first one that
+// is not.
+func consume(segs []seg, i, n int, sent func(uint64)) int {
 	for i < len(segs) && n >= segs[i].len() {
 		n -= segs[i].len()
+		sent(segs[i].endSeq)
 		segs[i].release()
 		i++
 	}
@@ -403,11 +439,14 @@ func (w *writer) flushSync() {
 		return
 	}
 	w.busy = true
+	before := w.sent.Load()
 	err := w.flushLocked()
 	w.mu.Unlock()
 	if err != nil {
 		w.onFail(err)
+		return
 	}
+	w.sentMoved(before)
 }
 
 // flushLocked writes batches with blocking writes until the queue is empty; w.mu is held and
@@ -465,6 +504,7 @@ func (w *writer) writeBatchConn() error {
 			}
 			w.gbuf = buf[:0]
 			for ; i < j; i++ {
+				w.noteSent(w.batch[i].endSeq)
 				w.batch[i].release()
 			}
 			continue
@@ -479,6 +519,7 @@ func (w *writer) writeBatchConn() error {
 		if _, err := w.conn.Write(b); err != nil {
 			return err
 		}
+		w.noteSent(s.endSeq)
 		s.release()
 		i++
 	}
@@ -498,11 +539,14 @@ func (w *writer) run(done <-chan struct{}) {
 				continue
 			}
 			w.busy = true
+			before := w.sent.Load()
 			err := w.flushLocked()
 			w.mu.Unlock()
 			if err != nil {
 				w.onFail(err)
+				continue
 			}
+			w.sentMoved(before)
 		case <-done:
 			return
 		}
