@@ -2,6 +2,7 @@ package transport
 
 import (
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"syscall"
 
@@ -71,12 +72,18 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		return
 	}
 	r := &p.reqs[id]
-	if r.busy.Swap(true) {
-		// A client reuses a chunk only once its request is answered; one that does not
-		// could have the same request served over and over, each time held in a queue.
-		p.refuse("malformed request", fmt.Sprintf("request into chunk %d, whose request is not answered yet", id))
-		go p.Close()
-		return
+	for spins := 0; !r.busy.CompareAndSwap(false, true); spins++ {
+		// The chunk's response is being posted: a client may send its next request as soon
+		// as the response lands, before PostSend has returned; it waits the few µs the post
+		// has left (the chain must not change under the post). Otherwise a client reuses a
+		// chunk only once its request is answered; one that does not could have the same
+		// request served over and over, each time held in a queue.
+		if !r.posting.Load() || spins >= maxPostingSpins {
+			p.refuse("malformed request", fmt.Sprintf("request into chunk %d, whose request is not answered yet", id))
+			go p.Close()
+			return
+		}
+		runtime.Gosched()
 	}
 	r.off, r.con = int(off), c
 	if !o.AlwaysInvalidate {
@@ -123,6 +130,7 @@ type srvReq struct {
 	off     int
 	con     *con
 	busy    atomic.Bool // from the request's arrival until its response is posted
+	posting atomic.Bool // its response chain is being posted (busy still set)
 	needInv bool
 	cliKey  uint32
 	desc    SgDesc
@@ -329,12 +337,20 @@ func (r *SrvRequest) respond(errno int, fmr rdma.MR, off int64) {
 	}
 	wrs[n].ID, wrs[n].Flags = wrResp|uint64(sr.id), c.signal()
 	n++
-	// The chunk is free before the post: the client may send its next request as soon as
-	// the response lands, possibly before PostSend returns. A request that comes early
-	// touches neither the chain nor its SGEs before it is answered itself.
+	// The chunk is free once the post has read the chain: a request into it that comes
+	// before (a client that saw the response while PostSend finishes) waits for that, and
+	// one that comes before the response was posted at all is refused; neither can change
+	// the chain under the post (a torn SendWR.MR would crash the provider).
+	sr.posting.Store(true)
+	_, err := c.qp.PostSend(wrs[:n])
 	sr.busy.Store(false)
-	if _, err := c.qp.PostSend(wrs[:n]); err != nil {
+	sr.posting.Store(false)
+	if err != nil {
 		p.lg().WithError(err).Warn("response not sent")
 		go p.Close()
 	}
 }
+
+// maxPostingSpins bounds how long a request into a chunk whose response is being posted
+// waits for the post (a yield each).
+const maxPostingSpins = 100000
