@@ -319,8 +319,9 @@ func (q *queue) reclaim(emptyWait bool) {
 	}
 }
 
-// drainTimeout bounds how long a queue that quits waits for its requests' handlers.
-const drainTimeout = 30 * time.Second
+// drainTimeout bounds how long a queue that quits waits for its requests' handlers (a var:
+// a test whose handler holds a request for ever shortens it).
+var drainTimeout = 30 * time.Second
 
 // drain waits for the handlers of requests still in flight (they write to the buffers):
 // the buffers are kept, not unmapped, if some never finish.
