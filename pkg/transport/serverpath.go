@@ -609,11 +609,13 @@ func (p *SrvPath) Close() {
 		}
 		p.zombie.Stop()
 		p.hb.halt()
-		for _, c := range cons {
-			if c != nil && c.qp != nil {
+		// All at once: each may wait its write deadline for a peer that does not read, and
+		// one after another a path of 257 connections took minutes to close.
+		eachCon(cons, func(c *con) {
+			if c.qp != nil {
 				c.qp.ToError()
 			}
-		}
+		})
 		p.hb.wait()
 		// Requests already handed up are answered (into the void) before the memory goes.
 		p.mu.Lock()
@@ -629,11 +631,7 @@ func (p *SrvPath) Close() {
 		deadline.Stop()
 		stuck := p.Stats.Inflight.Load() > 0
 		p.mu.Unlock()
-		for _, c := range cons {
-			if c != nil {
-				c.destroy()
-			}
-		}
+		eachCon(cons, (*con).destroy)
 		ss, srv := p.sess, p.sess.srv
 		srv.mu.Lock()
 		srv.pendLocked(p, -p.pending)
@@ -686,4 +684,19 @@ func (p *SrvPath) Close() {
 		close(p.closed)
 	})
 	<-p.closed
+}
+
+// eachCon runs f on every connection of cons (nil ones skipped) at once, and waits for all.
+func eachCon(cons []*con, f func(*con)) {
+	var wg sync.WaitGroup
+	for _, c := range cons {
+		if c != nil {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				f(c)
+			}()
+		}
+	}
+	wg.Wait()
 }
