@@ -973,13 +973,17 @@ func (q *qp) ackLocked(seq uint64) error {
 	if seq < q.acked || seq >= q.nextSeq {
 		return fmt.Errorf("%w: ack of seq %d (answered %d, sent %d)", errPeer, seq, q.acked, q.nextSeq-1)
 	}
-	if sent := q.w.sent.Load(); seq > sent {
+	if seq > q.w.sent.Load() {
 		q.peerAck = max(q.peerAck, seq)
 		q.w.ackWait.Store(true)
+		// Read again once the wait is announced: a write that ended between the first read
+		// and the announcement saw no wait, and would not call sentMoved (each side stores,
+		// then loads what the other stores: one of them sees the other's).
+		sent := q.w.sent.Load()
 		if sent <= q.acked {
 			return nil
 		}
-		seq = sent
+		seq = min(seq, sent)
 	}
 	return q.ackUpToLocked(seq)
 }
