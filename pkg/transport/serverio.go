@@ -79,6 +79,11 @@ func (p *SrvPath) recvImm(c *con, imm uint32) {
 		// chunk only once its request is answered; one that does not could have the same
 		// request served over and over, each time held in a queue.
 		if !r.posting.Load() || spins >= maxPostingSpins {
+			// The post may have ended since the swap failed (it frees the chunk, then
+			// clears posting): only a chunk still taken after that is refused.
+			if r.busy.CompareAndSwap(false, true) {
+				break
+			}
 			p.refuse("malformed request", fmt.Sprintf("request into chunk %d, whose request is not answered yet", id))
 			go p.Close()
 			return
